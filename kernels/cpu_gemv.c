@@ -1,0 +1,760 @@
+/*
+ * cpu_gemv.c -- bandwidth-bound small-M linear (y = x @ W^T + b) for CPU decode.
+ *
+ * Role: batch-1 decode (M = 1) and speculative verification (M <= 16) on CPU are
+ * streams of matrix-vector products whose speed is set by how fast the weights
+ * stream out of DRAM.  torch's F.linear at M = 1 runs on one core at about a third
+ * of DRAM bandwidth; this file streams each weight matrix exactly once per call,
+ * split over a small persistent thread pool, and reuses every weight chunk for all
+ * M input rows while it sits in registers.
+ *
+ * Plain C (no torch headers) so it compiles in about a second at first use; the
+ * Python side (cpu_linear.py) compiles it with gcc, caches the .so and calls it
+ * through ctypes with tensor data pointers.
+ *
+ * Layout: W is row-major [N, K] (the ordinary torch layout), fp32 or bf16.  Keeping
+ * the torch layout means the M > 16 fallback (a real GEMM in torch) can use the very
+ * same tensor, so a packed model holds one copy of its weights, not two.  Row-major
+ * costs a horizontal reduction per (row, input) pair, which is cheap next to the K/32
+ * dot-product steps it ends.
+ *
+ * ISA: the AVX-512 kernels are compiled with per-function target attributes and
+ * chosen at run time from CPUID, so the same source builds (and runs, on a portable
+ * scalar path) without -march=native or on CPUs without AVX-512.
+ *
+ * Threads: one caller thread plus (nthreads - 1) persistent workers.  Work is handed
+ * out in row chunks through one atomic ticket, so a worker that is slow to wake
+ * (asleep, or sharing its core with torch's own threads) costs nothing: the caller
+ * simply takes the remaining chunks.  Workers spin briefly after each job (decode
+ * issues a linear every few tens of microseconds), then yield, then sleep on a futex.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdatomic.h>
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+#include <math.h>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#define PG_HAVE_FUTEX 1
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#include <cpuid.h>
+#define PG_X86 1
+#endif
+
+#define PG_VERSION 1
+#define PG_MAX_M 16        /* rows of x handled in registers; more -> caller uses GEMM */
+#define PG_MAX_THREADS 16
+#ifndef PG_CHUNKS_PER_THREAD
+#define PG_CHUNKS_PER_THREAD 8
+#endif
+#ifndef PG_PF_BYTES
+#define PG_PF_BYTES 4096   /* software prefetch distance into the weight stream */
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
+
+/* ------------------------------------------------------------------------- */
+/* bf16 helpers (portable)                                                    */
+/* ------------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round-to-nearest-even, NaN kept quiet: the same rounding torch uses for .to(bf16). */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* ------------------------------------------------------------------------- */
+/* Job description                                                            */
+/* ------------------------------------------------------------------------- */
+
+typedef struct {
+    const void *w;      /* [N, K] row-major, wdt */
+    int wdt;
+    const float *bias;  /* [N] fp32 or NULL */
+    const void *xk;     /* [M, K] activations in the kernel's dtype (bf16 for bf16 W
+                           on the BF16 ISA, else fp32) */
+    void *y;            /* [M, N] row-major, ydt */
+    int ydt;
+    int M, N, K;
+    int isa;
+    int chunk_rows;     /* rows per work item */
+    int nchunks;
+} job_t;
+
+/* Store the results of an nr x mr tile: sums[m][r] belongs to y[m, n0 + r]. */
+static inline void store_tile(const job_t *j, int n0, int mr, int m0, int nr,
+                              float sums[PG_MAX_M][4])
+{
+    const int N = j->N;
+    for (int m = 0; m < mr; m++) {
+        for (int r = 0; r < nr; r++) {
+            float v = sums[m][r];
+            if (j->bias)
+                v += j->bias[n0 + r];
+            size_t off = (size_t)(m0 + m) * N + n0 + r;
+            if (j->ydt == DT_F32)
+                ((float *)j->y)[off] = v;
+            else
+                ((uint16_t *)j->y)[off] = f32_to_bf16(v);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* Portable path: scalar fp32 accumulation (gcc vectorises it for the host).  */
+/* ------------------------------------------------------------------------- */
+
+static void rows_portable(const job_t *j, int n0, int n1)
+{
+    const int K = j->K, M = j->M;
+    const float *x = (const float *)j->xk;
+    float sums[PG_MAX_M][4];
+    for (int n = n0; n < n1; n++) {
+        for (int m = 0; m < M; m++) {
+            const float *xr = x + (size_t)m * K;
+            float acc = 0.f;
+            if (j->wdt == DT_F32) {
+                const float *wr = (const float *)j->w + (size_t)n * K;
+                for (int k = 0; k < K; k++)
+                    acc += wr[k] * xr[k];
+            } else {
+                const uint16_t *wr = (const uint16_t *)j->w + (size_t)n * K;
+                for (int k = 0; k < K; k++)
+                    acc += bf16_to_f32(wr[k]) * xr[k];
+            }
+            sums[m][0] = acc;
+        }
+        store_tile(j, n, M, 0, 1, sums);
+    }
+}
+
+#ifdef PG_X86
+/* ------------------------------------------------------------------------- */
+/* AVX-512 kernels                                                            */
+/*                                                                            */
+/* Tile: NR weight rows x MR input rows, MR*NR <= 16 zmm accumulators.  Each  */
+/* 64-byte weight chunk is loaded once and used MR times; the x chunks come   */
+/* from L1 (x is at most 16 x K).  NR > 1 at small M gives independent        */
+/* accumulator chains and several weight streams in flight.                   */
+/* ------------------------------------------------------------------------- */
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+
+/* Reduce four 16-lane vectors to their four horizontal sums (one __m128). */
+static inline __attribute__((always_inline)) __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+    __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+    __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+    __m256 ab = _mm256_hadd_ps(a2, b2);   /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m256 cd = _mm256_hadd_ps(c2, d2);
+    __m256 abcd = _mm256_hadd_ps(ab, cd); /* a0-3 b0-3 c0-3 d0-3 | a4-7 ... */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* Reduce acc[m][r] (MR*NR vectors) into sums[m][r], four at a time. */
+static inline __attribute__((always_inline))
+void reduce_tile(const int MR, const int NR, __m512 acc[PG_MAX_M][4], float sums[PG_MAX_M][4])
+{
+    const int T = MR * NR;
+    float flat[64];
+    int t = 0;
+    for (; t + 4 <= T; t += 4) {
+        __m128 s = hsum4(acc[(t) / NR][(t) % NR], acc[(t + 1) / NR][(t + 1) % NR],
+                         acc[(t + 2) / NR][(t + 2) % NR], acc[(t + 3) / NR][(t + 3) % NR]);
+        _mm_storeu_ps(flat + t, s);
+    }
+    for (; t < T; t++)
+        flat[t] = _mm512_reduce_add_ps(acc[t / NR][t % NR]);
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++)
+            sums[m][r] = flat[m * NR + r];
+}
+
+/* fp32 weights, fp32 x.  16 floats per step. */
+static inline __attribute__((always_inline))
+void tile_f32(const float *w, const float *x, int K, const int MR, const int NR,
+              float sums[PG_MAX_M][4])
+{
+    __m512 acc[PG_MAX_M][4];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++)
+            acc[m][r] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < NR; r++) {
+            if (PG_PF_BYTES)
+                _mm_prefetch((const char *)(w + (size_t)r * K + k) + PG_PF_BYTES, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_ps(w + (size_t)r * K + k);
+        }
+        for (int m = 0; m < MR; m++) {
+            __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);
+            for (int r = 0; r < NR; r++)
+                acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+        }
+    }
+    if (k < K) {
+        __mmask16 mk = (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[4];
+        for (int r = 0; r < NR; r++)
+            wv[r] = _mm512_maskz_loadu_ps(mk, w + (size_t)r * K + k);
+        for (int m = 0; m < MR; m++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mk, x + (size_t)m * K + k);
+            for (int r = 0; r < NR; r++)
+                acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+        }
+    }
+    reduce_tile(MR, NR, acc, sums);
+}
+
+/* bf16 weights, fp32 x, no AVX512_BF16: widen bf16 -> fp32 by a 16-bit shift. */
+static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(const uint16_t *p, __mmask16 mk)
+{
+    __m256i h = _mm256_maskz_loadu_epi16(mk, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline))
+void tile_bf16w_f32x(const uint16_t *w, const float *x, int K, const int MR, const int NR,
+                     float sums[PG_MAX_M][4])
+{
+    __m512 acc[PG_MAX_M][4];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++)
+            acc[m][r] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) {
+        __mmask16 mk = (K - k >= 16) ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 wv[4];
+        for (int r = 0; r < NR; r++)
+            wv[r] = bf16x16_to_f32(w + (size_t)r * K + k, mk);
+        for (int m = 0; m < MR; m++) {
+            __m512 xv = _mm512_maskz_loadu_ps(mk, x + (size_t)m * K + k);
+            for (int r = 0; r < NR; r++)
+                acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+        }
+    }
+    reduce_tile(MR, NR, acc, sums);
+}
+
+/* Run the tile kernel `TILE` over rows [n0, n1) for all M, choosing MR x NR by M. */
+#define PG_ROWS_DRIVER(NAME, TILE, WT, XT)                                               \
+    static void NAME(const job_t *j, int n0, int n1)                                     \
+    {                                                                                    \
+        const int K = j->K, M = j->M;                                                    \
+        const WT *W = (const WT *)j->w;                                                  \
+        const XT *X = (const XT *)j->xk;                                                 \
+        float sums[PG_MAX_M][4];                                                         \
+        /* NR = rows per tile: more at small M for independent chains, 1 at M > 8. */    \
+        const int NR = (M <= 4) ? 4 : (M <= 8 ? 2 : 1);                                  \
+        int n = n0;                                                                      \
+        for (; n + NR <= n1; n += NR) {                                                  \
+            const WT *w = W + (size_t)n * K;                                             \
+            switch (M) {                                                                 \
+            case 1: TILE(w, X, K, 1, 4, sums); break;                                    \
+            case 2: TILE(w, X, K, 2, 4, sums); break;                                    \
+            case 3: TILE(w, X, K, 3, 4, sums); break;                                    \
+            case 4: TILE(w, X, K, 4, 4, sums); break;                                    \
+            case 5: TILE(w, X, K, 5, 2, sums); break;                                    \
+            case 6: TILE(w, X, K, 6, 2, sums); break;                                    \
+            case 7: TILE(w, X, K, 7, 2, sums); break;                                    \
+            case 8: TILE(w, X, K, 8, 2, sums); break;                                    \
+            case 9: TILE(w, X, K, 9, 1, sums); break;                                    \
+            case 10: TILE(w, X, K, 10, 1, sums); break;                                  \
+            case 11: TILE(w, X, K, 11, 1, sums); break;                                  \
+            case 12: TILE(w, X, K, 12, 1, sums); break;                                  \
+            case 13: TILE(w, X, K, 13, 1, sums); break;                                  \
+            case 14: TILE(w, X, K, 14, 1, sums); break;                                  \
+            case 15: TILE(w, X, K, 15, 1, sums); break;                                  \
+            default: TILE(w, X, K, 16, 1, sums); break;                                  \
+            }                                                                            \
+            store_tile(j, n, M, 0, NR, sums);                                            \
+        }                                                                                \
+        /* Leftover rows (N not a multiple of NR): one row at a time, x in blocks of 8. */ \
+        for (; n < n1; n++) {                                                            \
+            const WT *w = W + (size_t)n * K;                                             \
+            for (int m0 = 0; m0 < M; m0 += 8) {                                          \
+                int mr = M - m0 < 8 ? M - m0 : 8;                                        \
+                const XT *x = X + (size_t)m0 * K;                                        \
+                switch (mr) {                                                            \
+                case 1: TILE(w, x, K, 1, 1, sums); break;                                \
+                case 2: TILE(w, x, K, 2, 1, sums); break;                                \
+                case 3: TILE(w, x, K, 3, 1, sums); break;                                \
+                case 4: TILE(w, x, K, 4, 1, sums); break;                                \
+                case 5: TILE(w, x, K, 5, 1, sums); break;                                \
+                case 6: TILE(w, x, K, 6, 1, sums); break;                                \
+                case 7: TILE(w, x, K, 7, 1, sums); break;                                \
+                default: TILE(w, x, K, 8, 1, sums); break;                               \
+                }                                                                        \
+                store_tile(j, n, mr, m0, 1, sums);                                       \
+            }                                                                            \
+        }                                                                                \
+    }
+
+PG_ROWS_DRIVER(rows_avx512_f32, tile_f32, float, float)
+PG_ROWS_DRIVER(rows_avx512_bf16w, tile_bf16w_f32x, uint16_t, float)
+
+#pragma GCC pop_options
+
+/* AVX512_BF16: bf16 weights x bf16 activations, vdpbf16ps (2 products per fp32 lane,
+ * fp32 accumulation).  32 bf16 = one 64-byte cache line of weights per instruction. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
+
+static inline __attribute__((always_inline))
+void tile_bf16(const uint16_t *w, const uint16_t *x, int K, const int MR, const int NR,
+               float sums[PG_MAX_M][4])
+{
+    __m512 acc[PG_MAX_M][4];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++)
+            acc[m][r] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[4];
+        for (int r = 0; r < NR; r++) {
+            if (PG_PF_BYTES)
+                _mm_prefetch((const char *)(w + (size_t)r * K + k) + PG_PF_BYTES, _MM_HINT_T0);
+            wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)r * K + k));
+        }
+        for (int m = 0; m < MR; m++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (size_t)m * K + k));
+            for (int r = 0; r < NR; r++)
+                acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+        }
+    }
+    if (k < K) {
+        /* Masked tail: the zeroed lanes contribute 0 * 0 to the last fp32 lanes. */
+        __mmask32 mk = (__mmask32)((1ull << (K - k)) - 1ull);
+        __m512bh wv[4];
+        for (int r = 0; r < NR; r++)
+            wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mk, (const void *)(w + (size_t)r * K + k));
+        for (int m = 0; m < MR; m++) {
+            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mk, (const void *)(x + (size_t)m * K + k));
+            for (int r = 0; r < NR; r++)
+                acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+        }
+    }
+    reduce_tile(MR, NR, acc, sums);
+}
+
+PG_ROWS_DRIVER(rows_avx512_bf16, tile_bf16, uint16_t, uint16_t)
+
+/* fp32 -> bf16 (RNE) for the activations, once per call. */
+static void cvt_f32_to_bf16_avx512bf16(const float *src, uint16_t *dst, size_t n)
+{
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+    for (; i < n; i++)
+        dst[i] = f32_to_bf16(src[i]);
+}
+
+#pragma GCC pop_options
+#endif /* PG_X86 */
+
+/* ------------------------------------------------------------------------- */
+/* CPU feature detection                                                      */
+/* ------------------------------------------------------------------------- */
+
+static int g_isa = -1;      /* best ISA the CPU + OS support */
+static int g_isa_cap = 99;  /* user cap (tests force lower paths) */
+
+static int detect_isa(void)
+{
+#ifdef PG_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d))
+        return ISA_PORTABLE;
+    const int fma = (c >> 12) & 1;
+    if (!(c & (1u << 27)))          /* OSXSAVE */
+        return ISA_PORTABLE;
+    /* XCR0: the OS must save SSE, AVX, opmask, ZMM_Hi256 and Hi16_ZMM state. */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xe6u) != 0xe6u)
+        return ISA_PORTABLE;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return ISA_PORTABLE;
+    __cpuid_count(7, 0, a, b, c, d);
+    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
+    if (!(f && dq && bw && vl && fma))
+        return ISA_PORTABLE;
+    __cpuid_count(7, 1, a, b, c, d);
+    if ((a >> 5) & 1)               /* AVX512_BF16 */
+        return ISA_AVX512_BF16;
+    return ISA_AVX512;
+#else
+    return ISA_PORTABLE;
+#endif
+}
+
+static int current_isa(void)
+{
+    if (g_isa < 0)
+        g_isa = detect_isa();
+    return g_isa < g_isa_cap ? g_isa : g_isa_cap;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Row-range dispatch                                                         */
+/* ------------------------------------------------------------------------- */
+
+static void run_rows(const job_t *j, int n0, int n1)
+{
+#ifdef PG_X86
+    if (j->isa >= ISA_AVX512) {
+        if (j->wdt == DT_F32)
+            rows_avx512_f32(j, n0, n1);
+        else if (j->isa == ISA_AVX512_BF16)
+            rows_avx512_bf16(j, n0, n1);
+        else
+            rows_avx512_bf16w(j, n0, n1);
+        return;
+    }
+#endif
+    rows_portable(j, n0, n1);
+}
+
+/* ------------------------------------------------------------------------- */
+/* Thread pool                                                                */
+/* ------------------------------------------------------------------------- */
+
+/* Hot shared words on their own cache lines: the ticket is hammered by every
+ * claimant, the wake word only by sleepers. */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t ticket;  /* generation | nchunks | next chunk, see TK_* */
+    _Alignas(64) _Atomic int done_chunks;  /* chunks finished in the current generation */
+    _Alignas(64) _Atomic uint32_t wake;    /* futex word: bumped on every post */
+    _Atomic int sleepers;
+    _Alignas(64) job_t job;                /* written only while no chunk is claimable */
+} pool_t;
+
+static pool_t g_pool;
+static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t g_cfg_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_nthreads = 2;         /* caller + workers */
+static int g_started = 0;          /* workers running */
+static _Atomic int g_spin_us = 1000;  /* busy-wait after a job before yielding */
+static _Atomic int g_yield_us = 4000; /* then sched_yield() this long before sleeping */
+static _Atomic int g_quit = 0;
+static _Atomic int g_live = 0;        /* workers that have not exited */
+static int g_solo_bytes = 48 * 1024;  /* below this many weight bytes, no worker */
+
+static inline void cpu_relax(void)
+{
+#ifdef PG_X86
+    _mm_pause();
+#endif
+}
+
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The ticket packs (generation << 32) | (nchunks << 16) | next chunk.  Claiming a
+ * chunk is a CAS on the whole word, and the bound comes from the ticket itself, so a
+ * successful claim proves the generation is current and unfinished; the job struct is
+ * rewritten only after a generation finishes, hence a worker's copy of it, taken after
+ * it saw the generation, is valid whenever its claim succeeds. */
+#define TK_GEN(t) ((uint32_t)((t) >> 32))
+#define TK_NCH(t) ((int)(((t) >> 16) & 0xffffu))
+#define TK_NEXT(t) ((int)((t) & 0xffffu))
+
+static void work_chunks(uint32_t gen, const job_t *j)
+{
+    uint64_t t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
+    for (;;) {
+        if (TK_GEN(t) != gen || TK_NEXT(t) >= TK_NCH(t))
+            return;
+        if (!atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + 1,
+                                                   memory_order_acq_rel, memory_order_acquire))
+            continue;
+        int c = TK_NEXT(t);
+        int n0 = c * j->chunk_rows;
+        int n1 = n0 + j->chunk_rows < j->N ? n0 + j->chunk_rows : j->N;
+        run_rows(j, n0, n1);
+        atomic_fetch_add_explicit(&g_pool.done_chunks, 1, memory_order_release);
+        t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
+    }
+}
+
+static void futex_wait_u32(_Atomic uint32_t *addr, uint32_t val)
+{
+#ifdef PG_HAVE_FUTEX
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
+#else
+    (void)addr; (void)val;
+    usleep(50);
+#endif
+}
+
+static void futex_wake_all(_Atomic uint32_t *addr)
+{
+#ifdef PG_HAVE_FUTEX
+    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
+#else
+    (void)addr;
+#endif
+}
+
+static void *worker_main(void *arg)
+{
+    (void)arg;
+    uint32_t seen = atomic_load_explicit(&g_pool.wake, memory_order_acquire);
+    for (;;) {
+        /* Wait for a post: spin (cheapest wake-up), then yield (lets torch's threads
+         * or anything else on this core run), then sleep on the futex. */
+        uint64_t t0 = now_ns();
+        uint64_t spin_ns = (uint64_t)atomic_load_explicit(&g_spin_us, memory_order_relaxed) * 1000u;
+        uint64_t yield_ns = spin_ns + (uint64_t)atomic_load_explicit(&g_yield_us, memory_order_relaxed) * 1000u;
+        uint32_t w;
+        unsigned iter = 0;
+        for (;;) {
+            w = atomic_load_explicit(&g_pool.wake, memory_order_acquire);
+            if (w != seen || atomic_load_explicit(&g_quit, memory_order_relaxed))
+                break;
+            if ((++iter & 63u) == 0) {
+                uint64_t el = now_ns() - t0;
+                if (el >= yield_ns) {
+                    atomic_fetch_add(&g_pool.sleepers, 1);
+                    /* futex_wait returns at once if the word already moved on. */
+                    if (atomic_load(&g_pool.wake) == seen && !atomic_load(&g_quit))
+                        futex_wait_u32(&g_pool.wake, seen);
+                    atomic_fetch_sub(&g_pool.sleepers, 1);
+                    t0 = now_ns();
+                } else if (el >= spin_ns) {
+                    sched_yield();
+                }
+            }
+            cpu_relax();
+        }
+        if (atomic_load_explicit(&g_quit, memory_order_relaxed)) {
+            atomic_fetch_sub(&g_live, 1);
+            return NULL;
+        }
+        seen = w;
+        uint64_t t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
+        if (TK_NEXT(t) >= TK_NCH(t))
+            continue;          /* the caller already took every chunk */
+        job_t j = g_pool.job;  /* validated by the ticket CAS in work_chunks */
+        work_chunks(TK_GEN(t), &j);
+    }
+}
+
+static int start_workers_locked(void)
+{
+    if (g_started)
+        return 0;
+    atomic_store(&g_quit, 0);
+    for (int i = 0; i < g_nthreads - 1; i++) {
+        pthread_t th;
+        pthread_attr_t at;
+        pthread_attr_init(&at);
+        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&at, 256 * 1024);
+        atomic_fetch_add(&g_live, 1);
+        int rc = pthread_create(&th, &at, worker_main, NULL);
+        pthread_attr_destroy(&at);
+        if (rc != 0) {
+            atomic_fetch_sub(&g_live, 1);
+            g_nthreads = i + 1;  /* run with what we have */
+            break;
+        }
+    }
+    g_started = 1;
+    return 0;
+}
+
+/* A fork()ed child has no worker threads: forget them so the next call restarts them. */
+static void atfork_child(void)
+{
+    pthread_mutex_init(&g_call_lock, NULL);
+    pthread_mutex_init(&g_cfg_lock, NULL);
+    g_started = 0;
+    atomic_store(&g_pool.sleepers, 0);
+    atomic_store(&g_live, 0);
+}
+
+__attribute__((constructor)) static void pg_init(void)
+{
+    pthread_atfork(NULL, NULL, atfork_child);
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t cs;
+    if (sched_getaffinity(0, sizeof(cs), &cs) == 0)
+        n = CPU_COUNT(&cs);
+    g_nthreads = n >= 2 ? 2 : 1;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Public C API                                                               */
+/* ------------------------------------------------------------------------- */
+
+int pg_version(void) { return PG_VERSION; }
+int pg_max_m(void) { return PG_MAX_M; }
+int pg_isa(void) { return current_isa(); }
+int pg_num_threads(void) { return g_nthreads; }
+
+/* Cap the ISA (0 portable, 1 AVX-512, 2 AVX-512+BF16); returns the ISA now in use. */
+int pg_set_isa_cap(int cap)
+{
+    g_isa_cap = cap;
+    return current_isa();
+}
+
+void pg_set_spin_us(int spin_us, int yield_us)
+{
+    atomic_store(&g_spin_us, spin_us < 0 ? 0 : spin_us);
+    atomic_store(&g_yield_us, yield_us < 0 ? 0 : yield_us);
+}
+
+void pg_set_solo_bytes(int b) { g_solo_bytes = b < 0 ? 0 : b; }
+
+/* Change the team size.  Stops the current workers (they exit at their next wake). */
+int pg_set_num_threads(int n)
+{
+    if (n < 1) n = 1;
+    if (n > PG_MAX_THREADS) n = PG_MAX_THREADS;
+    pthread_mutex_lock(&g_call_lock);
+    if (g_started && n != g_nthreads) {
+        atomic_store(&g_quit, 1);
+        atomic_fetch_add(&g_pool.wake, 1);
+        futex_wake_all(&g_pool.wake);
+        /* Workers hold no state; wait until every one has seen the quit flag. */
+        while (atomic_load(&g_live) > 0) {
+            futex_wake_all(&g_pool.wake);
+            sched_yield();
+        }
+        g_started = 0;
+    }
+    g_nthreads = n;
+    pthread_mutex_unlock(&g_call_lock);
+    return n;
+}
+
+/* Per-thread scratch for converted activations (M*K elements, tiny). */
+static __thread void *tl_scratch = NULL;
+static __thread size_t tl_scratch_cap = 0;
+
+static void *scratch(size_t bytes)
+{
+    if (bytes > tl_scratch_cap) {
+        free(tl_scratch);
+        size_t cap = bytes < 65536 ? 65536 : bytes;
+        tl_scratch = aligned_alloc(64, (cap + 63) & ~(size_t)63);
+        tl_scratch_cap = tl_scratch ? cap : 0;
+    }
+    return tl_scratch;
+}
+
+/*
+ * y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]).
+ * w: fp32 or bf16 (wdt); x, y: fp32 or bf16 (xdt; y has the dtype of x).
+ * All arrays contiguous.  Returns 0 on success, -1 for bad arguments (M > PG_MAX_M...),
+ * -2 for allocation failure.  Safe to call from several threads: the pool serves one
+ * caller at a time and any other caller runs single-threaded on its own thread.
+ */
+int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
+              void *y, int M, int N, int K)
+{
+    if (M < 1 || M > PG_MAX_M || N < 1 || K < 1 || (wdt != DT_F32 && wdt != DT_BF16) ||
+        (xdt != DT_F32 && xdt != DT_BF16))
+        return -1;
+    job_t j;
+    j.w = w; j.wdt = wdt; j.bias = bias; j.y = y; j.ydt = xdt;
+    j.M = M; j.N = N; j.K = K;
+    j.isa = current_isa();
+
+    /* Activations into the kernel's dtype: bf16 for the dpbf16 path, else fp32. */
+    const int kdt = (wdt == DT_BF16 && j.isa == ISA_AVX512_BF16) ? DT_BF16 : DT_F32;
+    const size_t nx = (size_t)M * K;
+    if (kdt == xdt) {
+        j.xk = x;
+    } else {
+        void *s = scratch(nx * (kdt == DT_F32 ? 4 : 2));
+        if (!s)
+            return -2;
+        if (kdt == DT_F32) {
+            const uint16_t *xs = (const uint16_t *)x;
+            float *d = (float *)s;
+            for (size_t i = 0; i < nx; i++)
+                d[i] = bf16_to_f32(xs[i]);
+        } else {
+#ifdef PG_X86
+            cvt_f32_to_bf16_avx512bf16((const float *)x, (uint16_t *)s, nx);
+#else
+            const float *xs = (const float *)x;
+            uint16_t *d = (uint16_t *)s;
+            for (size_t i = 0; i < nx; i++)
+                d[i] = f32_to_bf16(xs[i]);
+#endif
+        }
+        j.xk = s;
+    }
+
+    const size_t wbytes = (size_t)N * K * (wdt == DT_F32 ? 4 : 2);
+    const int team = g_nthreads;
+    if (team <= 1 || wbytes < (size_t)g_solo_bytes || N < 32 ||
+        pthread_mutex_trylock(&g_call_lock) != 0) {
+        run_rows(&j, 0, N);
+        return 0;
+    }
+    if (!g_started)
+        start_workers_locked();
+
+    /* About 8 chunks per thread: small enough to rebalance when a worker wakes late,
+     * large enough (>= 16 KB of weights) that the hardware prefetcher ramps up. */
+    const size_t row_bytes = (size_t)K * (wdt == DT_F32 ? 4 : 2);
+    int rows = (N + PG_CHUNKS_PER_THREAD * g_nthreads - 1) / (PG_CHUNKS_PER_THREAD * g_nthreads);
+    int min_rows = (int)((16384 + row_bytes - 1) / row_bytes);
+    if (rows < min_rows) rows = min_rows;
+    rows = (rows + 15) & ~15;
+    j.chunk_rows = rows;
+    j.nchunks = (N + rows - 1) / rows;
+
+    /* Publish: job first, then the ticket (new generation, chunk 0), then the wake word. */
+    uint32_t gen = TK_GEN(atomic_load_explicit(&g_pool.ticket, memory_order_relaxed)) + 1u;
+    g_pool.job = j;
+    atomic_store_explicit(&g_pool.done_chunks, 0, memory_order_relaxed);
+    atomic_store_explicit(&g_pool.ticket, ((uint64_t)gen << 32) | ((uint64_t)j.nchunks << 16),
+                          memory_order_release);
+    atomic_fetch_add_explicit(&g_pool.wake, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&g_pool.sleepers, memory_order_seq_cst) > 0)
+        futex_wake_all(&g_pool.wake);
+
+    work_chunks(gen, &j);
+    while (atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j.nchunks)
+        cpu_relax();
+    pthread_mutex_unlock(&g_call_lock);
+    return 0;
+}

@@ -1,0 +1,308 @@
+"""Fast CPU linear for small M (decode M=1, speculative verify M<=16), fp32 or bf16 weights.
+
+``F.linear`` at M=1 streams weights at roughly a third of DRAM bandwidth on the target CPUs
+(see shared/design/CPU_PERFORMANCE.md).  This module wraps ``cpu_gemv.c``: a plain-C,
+multi-threaded, bandwidth-bound matrix-vector kernel (AVX512_BF16 ``vdpbf16ps`` for bf16
+weights, AVX-512 FMA for fp32, a portable path otherwise) that reuses each weight chunk for all
+M input rows.  The C file is compiled with the system C compiler at first use, cached per user
+under ``~/.cache/prescient/kernels`` (keyed by a hash of the source, flags, compiler and CPU),
+and called through ctypes with tensor data pointers.  If no compiler is found or the build
+fails, every call falls back to ``torch.nn.functional.linear`` and one warning is logged.
+
+Public API::
+
+    lin = pack_weight(w, bias=None, dtype=None)   # once per weight, at model load
+    y = lin(x)                                    # x [..., in] fp32/bf16 -> y [..., out], x.dtype
+    available()                                   # True when the C kernel is in use
+    kernel_info()                                 # ISA, threads, .so path, or why not
+
+The weight keeps torch's [out, in] row-major layout (no copy when it is already contiguous and
+of the requested dtype), so M > 16 calls (prefill) use the same tensor with ``F.linear`` and a
+tied LM head can share the embedding table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+#: Largest number of input rows the kernel handles; more rows go to F.linear (a GEMM).
+MAX_M = 16
+
+_SRC = Path(__file__).with_name("cpu_gemv.c")
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx512_bf16"}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_fn = None  # pg_linear, bound once
+_tried = False
+_why_not: Optional[str] = None
+_so_path: Optional[str] = None
+
+
+# --------------------------------------------------------------------------------------------
+# Build and load
+# --------------------------------------------------------------------------------------------
+
+def _cache_dir() -> Path:
+    base = os.environ.get("PRESCIENT_CACHE_DIR")
+    if base:
+        return Path(base) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "prescient" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """Model name and feature flags: a cache shared over NFS must not hand a -march=native
+    build to a different CPU."""
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features")):
+                    sig += line
+                if line.strip() == "":
+                    break  # first processor block is enough
+    except OSError:
+        pass
+    return sig
+
+
+def _compiler() -> Optional[str]:
+    cc = os.environ.get("CC")
+    if cc and shutil.which(cc):
+        return shutil.which(cc)
+    return shutil.which("gcc") or shutil.which("cc")
+
+
+def _flag_sets() -> list[list[str]]:
+    common = ["-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+    # -march=native first; without it the AVX-512 kernels still exist (per-function target
+    # attributes, chosen at run time) and only the portable path loses host tuning.
+    return [common + ["-march=native"], common]
+
+
+def _compile(cc: str, flags: list[str], so: Path) -> None:
+    so.parent.mkdir(parents=True, exist_ok=True)
+    # Build to a temporary name and rename: concurrent processes never load a half-written .so.
+    fd, tmp = tempfile.mkstemp(prefix=so.stem + ".", suffix=".tmp.so", dir=so.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, "-o", tmp, str(_SRC), "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}")
+        os.replace(tmp, so)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    global _lib, _fn
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.pg_linear.argtypes = [vp, ci, vp, vp, ci, vp, ci, ci, ci]
+    lib.pg_linear.restype = ci
+    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads"):
+        getattr(lib, name).restype = ci
+        getattr(lib, name).argtypes = []
+    lib.pg_set_isa_cap.argtypes = [ci]
+    lib.pg_set_isa_cap.restype = ci
+    lib.pg_set_num_threads.argtypes = [ci]
+    lib.pg_set_num_threads.restype = ci
+    lib.pg_set_spin_us.argtypes = [ci, ci]
+    lib.pg_set_spin_us.restype = None
+    lib.pg_set_solo_bytes.argtypes = [ci]
+    lib.pg_set_solo_bytes.restype = None
+    if lib.pg_max_m() != MAX_M:
+        raise RuntimeError(f"cpu_gemv.so MAX_M {lib.pg_max_m()} != {MAX_M}")
+    _lib, _fn = lib, lib.pg_linear
+
+
+def _apply_env(lib: ctypes.CDLL) -> None:
+    n = os.environ.get("PRESCIENT_GEMV_THREADS")
+    if n:
+        lib.pg_set_num_threads(int(n))
+    spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
+    if spin:
+        parts = [int(p) for p in spin.split(",")]
+        lib.pg_set_spin_us(parts[0], parts[1] if len(parts) > 1 else 4000)
+
+
+def _load() -> None:
+    """Compile (or find in the cache) and load cpu_gemv.c; on failure record why, warn once."""
+    global _tried, _why_not, _so_path
+    with _lock:
+        if _tried:
+            return
+        _tried = True
+        if os.environ.get("PRESCIENT_CPU_GEMV", "1") in ("0", "false", "off"):
+            _why_not = "disabled by PRESCIENT_CPU_GEMV=0"
+            log.info("prescient cpu_linear: %s; using F.linear", _why_not)
+            return
+        errors = []
+        cc = _compiler()
+        if cc is None:
+            errors.append("no C compiler (gcc/cc/$CC) on PATH")
+        else:
+            src = _SRC.read_bytes()
+            st = os.stat(cc)
+            for flags in _flag_sets():
+                h = hashlib.sha256()
+                for part in (src, " ".join(flags).encode(), cc.encode(),
+                             str(st.st_mtime_ns).encode(), _cpu_signature().encode()):
+                    h.update(part)
+                    h.update(b"\0")
+                so = _cache_dir() / f"cpu_gemv-{h.hexdigest()[:20]}.so"
+                try:
+                    if not so.exists():
+                        _compile(cc, flags, so)
+                    _bind(ctypes.CDLL(str(so)))
+                    _so_path = str(so)
+                    _apply_env(_lib)
+                    return
+                except Exception as e:  # noqa: BLE001 - any failure means "try next / fall back"
+                    errors.append(f"{' '.join(flags)}: {e}")
+        _why_not = "; ".join(errors)
+        log.warning("prescient cpu_linear: C kernel unavailable, falling back to F.linear (%s)",
+                    _why_not)
+
+
+def available() -> bool:
+    """True when the compiled kernel is loaded (compiles it on first call)."""
+    if not _tried:
+        _load()
+    return _fn is not None
+
+
+def kernel_info() -> dict:
+    """What is in use: {'available', 'isa', 'threads', 'so', 'reason'}."""
+    ok = available()
+    info = {"available": ok, "so": _so_path, "reason": _why_not}
+    if ok:
+        info["isa"] = _ISA_NAMES[_lib.pg_isa()]
+        info["threads"] = _lib.pg_num_threads()
+    return info
+
+
+def set_num_threads(n: int) -> int:
+    """Threads per call (caller included).  Default: 2, or 1 on a single-CPU affinity mask."""
+    return _lib.pg_set_num_threads(int(n)) if available() else 1
+
+
+def set_spin(spin_us: int, yield_us: int = 4000) -> None:
+    """After a call, pool workers busy-wait ``spin_us`` (fastest wake-up), then sched_yield()
+    for ``yield_us`` (cheap for other threads on the core), then sleep on a futex."""
+    if available():
+        _lib.pg_set_spin_us(int(spin_us), int(yield_us))
+
+
+def _set_isa_cap(cap: int) -> str:
+    """Testing hook: 0 portable, 1 AVX-512 (bf16 via widening), 2 AVX512_BF16."""
+    return _ISA_NAMES[_lib.pg_set_isa_cap(int(cap))]
+
+
+def _set_solo_bytes(n: int) -> None:
+    """Testing/tuning hook: matrices under ``n`` weight bytes run on the calling thread only."""
+    _lib.pg_set_solo_bytes(int(n))
+
+
+# --------------------------------------------------------------------------------------------
+# Packed weights
+# --------------------------------------------------------------------------------------------
+
+class PackedLinear:
+    """A weight ready for the small-M kernel.  ``__call__(x)``: x [..., in_features] fp32 or
+    bf16 on CPU -> y [..., out_features] of x's dtype; M = prod(x.shape[:-1]).  M <= 16 runs
+    the C kernel (fp32 accumulation), larger M, other devices/dtypes or autograd use F.linear."""
+
+    __slots__ = ("weight", "bias", "in_features", "out_features", "dtype",
+                 "_wptr", "_wdt", "_bias32", "_bptr")
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be [out, in], got {tuple(weight.shape)}")
+        if weight.dtype not in _DT:
+            raise ValueError(f"weight dtype must be float32 or bfloat16, got {weight.dtype}")
+        if weight.device.type != "cpu":
+            raise ValueError("PackedLinear is a CPU kernel; weight is on " + str(weight.device))
+        self.weight = weight.detach().contiguous()
+        self.out_features, self.in_features = self.weight.shape
+        self.dtype = self.weight.dtype
+        self.bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
+        if self.bias is not None and self.bias.shape != (self.out_features,):
+            raise ValueError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
+        # The kernel adds an fp32 bias after fp32 accumulation.
+        self._bias32 = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self._wptr = self.weight.data_ptr()
+        self._wdt = _DT[self.dtype]
+        self._bptr = None if self._bias32 is None else self._bias32.data_ptr()
+
+    def __repr__(self) -> str:
+        return (f"PackedLinear(in={self.in_features}, out={self.out_features}, "
+                f"dtype={self.dtype}, bias={self.bias is not None})")
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear on the same weight (used for M > MAX_M and whenever the kernel can't run)."""
+        if x.dtype == self.dtype:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        K = self.in_features
+        if x.shape[-1] != K:
+            raise ValueError(f"x has {x.shape[-1]} features, weight expects {K}")
+        M = x.numel() // K if K else 0
+        xdt = _DT.get(x.dtype)
+        if (_fn is None or xdt is None or M == 0 or M > MAX_M or x.device.type != "cpu"
+                or (x.requires_grad and torch.is_grad_enabled())):
+            if not _tried:
+                _load()
+                return self(x, out)
+            y = self.fallback(x)
+            if out is not None:
+                out.copy_(y)
+                return out
+            return y
+        if not x.is_contiguous():
+            x = x.contiguous()
+        N = self.out_features
+        if out is None:
+            out = torch.empty(x.shape[:-1] + (N,), dtype=x.dtype)
+        elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous():
+            raise ValueError("out must be contiguous, of x's dtype, with M*out_features elements")
+        rc = _fn(self._wptr, self._wdt, self._bptr, x.data_ptr(), xdt, out.data_ptr(), M, N, K)
+        if rc != 0:
+            raise RuntimeError(f"pg_linear failed with code {rc}")
+        return out
+
+
+def pack_weight(w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                dtype: Optional[torch.dtype] = None) -> PackedLinear:
+    """Prepare ``w`` [out, in] (and an optional ``bias`` [out]) for the small-M kernel.
+
+    ``dtype`` (float32 or bfloat16) converts the weight once here; by default it keeps
+    ``w.dtype`` (float16 and other dtypes become float32).  Also builds/loads the C kernel, so
+    call it at model load time rather than in the first decode step."""
+    if dtype is None:
+        dtype = w.dtype if w.dtype in _DT else torch.float32
+    if dtype not in _DT:
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
+    if not _tried:
+        _load()
+    return PackedLinear(w.detach().to(dtype), bias)

@@ -1,0 +1,126 @@
+"""The one dispatch point for every kernel op (signatures in docs/CONTRACTS.md).
+
+CUDA tensors run the Triton kernels, CPU tensors the pure-torch reference. The environment
+variable PRESCIENT_KERNELS overrides that per call: `triton` forces Triton (on CPU tensors that
+needs TRITON_INTERPRET=1 set before the first Triton kernel is imported), `reference` forces the
+reference. Triton is imported lazily, so the package works where it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+from prescient.kernels import reference
+
+_BACKEND_ENV = "PRESCIENT_KERNELS"
+_triton_missing_warned = False
+
+
+def _triton_module(name: str) -> ModuleType:
+    # importlib caches modules; the Triton kernels compile (or get interpreted) on first launch.
+    return importlib.import_module(f"prescient.kernels.{name}")
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether an op on tensors of `device` runs the Triton kernel."""
+    forced = os.environ.get(_BACKEND_ENV, "")
+    if forced == "reference":
+        return False
+    if forced == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"{_BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 set before "
+                "Triton kernels are imported"
+            )
+        return True
+    if forced not in ("", "auto"):
+        raise ValueError(f"{_BACKEND_ENV} must be 'triton', 'reference' or unset, not {forced!r}")
+    if device.type != "cuda":
+        return False
+    if importlib.util.find_spec("triton") is None:
+        # The reference runs on CUDA too (slower); say so once rather than fail.
+        global _triton_missing_warned
+        if not _triton_missing_warned:
+            import warnings
+
+            warnings.warn("triton is not installed; CUDA kernels fall back to the torch reference")
+            _triton_missing_warned = True
+        return False
+    return True
+
+
+def store_kv(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+) -> None:
+    if use_triton(k_cache.device):
+        return _triton_module("triton_kv").store_kv(k_cache, v_cache, k, v, slot_mapping)
+    return reference.store_kv(k_cache, v_cache, k, v, slot_mapping)
+
+
+def tree_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], roped
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, KV length after this step's tokens
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    mask_bits: torch.Tensor | None,  # [num_tokens, num_words] int32, None = causal
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    impl = _triton_module("triton_tree_attention") if use_triton(q.device) else reference
+    return impl.tree_attention(
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, scale
+    )
+
+
+def kv_copy(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    src_slots: torch.Tensor,  # [n] int64
+    dst_slots: torch.Tensor,  # [n] int64
+) -> None:
+    impl = _triton_module("triton_kv") if use_triton(k_cache.device) else reference
+    return impl.kv_copy(k_cache, v_cache, src_slots, dst_slots)
+
+
+def greedy_verify(
+    draft_tokens: torch.Tensor,  # [num_seqs, max_nodes] int64, node 0 = root, padding -1
+    parents: torch.Tensor,  # [num_seqs, max_nodes] int64, parents[:, 0] = -1
+    num_nodes: torch.Tensor,  # [num_seqs] int64
+    target_argmax: torch.Tensor,  # [num_seqs, max_nodes] int64
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # accept_len, accepted_nodes, next_token
+    impl = _triton_module("triton_verify") if use_triton(draft_tokens.device) else reference
+    return impl.greedy_verify(draft_tokens, parents, num_nodes, target_argmax)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,  # [num_seqs, max_nodes] int64, node 0 = root, padding -1
+    parents: torch.Tensor,  # [num_seqs, max_nodes] int64
+    num_nodes: torch.Tensor,  # [num_seqs] int64
+    target_probs: torch.Tensor,  # [num_seqs, max_nodes, vocab]
+    draft_probs: torch.Tensor | None,  # [num_seqs, max_nodes, vocab] or None = one-hot drafts
+    uniform: torch.Tensor,  # [num_seqs, max_nodes] float32 in [0, 1)
+    recovery_noise: torch.Tensor,  # [num_seqs, vocab] float32, i.i.d. Exp(1)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # accept_len, accepted_nodes, next_token
+    impl = _triton_module("triton_verify") if use_triton(draft_tokens.device) else reference
+    return impl.rejection_sample(
+        draft_tokens, parents, num_nodes, target_probs, draft_probs, uniform, recovery_noise
+    )
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [num_rows, vocab]
+    bitmask: torch.Tensor,  # [num_selected, ceil(vocab / 32)] int32, bit set = allowed
+    indices: torch.Tensor | None = None,  # [num_selected] int64 logits rows; None = all rows
+) -> None:
+    impl = _triton_module("triton_bitmask") if use_triton(logits.device) else reference
+    return impl.apply_token_bitmask(logits, bitmask, indices)

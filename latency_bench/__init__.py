@@ -1,0 +1,1 @@
+"""prescient.latency_bench"""

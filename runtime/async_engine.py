@@ -1,0 +1,167 @@
+"""`AsyncEngine`: the engine loop on a background thread, one asyncio stream per request.
+
+The server's event loop never runs model code. Submissions and aborts cross to the engine thread
+through a lock-protected inbox that the loop drains between steps (so an abort stops generation
+within one step); outputs cross back with `loop.call_soon_threadsafe` into each request's
+`asyncio.Queue`. Bad input raises at `submit` (validated on the caller's thread against the same
+rules `Engine.add_request` applies), and an exception inside a step fails the requests of that
+step with an error output instead of killing the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from prescient.runtime.engine import Engine
+from prescient.runtime.request import RequestOutput
+from prescient.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("prescient.engine")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[Callable[[], None]] = []
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stop = False
+        self.step_hooks: list[Callable[[Engine, list[RequestOutput], float], None]] = []
+        self._thread = threading.Thread(target=self._loop, name="prescient-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- caller side (event loop)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       session_id: str | None = None, grammar=None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and iterate its outputs; cancelling the iteration aborts it."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        queue = self.submit(prompt, params, request_id, session_id, grammar)
+        try:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if request_id in self._streams:
+                self.abort(request_id)
+
+    def submit(self, prompt, params: SamplingParams, request_id: str, session_id: str | None = None,
+               grammar=None) -> asyncio.Queue:
+        """Validate here (raises ValueError at once), queue on the engine thread, return the
+        request's output queue. Never blocks the event loop on an engine step."""
+        request = self.engine.make_request(prompt, params, request_id, session_id, grammar)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = _Stream(loop, queue)
+
+        def add() -> None:
+            try:
+                self.engine.enqueue(request)
+            except ValueError as e:  # e.g. a duplicate id: an error output, the loop goes on
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestOutput(
+                        request_id, [], "", True, "error", error=str(e)))
+
+        self._post(add)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        def do_abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._post(do_abort)
+
+    def call(self, fn: Callable[[Engine], object]) -> object:
+        """Run `fn(engine)` on the engine thread between steps and return its result (blocks the
+        calling thread: for startup, shutdown and tests, not for request handlers)."""
+        done = threading.Event()
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append((True, fn(self.engine)))
+            except BaseException as e:
+                box.append((False, e))
+            finally:
+                done.set()
+
+        self._post(run)
+        done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---------------------------------------------------------------- engine thread
+
+    def _post(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._inbox.append(fn)
+        self._wake.set()
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._inbox = self._inbox, []
+        for fn in pending:
+            fn()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # keep serving: fail the in-flight requests, not the process
+                log.error("engine step failed: %s", traceback.format_exc())
+                outputs = self._fail_all(f"engine error: {e}")
+            for hook in self.step_hooks:
+                hook(self.engine, outputs, time.perf_counter() - t0)
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        # Shutdown: cancel whatever is still running, cleanly.
+        self._drain()
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+            stream = self._streams.pop(request_id)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestOutput(
+                request_id, [], "", True, "abort", error="server shutting down"))
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outs = []
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            outs.append(RequestOutput(request_id, [], "", True, "error", error=message))
+        return outs

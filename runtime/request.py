@@ -1,0 +1,100 @@
+"""One generation request's state as the engine sees it.
+
+`all_token_ids` = prompt + output; `num_computed_tokens` of them have valid KV in the request's
+blocks. The next forward feeds the tokens from `num_computed_tokens` on (a prefill chunk, or the
+last sampled token when decoding), plus any draft-tree nodes. Times are engine monotonic times
+(`time.perf_counter`) so the SLO tracker and the wire events share one clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prescient.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+# Where an emitted token came from (per-token provenance carried to clients).
+SOURCE_TARGET = "target"  # sampled from the target's logits (bonus/recovered/plain)
+SOURCE_DRAFT = "draft"  # a proposer's draft token accepted by verification
+SOURCE_FORCED = "forced"  # a grammar-forced span token accepted by verification
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+    session_id: str | None = None
+    grammar: Any = None  # a grammar matcher, when the output is constrained
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    # speculation: draft-token budget granted by the adaptive controller for the next step
+    spec_budget: int = 0
+    # timing (engine clock)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    token_sources: list[str] = field(default_factory=list)
+    # speculation counters
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_uncomputed > 1
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (the delta since the last output)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    token_times: list[float] = field(default_factory=list)
+    token_sources: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None

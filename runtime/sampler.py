@@ -1,0 +1,62 @@
+"""Logits -> next-token distributions and samples.
+
+`target_probs_from_logits` is THE place where temperature, top-k, top-p and min-p are applied;
+plain sampling and speculative verification both call it, so a draft is judged against exactly
+the distribution plain decoding would sample from. Sampling uses the exponential race
+(`argmax(p / E)`, E ~ Exp(1)) with noise from a per-request generator: reproducible per seed
+and independent of the batch a request happens to share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prescient.runtime.sampling_params import SamplingParams
+
+
+def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [num_rows, vocab] (rows of one request) -> probs [num_rows, vocab] in float32.
+
+    For greedy requests the result is one-hot on the argmax, so the same acceptance rule covers
+    greedy and sampling."""
+    logits = logits.float()
+    if params.greedy:
+        probs = torch.zeros_like(logits)
+        probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return probs
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        cum = sorted_probs.cumsum(-1)
+        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
+        drop_sorted = (cum - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        cutoff = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < cutoff, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+    """I.i.d. Exp(1) noise for the exponential race; float32 on CPU."""
+    u = torch.rand(shape, generator=generator, dtype=torch.float32)
+    return -torch.log1p(-u).clamp_min(1e-20)
+
+
+def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs, noise: [num_rows, vocab] -> token ids [num_rows]. argmax(p / E) ~ Categorical(p)."""
+    return (probs / noise).argmax(-1)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

@@ -1,0 +1,57 @@
+"""Per-request sampling parameters: a small frozen dataclass validated on construction.
+
+`temperature == 0` means greedy everywhere (plain decoding and speculative verification alike).
+Bad values raise `ValueError` with a message naming the field, at `add_request` time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; k >= 0: chosen token's logprob + top-k alternatives
+    # Where the request may use speculation at all (a caller can switch it off per request).
+    speculate: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, list):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
+               "max_tokens must be an integer")
+        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(isinstance(self.temperature, (int, float)), "temperature must be a number")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be token ids >= 0, got {t!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,159 @@
+"""Adaptive speculation: how many draft tokens each request may propose this step.
+
+Each request's drafts are judged one depth at a time; the controller keeps an EMA estimate of
+`acceptance_rate` = P(the next offered draft is accepted), from the outcomes it observes. With
+k draft tokens the expected output of a step is E(k) = 1 + a + a^2 + ... + a^k (a chain's
+expectation under an i.i.d. acceptance model, as in Leviathan et al. Sec. 3.5), so the j-th
+draft token adds a^j. A forward over T tokens costs `verify_cost(T)` (relative to a 1-token
+step; measured by the engine, piecewise linear between measured points). The plan maximises
+the batch's expected tokens per unit cost:
+
+    max over m of (num_requests + sum of the m largest marginal gains) / verify_cost(T0 + m)
+
+For a fixed total m the best drafts are the m largest gains (each request's gains shrink with
+depth), so scanning m over the sorted gains finds the exact optimum even where the measured cost
+curve is not convex. Speculation switches itself off when it does not pay (large batches, where
+an extra token costs as much as the request's whole share; persistent rejection), and a request
+that got no drafts for `probe_interval` steps gets `probe_tokens` anyway so that its estimate can
+recover when the text turns copyable again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from prescient.speculative.verify import RECOVERED, VerifyOutcome
+
+DEFAULT_VERIFY_COST = {1: 1.0, 4: 1.1, 8: 1.25, 16: 1.5}
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    max_draft_tokens: int = 16  # per request per step
+    ema_decay: float = 0.7  # weight kept by the past at each observation
+    prior_acceptance: float = 0.5  # belief before any observation...
+    prior_weight: float = 2.0  # ...worth this many judged drafts
+    # forward tokens -> cost relative to a 1-token step; the engine replaces it with measurements
+    verify_cost: Mapping[int, float] = field(default_factory=lambda: dict(DEFAULT_VERIFY_COST))
+    probe_interval: int = 16  # steps without drafts before a probe
+    probe_tokens: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
+        if not 0 <= self.prior_acceptance <= 1 or self.prior_weight <= 0:
+            raise ValueError("prior_acceptance must be in [0, 1] and prior_weight > 0")
+        if self.probe_interval < 1 or self.probe_tokens < 0:
+            raise ValueError("probe_interval must be >= 1 and probe_tokens >= 0")
+        CostModel(self.verify_cost)  # validates the table
+
+
+class CostModel:
+    """verify_cost(num_tokens): piecewise linear through a measured table, extended past its
+    ends with the slope of the nearest segment (a flat 1.0 for a one-point table)."""
+
+    def __init__(self, table: Mapping[int, float]) -> None:
+        points = sorted((int(k), float(v)) for k, v in table.items())
+        if not points or points[0][0] < 1 or any(v <= 0 for _, v in points):
+            raise ValueError(f"verify_cost needs token counts >= 1 with positive costs, got {dict(table)}")
+        self.points = points
+
+    def __call__(self, num_tokens: int) -> float:
+        points = self.points
+        if len(points) == 1:
+            return points[0][1]
+        # The segment containing num_tokens, or the first/last one to extrapolate from.
+        i = 1
+        while i < len(points) - 1 and num_tokens > points[i][0]:
+            i += 1
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-9)
+
+
+@dataclass
+class _RequestStats:
+    # Both start at the prior's weight and stay > 0: a step with drafts judges at least one.
+    judged: float  # EMA of drafts judged per step (accepted + the rejected one, if any)
+    accepted: float  # EMA of drafts accepted per step
+    steps_without_drafts: int = 0
+
+
+class AdaptiveSpeculation:
+    """Per-request draft budgets from observed acceptance and the verify cost model."""
+
+    def __init__(self, config: AdaptiveConfig | None = None) -> None:
+        self.config = config or AdaptiveConfig()
+        self.verify_cost = CostModel(self.config.verify_cost)
+        self._stats: dict[str, _RequestStats] = {}
+
+    def set_verify_cost(self, table: Mapping[int, float]) -> None:
+        """Install the engine's measured cost table (forward tokens -> cost / 1-token cost)."""
+        self.verify_cost = CostModel(table)
+
+    def acceptance_rate(self, request_id: str) -> float:
+        stats = self._get(request_id)
+        return min(stats.accepted / stats.judged, 1.0)
+
+    def mean_accepted(self, request_id: str) -> float:
+        """EMA of the accepted draft length per speculative step (for metrics)."""
+        return self._get(request_id).accepted
+
+    def plan(self, request_ids: Sequence[str], num_base_tokens: int | None = None) -> list[int]:
+        """Draft budgets for this step's decoding requests (0 = decode plainly).
+
+        num_base_tokens: tokens the forward carries without drafts (prefill chunks + one per
+        decoding request); defaults to len(request_ids)."""
+        cfg = self.config
+        num_base = len(request_ids) if num_base_tokens is None else num_base_tokens
+        budgets = [0] * len(request_ids)
+        if request_ids and cfg.max_draft_tokens > 0:
+            rates = torch.tensor([self.acceptance_rate(r) for r in request_ids], dtype=torch.float64)
+            depth = torch.arange(1, cfg.max_draft_tokens + 1, dtype=torch.float64)
+            gains = rates[:, None] ** depth  # [num_requests, max_draft_tokens]: a^j of draft j
+            order = gains.flatten().argsort(descending=True, stable=True)
+            value = len(request_ids) + torch.cat([torch.zeros(1, dtype=torch.float64),
+                                                  gains.flatten()[order].cumsum(0)])
+            cost = torch.tensor([self.verify_cost(num_base + m) for m in range(len(value))],
+                                dtype=torch.float64)
+            best_m = int((value / cost).argmax())  # first maximum: fewer drafts on ties
+            chosen = order[:best_m] // cfg.max_draft_tokens
+            budgets = torch.bincount(chosen, minlength=len(request_ids)).tolist()
+        for i, request_id in enumerate(request_ids):
+            stats = self._get(request_id)
+            if budgets[i] == 0:
+                stats.steps_without_drafts += 1
+                if stats.steps_without_drafts > cfg.probe_interval:
+                    budgets[i] = min(cfg.probe_tokens, cfg.max_draft_tokens)  # retry now and then
+            if budgets[i] > 0:
+                stats.steps_without_drafts = 0
+        return budgets
+
+    def observe(self, request_id: str, outcome: VerifyOutcome) -> None:
+        """Fold one verify step's result into the request's estimate (steps without drafts
+        carry no information and are ignored)."""
+        if outcome.num_draft_tokens == 0:
+            return
+        stats, decay = self._get(request_id), self.config.ema_decay
+        judged = outcome.num_accepted + (1 if outcome.next_role == RECOVERED else 0)
+        stats.judged = decay * stats.judged + (1 - decay) * judged
+        stats.accepted = decay * stats.accepted + (1 - decay) * outcome.num_accepted
+
+    def forget(self, request_id: str) -> None:
+        self._stats.pop(request_id, None)
+
+    def _get(self, request_id: str) -> _RequestStats:
+        stats = self._stats.get(request_id)
+        if stats is None:
+            cfg = self.config
+            stats = self._stats[request_id] = _RequestStats(cfg.prior_weight, cfg.prior_weight * cfg.prior_acceptance)
+        return stats
+
+
+def expected_tokens(acceptance_rate: float, num_draft_tokens: int) -> float:
+    """E(k) = 1 + a + ... + a^k: expected tokens a step emits with k drafts (chain model)."""
+    return sum(acceptance_rate**j for j in range(num_draft_tokens + 1))

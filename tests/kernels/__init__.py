@@ -1,0 +1,1 @@
+"""Kernel tests: reference and Triton ops against oracles and known answers."""

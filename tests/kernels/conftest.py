@@ -1,0 +1,38 @@
+"""Kernel-test setup: the Triton interpreter on CPU, and the backends every op test runs over.
+
+TRITON_INTERPRET must be set before any Triton kernel is decorated (the decorator reads it), so
+it is set here, at conftest import, ahead of every kernels test module.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# One expectation, every backend (the xgrammar pattern): "reference" is the pure-torch path,
+# "triton" the kernels (interpreted on CPU, compiled on CUDA).
+BACKENDS = [
+    "reference",
+    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch) -> str:
+    """Route prescient.kernels.ops through one backend for the test."""
+    monkeypatch.setenv("PRESCIENT_KERNELS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
