@@ -18,6 +18,7 @@ validator too, and so are formats the spec does not define ("url", "int32"): bot
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Iterable
 from urllib.parse import unquote
 
@@ -26,11 +27,16 @@ from prescient.grammar.errors import GrammarError
 # Dropped wherever they appear (verified: a violating instance is accepted).
 _DROPPED = (
     "not", "if", "then", "else", "dependentSchemas", "dependentRequired", "dependencies",
-    "contains", "minContains", "maxContains", "patternProperties", "$dynamicRef", "$recursiveRef",
+    "minContains", "maxContains", "contains", "patternProperties", "$dynamicRef", "$recursiveRef",
 )
+# Maps whose empty value constrains nothing (an empty `not` or `contains` does constrain).
+_EMPTY_IS_NOOP = frozenset({"dependentSchemas", "dependentRequired", "dependencies",
+                            "patternProperties"})
 
 # Standard formats xgrammar treats as any string; the other standard ones it enforces.
 _UNENFORCED_FORMATS = frozenset({"iri", "iri-reference", "idn-hostname", "idn-email", "regex"})
+
+_MAX_MULTIPLE_OF_RANGE = 9999  # widest [low, high] (high - low) xgrammar enumerates
 
 _STRING_KEYS = ("minLength", "maxLength", "pattern", "format")
 _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
@@ -65,7 +71,7 @@ class _Checker:
             raise GrammarError("a subschema must be an object or a boolean", feature="schema",
                                path=path)
         for key in _DROPPED:
-            if key in node and _nontrivial(node[key]):
+            if key in node and not (key in _EMPTY_IS_NOOP and node[key] in ({}, [])):
                 raise GrammarError(f"'{key}' is not supported (xgrammar would ignore it)",
                                    feature=key, path=path)
         if node.get("uniqueItems") is True:
@@ -201,9 +207,21 @@ class _Checker:
             raise GrammarError("'multipleOf' is supported only as a positive whole number on "
                                "'type': 'integer' (xgrammar would ignore it)",
                                feature="multipleOf", path=path)
+        # With bounds, xgrammar enumerates the range and gives up (ignoring multipleOf) on a
+        # half-open range or one spanning 10000 or more integers.
+        if any(k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+            low, high = _integer_bounds(node)
+            if low is None or high is None or high - low > _MAX_MULTIPLE_OF_RANGE:
+                raise GrammarError("'multipleOf' with a half-open range or a range wider than "
+                                   f"{_MAX_MULTIPLE_OF_RANGE} is not supported (xgrammar would "
+                                   "ignore it)", feature="multipleOf+range", path=path)
 
     def _check_object(self, node: dict, path: str) -> None:
         props = node.get("properties") or {}
+        if props and "propertyNames" in node:
+            raise GrammarError("'propertyNames' together with 'properties' is not supported "
+                               "(xgrammar would not apply it to the declared names)",
+                               feature="propertyNames+properties", path=path)
         for name in node.get("required") or []:
             if name not in props:
                 raise GrammarError(f"required property {name!r} is not listed in 'properties' "
@@ -213,10 +231,14 @@ class _Checker:
     def _recurse(self, node: dict, path: str, refs_seen: frozenset[str]) -> None:
         for name, sub in (node.get("properties") or {}).items():
             self.check(sub, f"{path}/properties/{name}", refs_seen)
-        for key in ("additionalProperties", "items", "unevaluatedItems", "propertyNames"):
+        for key in ("additionalProperties", "items", "unevaluatedItems"):
             sub = node.get(key)
             if isinstance(sub, dict):
                 self.check(sub, f"{path}/{key}", refs_seen)
+        names = node.get("propertyNames")
+        if isinstance(names, dict):
+            # property names are strings: xgrammar applies string keywords here without a type
+            self.check({"type": "string", **names}, f"{path}/propertyNames", refs_seen)
         for i, sub in enumerate(node.get("prefixItems") or []):
             self.check(sub, f"{path}/prefixItems/{i}", refs_seen)
 
@@ -318,21 +340,35 @@ def check_pattern(pattern: Any, path: str = "#") -> None:
                                "(xgrammar would ignore it)", feature="pattern:lookaround",
                                path=path)
         elif c == "^" and not _at_branch_start(pattern, i):
-            raise GrammarError(f"'^' in the middle of pattern {pattern!r} is not supported "
+            raise GrammarError(f"anchor '^' in the middle of pattern {pattern!r} is not supported "
                                "(xgrammar would ignore it)", feature="pattern:anchor", path=path)
         elif c == "$" and not (i + 1 == n or pattern[i + 1] in "|)"):
-            raise GrammarError(f"'$' in the middle of pattern {pattern!r} is not supported "
+            raise GrammarError(f"anchor '$' in the middle of pattern {pattern!r} is not supported "
                                "(xgrammar would ignore it)", feature="pattern:anchor", path=path)
         i += 1
+
+
+def _integer_bounds(node: dict) -> tuple[float | None, float | None]:
+    """Inclusive integer bounds (None where unbounded)."""
+    low = high = None
+    if isinstance(node.get("minimum"), (int, float)):
+        low = math.ceil(node["minimum"])
+    if isinstance(node.get("exclusiveMinimum"), (int, float)) and not isinstance(
+            node["exclusiveMinimum"], bool):
+        bound = math.floor(node["exclusiveMinimum"]) + 1
+        low = bound if low is None else max(low, bound)
+    if isinstance(node.get("maximum"), (int, float)):
+        high = math.floor(node["maximum"])
+    if isinstance(node.get("exclusiveMaximum"), (int, float)) and not isinstance(
+            node["exclusiveMaximum"], bool):
+        bound = math.ceil(node["exclusiveMaximum"]) - 1
+        high = bound if high is None else min(high, bound)
+    return low, high
 
 
 def _at_branch_start(pattern: str, i: int) -> bool:
     before = pattern[:i]
     return before == "" or before.endswith(("(", "|", "(?:"))
-
-
-def _nontrivial(value: Any) -> bool:
-    return not (isinstance(value, (dict, list)) and not value)
 
 
 def _assertion_keys(node: dict, exclude: Iterable[str]) -> list[str]:

@@ -50,6 +50,9 @@
 #include <immintrin.h>
 #include <cpuid.h>
 #define PG_X86 1
+/* Pin a loaded vector in a register: without it gcc re-reads the weight chunk from
+ * memory for every FMA that uses it (a load per FMA), and the tiles become load-bound. */
+#define PG_KEEP(v) __asm__("" : "+v"(v))
 #endif
 
 #define PG_VERSION 1
@@ -59,7 +62,7 @@
 #define PG_CHUNKS_PER_THREAD 8
 #endif
 #ifndef PG_PF_BYTES
-#define PG_PF_BYTES 4096   /* software prefetch distance into the weight stream */
+#define PG_PF_BYTES 8192   /* software prefetch distance into the weight stream */
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -106,23 +109,16 @@ typedef struct {
     int nchunks;
 } job_t;
 
-/* Store the results of an nr x mr tile: sums[m][r] belongs to y[m, n0 + r]. */
-static inline void store_tile(const job_t *j, int n0, int mr, int m0, int nr,
-                              float sums[PG_MAX_M][4])
+/* y[m, n] = v (+ bias[n]), converted to y's dtype. */
+static inline void store1(const job_t *j, int m, int n, float v)
 {
-    const int N = j->N;
-    for (int m = 0; m < mr; m++) {
-        for (int r = 0; r < nr; r++) {
-            float v = sums[m][r];
-            if (j->bias)
-                v += j->bias[n0 + r];
-            size_t off = (size_t)(m0 + m) * N + n0 + r;
-            if (j->ydt == DT_F32)
-                ((float *)j->y)[off] = v;
-            else
-                ((uint16_t *)j->y)[off] = f32_to_bf16(v);
-        }
-    }
+    if (j->bias)
+        v += j->bias[n];
+    size_t off = (size_t)m * j->N + n;
+    if (j->ydt == DT_F32)
+        ((float *)j->y)[off] = v;
+    else
+        ((uint16_t *)j->y)[off] = f32_to_bf16(v);
 }
 
 /* ------------------------------------------------------------------------- */
@@ -133,7 +129,6 @@ static void rows_portable(const job_t *j, int n0, int n1)
 {
     const int K = j->K, M = j->M;
     const float *x = (const float *)j->xk;
-    float sums[PG_MAX_M][4];
     for (int n = n0; n < n1; n++) {
         for (int m = 0; m < M; m++) {
             const float *xr = x + (size_t)m * K;
@@ -147,9 +142,8 @@ static void rows_portable(const job_t *j, int n0, int n1)
                 for (int k = 0; k < K; k++)
                     acc += bf16_to_f32(wr[k]) * xr[k];
             }
-            sums[m][0] = acc;
+            store1(j, m, n, acc);
         }
-        store_tile(j, n, M, 0, 1, sums);
     }
 }
 
@@ -157,53 +151,102 @@ static void rows_portable(const job_t *j, int n0, int n1)
 /* ------------------------------------------------------------------------- */
 /* AVX-512 kernels                                                            */
 /*                                                                            */
-/* Tile: NR weight rows x MR input rows, MR*NR <= 16 zmm accumulators.  Each  */
+/* Tile: NR = 4 weight rows x MR <= 4 input rows = 16 zmm accumulators.  Each */
 /* 64-byte weight chunk is loaded once and used MR times; the x chunks come   */
-/* from L1 (x is at most 16 x K).  NR > 1 at small M gives independent        */
-/* accumulator chains and several weight streams in flight.                   */
+/* from L1 (x is at most 16 x K).  Four rows also give four independent       */
+/* accumulator chains at M = 1.  The epilogue reduces acc[m][0..3] to one     */
+/* __m128 = y[m, n..n+3], four contiguous outputs stored in one go.           */
 /* ------------------------------------------------------------------------- */
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,sse4.1")
 
 /* Reduce four 16-lane vectors to their four horizontal sums (one __m128). */
+static inline __attribute__((always_inline)) __m256 fold256(__m512 a)
+{
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
 static inline __attribute__((always_inline)) __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
 {
-    __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
-    __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
-    __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
-    __m256 ab = _mm256_hadd_ps(a2, b2);   /* a01 a23 b01 b23 | a45 a67 b45 b67 */
-    __m256 cd = _mm256_hadd_ps(c2, d2);
-    __m256 abcd = _mm256_hadd_ps(ab, cd); /* a0-3 b0-3 c0-3 d0-3 | a4-7 ... */
+    __m256 ab = _mm256_hadd_ps(fold256(a), fold256(b)); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m256 cd = _mm256_hadd_ps(fold256(c), fold256(d));
+    __m256 abcd = _mm256_hadd_ps(ab, cd);               /* a0-3 b0-3 c0-3 d0-3 | a4-7 ...   */
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* Reduce acc[m][r] (MR*NR vectors) into sums[m][r], four at a time. */
-static inline __attribute__((always_inline))
-void reduce_tile(const int MR, const int NR, __m512 acc[PG_MAX_M][4], float sums[PG_MAX_M][4])
+/* fp32 -> bf16 round-to-nearest-even for 4 lanes, NaNs kept quiet (matches f32_to_bf16);
+ * integer ops only, so it needs no AVX512_BF16. Result in the low 64 bits. */
+static inline __attribute__((always_inline)) __m128i bf16x4_rne(__m128 v)
 {
-    const int T = MR * NR;
-    float flat[64];
-    int t = 0;
-    for (; t + 4 <= T; t += 4) {
-        __m128 s = hsum4(acc[(t) / NR][(t) % NR], acc[(t + 1) / NR][(t + 1) % NR],
-                         acc[(t + 2) / NR][(t + 2) % NR], acc[(t + 3) / NR][(t + 3) % NR]);
-        _mm_storeu_ps(flat + t, s);
-    }
-    for (; t < T; t++)
-        flat[t] = _mm512_reduce_add_ps(acc[t / NR][t % NR]);
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < NR; r++)
-            sums[m][r] = flat[m * NR + r];
+    __m128i u = _mm_castps_si128(v);
+    __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff), lsb));
+    __m128i q = _mm_or_si128(u, _mm_set1_epi32(0x400000));
+    r = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(r), _mm_castsi128_ps(q), _mm_cmpunord_ps(v, v)));
+    r = _mm_srli_epi32(r, 16);
+    return _mm_packus_epi32(r, r);
 }
 
-/* fp32 weights, fp32 x.  16 floats per step. */
-static inline __attribute__((always_inline))
-void tile_f32(const float *w, const float *x, int K, const int MR, const int NR,
-              float sums[PG_MAX_M][4])
+/* y[m, n..n+3] = s (+ bias[n..n+3]). */
+static inline __attribute__((always_inline)) void store_row4(const job_t *j, int m, int n, __m128 s)
 {
-    __m512 acc[PG_MAX_M][4];
+    if (j->bias)
+        s = _mm_add_ps(s, _mm_loadu_ps(j->bias + n));
+    size_t off = (size_t)m * j->N + n;
+    if (j->ydt == DT_F32)
+        _mm_storeu_ps((float *)j->y + off, s);
+    else
+        _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off), bf16x4_rne(s));
+}
+
+/* y[m0 + i, n] = s[i] (+ bias[n]) for i < mr: one weight row, up to four inputs. */
+static inline __attribute__((always_inline)) void store_col4(const job_t *j, int m0, int mr, int n, __m128 s)
+{
+    float v[4];
+    if (j->bias)
+        s = _mm_add_ps(s, _mm_set1_ps(j->bias[n]));
+    _mm_storeu_ps(v, s);
+    for (int i = 0; i < mr; i++) {
+        size_t off = (size_t)(m0 + i) * j->N + n;
+        if (j->ydt == DT_F32)
+            ((float *)j->y)[off] = v[i];
+        else
+            ((uint16_t *)j->y)[off] = f32_to_bf16(v[i]);
+    }
+}
+
+/* Epilogue for a tile: NR == 4 -> one store_row4 per input row; NR == 1 -> one store_col4. */
+static inline __attribute__((always_inline))
+void emit_tile(const job_t *j, __m512 acc[4][4], int n, int m0, const int MR, const int NR)
+{
+    if (NR == 4) {
+        for (int m = 0; m < MR; m++)
+            store_row4(j, m0 + m, n, hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    } else {
+        __m512 z = _mm512_setzero_ps();
+        store_col4(j, m0, MR, n, hsum4(acc[0][0], MR > 1 ? acc[1][0] : z,
+                                       MR > 2 ? acc[2][0] : z, MR > 3 ? acc[3][0] : z));
+    }
+}
+
+/* Software prefetch PG_PF_BYTES ahead in the weight stream.  A tile's NR rows are
+ * contiguous, so "row r, column k, plus PF bytes" walks the next tiles' lines once each;
+ * only the first input block of a tile prefetches (later blocks re-read the same rows). */
+#define PG_PREFETCH(ptr, pf)                                                            \
+    do {                                                                                \
+        if (PG_PF_BYTES && (pf))                                                        \
+            _mm_prefetch((const char *)(ptr) + PG_PF_BYTES, _MM_HINT_T0);               \
+    } while (0)
+
+/* fp32 weights, fp32 x: 16 floats (one cache line) per step. */
+static inline __attribute__((always_inline))
+void tile_f32(const job_t *j, const float *w, const float *x, int n, int m0,
+              const int MR, const int NR, int pf)
+{
+    const int K = j->K;
+    __m512 acc[4][4];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < NR; r++)
             acc[m][r] = _mm512_setzero_ps();
@@ -211,9 +254,9 @@ void tile_f32(const float *w, const float *x, int K, const int MR, const int NR,
     for (; k + 16 <= K; k += 16) {
         __m512 wv[4];
         for (int r = 0; r < NR; r++) {
-            if (PG_PF_BYTES)
-                _mm_prefetch((const char *)(w + (size_t)r * K + k) + PG_PF_BYTES, _MM_HINT_T0);
+            PG_PREFETCH(w + (size_t)r * K + k, pf);
             wv[r] = _mm512_loadu_ps(w + (size_t)r * K + k);
+            PG_KEEP(wv[r]);
         }
         for (int m = 0; m < MR; m++) {
             __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);
@@ -232,7 +275,7 @@ void tile_f32(const float *w, const float *x, int K, const int MR, const int NR,
                 acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
         }
     }
-    reduce_tile(MR, NR, acc, sums);
+    emit_tile(j, acc, n, m0, MR, NR);
 }
 
 /* bf16 weights, fp32 x, no AVX512_BF16: widen bf16 -> fp32 by a 16-bit shift. */
@@ -243,96 +286,86 @@ static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(const uint16_
 }
 
 static inline __attribute__((always_inline))
-void tile_bf16w_f32x(const uint16_t *w, const float *x, int K, const int MR, const int NR,
-                     float sums[PG_MAX_M][4])
+void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0,
+                const int MR, const int NR, int pf)
 {
-    __m512 acc[PG_MAX_M][4];
+    const int K = j->K;
+    __m512 acc[4][4];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < NR; r++)
             acc[m][r] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) {
         __mmask16 mk = (K - k >= 16) ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
         __m512 wv[4];
-        for (int r = 0; r < NR; r++)
+        for (int r = 0; r < NR; r++) {
+            if (k & 16)  /* one prefetch per 64-byte line: every other 32-byte step */
+                PG_PREFETCH(w + (size_t)r * K + k, pf);
             wv[r] = bf16x16_to_f32(w + (size_t)r * K + k, mk);
+            PG_KEEP(wv[r]);
+        }
         for (int m = 0; m < MR; m++) {
             __m512 xv = _mm512_maskz_loadu_ps(mk, x + (size_t)m * K + k);
             for (int r = 0; r < NR; r++)
                 acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
         }
     }
-    reduce_tile(MR, NR, acc, sums);
+    emit_tile(j, acc, n, m0, MR, NR);
 }
 
-/* Run the tile kernel `TILE` over rows [n0, n1) for all M, choosing MR x NR by M. */
+/* Run the tile kernel `TILE` over rows [n0, n1) for all M.  For M > 4 the inputs go in
+ * blocks of 4 over the same 4 weight rows, which the first block has pulled into L1, so
+ * DRAM still sees each weight byte once and loads per dot-product step stay at 0.5. */
 #define PG_ROWS_DRIVER(NAME, TILE, WT, XT)                                               \
     static void NAME(const job_t *j, int n0, int n1)                                     \
     {                                                                                    \
         const int K = j->K, M = j->M;                                                    \
         const WT *W = (const WT *)j->w;                                                  \
         const XT *X = (const XT *)j->xk;                                                 \
-        float sums[PG_MAX_M][4];                                                         \
-        /* NR = rows per tile: more at small M for independent chains, 1 at M > 8. */    \
-        const int NR = (M <= 4) ? 4 : (M <= 8 ? 2 : 1);                                  \
         int n = n0;                                                                      \
-        for (; n + NR <= n1; n += NR) {                                                  \
+        for (; n + 4 <= n1; n += 4) {                                                    \
             const WT *w = W + (size_t)n * K;                                             \
-            switch (M) {                                                                 \
-            case 1: TILE(w, X, K, 1, 4, sums); break;                                    \
-            case 2: TILE(w, X, K, 2, 4, sums); break;                                    \
-            case 3: TILE(w, X, K, 3, 4, sums); break;                                    \
-            case 4: TILE(w, X, K, 4, 4, sums); break;                                    \
-            case 5: TILE(w, X, K, 5, 2, sums); break;                                    \
-            case 6: TILE(w, X, K, 6, 2, sums); break;                                    \
-            case 7: TILE(w, X, K, 7, 2, sums); break;                                    \
-            case 8: TILE(w, X, K, 8, 2, sums); break;                                    \
-            case 9: TILE(w, X, K, 9, 1, sums); break;                                    \
-            case 10: TILE(w, X, K, 10, 1, sums); break;                                  \
-            case 11: TILE(w, X, K, 11, 1, sums); break;                                  \
-            case 12: TILE(w, X, K, 12, 1, sums); break;                                  \
-            case 13: TILE(w, X, K, 13, 1, sums); break;                                  \
-            case 14: TILE(w, X, K, 14, 1, sums); break;                                  \
-            case 15: TILE(w, X, K, 15, 1, sums); break;                                  \
-            default: TILE(w, X, K, 16, 1, sums); break;                                  \
+            for (int m0 = 0; m0 < M; m0 += 4) {                                          \
+                const XT *x = X + (size_t)m0 * K;                                        \
+                const int pf = m0 == 0;                                                  \
+                switch (M - m0) {                                                        \
+                case 1: TILE(j, w, x, n, m0, 1, 4, pf); break;                           \
+                case 2: TILE(j, w, x, n, m0, 2, 4, pf); break;                           \
+                case 3: TILE(j, w, x, n, m0, 3, 4, pf); break;                           \
+                default: TILE(j, w, x, n, m0, 4, 4, pf); break;                          \
+                }                                                                        \
             }                                                                            \
-            store_tile(j, n, M, 0, NR, sums);                                            \
         }                                                                                \
-        /* Leftover rows (N not a multiple of NR): one row at a time, x in blocks of 8. */ \
+        /* Leftover rows (N not a multiple of 4): one weight row at a time. */           \
         for (; n < n1; n++) {                                                            \
             const WT *w = W + (size_t)n * K;                                             \
-            for (int m0 = 0; m0 < M; m0 += 8) {                                          \
-                int mr = M - m0 < 8 ? M - m0 : 8;                                        \
+            for (int m0 = 0; m0 < M; m0 += 4) {                                          \
                 const XT *x = X + (size_t)m0 * K;                                        \
-                switch (mr) {                                                            \
-                case 1: TILE(w, x, K, 1, 1, sums); break;                                \
-                case 2: TILE(w, x, K, 2, 1, sums); break;                                \
-                case 3: TILE(w, x, K, 3, 1, sums); break;                                \
-                case 4: TILE(w, x, K, 4, 1, sums); break;                                \
-                case 5: TILE(w, x, K, 5, 1, sums); break;                                \
-                case 6: TILE(w, x, K, 6, 1, sums); break;                                \
-                case 7: TILE(w, x, K, 7, 1, sums); break;                                \
-                default: TILE(w, x, K, 8, 1, sums); break;                               \
+                switch (M - m0) {                                                        \
+                case 1: TILE(j, w, x, n, m0, 1, 1, 0); break;                            \
+                case 2: TILE(j, w, x, n, m0, 2, 1, 0); break;                            \
+                case 3: TILE(j, w, x, n, m0, 3, 1, 0); break;                            \
+                default: TILE(j, w, x, n, m0, 4, 1, 0); break;                           \
                 }                                                                        \
-                store_tile(j, n, mr, m0, 1, sums);                                       \
             }                                                                            \
         }                                                                                \
     }
 
 PG_ROWS_DRIVER(rows_avx512_f32, tile_f32, float, float)
-PG_ROWS_DRIVER(rows_avx512_bf16w, tile_bf16w_f32x, uint16_t, float)
+PG_ROWS_DRIVER(rows_avx512_bf16w, tile_bf16w, uint16_t, float)
 
 #pragma GCC pop_options
 
 /* AVX512_BF16: bf16 weights x bf16 activations, vdpbf16ps (2 products per fp32 lane,
  * fp32 accumulation).  32 bf16 = one 64-byte cache line of weights per instruction. */
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2,sse4.1")
 
 static inline __attribute__((always_inline))
-void tile_bf16(const uint16_t *w, const uint16_t *x, int K, const int MR, const int NR,
-               float sums[PG_MAX_M][4])
+void tile_bf16(const job_t *j, const uint16_t *w, const uint16_t *x, int n, int m0,
+               const int MR, const int NR, int pf)
 {
-    __m512 acc[PG_MAX_M][4];
+    const int K = j->K;
+    __m512 acc[4][4];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < NR; r++)
             acc[m][r] = _mm512_setzero_ps();
@@ -340,9 +373,9 @@ void tile_bf16(const uint16_t *w, const uint16_t *x, int K, const int MR, const 
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[4];
         for (int r = 0; r < NR; r++) {
-            if (PG_PF_BYTES)
-                _mm_prefetch((const char *)(w + (size_t)r * K + k) + PG_PF_BYTES, _MM_HINT_T0);
+            PG_PREFETCH(w + (size_t)r * K + k, pf);
             wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)r * K + k));
+            PG_KEEP(wv[r]);
         }
         for (int m = 0; m < MR; m++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (size_t)m * K + k));
@@ -362,7 +395,7 @@ void tile_bf16(const uint16_t *w, const uint16_t *x, int K, const int MR, const 
                 acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
         }
     }
-    reduce_tile(MR, NR, acc, sums);
+    emit_tile(j, acc, n, m0, MR, NR);
 }
 
 PG_ROWS_DRIVER(rows_avx512_bf16, tile_bf16, uint16_t, uint16_t)

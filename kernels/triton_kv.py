@@ -39,7 +39,8 @@ def _store_kv_kernel(
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     ok = (heads < num_kv_heads) & (dims < head_dim)
-    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + heads * stride_ch + dims
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs
+    dst = dst + heads * stride_ch + dims
     # int64 token offsets: a long prefill's num_tokens * stride can pass 2**31.
     src_token = token.to(tl.int64)
     k = tl.load(k_ptr + src_token * stride_kt + heads * stride_kh + dims, mask=ok)

@@ -15,6 +15,7 @@ second kernel merges them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -45,7 +46,7 @@ def _find_seq(cu_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _tree_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim] (no split) or [num_splits, num_tokens, num_heads, head_dim] acc
+    out_ptr,  # [num_tokens, num_heads, head_dim]; split: [num_splits, num_tokens, num_heads, head_dim]
     max_ptr,  # [num_splits, num_tokens, num_heads] running max (log2 domain), split only
     sum_ptr,  # [num_splits, num_tokens, num_heads] running sum, split only
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -121,17 +122,19 @@ def _tree_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), ACC)
     l_i = tl.zeros([BLOCK_M], ACC)
     acc = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    table = block_tables_ptr + seq * stride_bt
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] KV positions
         pos_ok = pos < kv_hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // block_size, mask=pos_ok, other=0)
+        block = tl.load(table + pos // block_size, mask=pos_ok, other=0)
         slot = block.to(tl.int64) * stride_cb + (pos % block_size) * stride_cs + kv_head * stride_ch
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + slot[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(ACC) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(ACC)  # [BLOCK_M, BLOCK_N]
+        s = s * qk_scale
 
         new = pos - prefix_len  # index among the new tokens; negative = prefix
         is_new = new >= 0
@@ -207,7 +210,8 @@ def _merge_splits_kernel(
         # An empty split has m = -inf and weight 0.
         w = tl.exp2(tl.load(max_ptr + s * stride_split + row) - m_ref)
         total += w * tl.load(sum_ptr + s * stride_split + row)
-        acc += w * tl.load(acc_ptr + (s * stride_split + row) * head_dim + dims, mask=dim_ok, other=0.0)
+        part = acc_ptr + (s * stride_split + row) * head_dim
+        acc += w * tl.load(part + dims, mask=dim_ok, other=0.0)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + token * stride_ot + head * stride_oh + dims,
@@ -216,13 +220,19 @@ def _merge_splits_kernel(
     )
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _default_num_splits(
     device: torch.device, num_q_blocks: int, num_kv_heads: int, max_context: int
 ) -> int:
     # Split only when the grid would leave SMs idle and contexts are long enough to share.
+    # Decided from shapes alone: reading context_lens would cost a host sync.
     if device.type != "cuda":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device)
     by_occupancy = triton.cdiv(2 * num_sms, max(1, num_q_blocks * num_kv_heads))
     by_length = triton.cdiv(max_context, 512)
     return max(1, min(_MAX_SPLITS, by_occupancy, by_length))
@@ -247,6 +257,9 @@ def tree_attention(
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    if mask_bits is not None and mask_bits.stride(-1) != 1:
+        mask_bits = mask_bits.contiguous()
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must share strides with a contiguous head_dim")
     group = num_heads // num_kv_heads
@@ -262,7 +275,9 @@ def tree_attention(
     acc_dtype = tl.float64 if q.dtype == torch.float64 else tl.float32
     torch_acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if split:
-        partial = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch_acc, device=q.device)
+        partial = torch.empty(
+            num_splits, num_tokens, num_heads, head_dim, dtype=torch_acc, device=q.device
+        )
         part_max = torch.empty(num_splits, num_tokens, num_heads, dtype=torch_acc, device=q.device)
         part_sum = torch.empty_like(part_max)
         dest = partial

@@ -1,8 +1,9 @@
 """Triton tree verification: greedy_verify and rejection_sample, one program per sequence.
 
-Both walk the draft tree the way prescient.kernels.reference does: one pass over node indices
-1..num_nodes-1 (nodes are in topological order, so a node's children come after it and in index
-order), moving the walk to child c when it is accepted. Everything stays on the device: the
+Both walk the draft tree in one pass over node indices 1..num_nodes-1, as the reference's
+rejection_sample does (its greedy_verify chases first-matching-child pointers instead, which is
+equivalent): nodes are in topological order, so a node's children come after it and in index
+order, and the walk moves to child c when c is accepted. Everything stays on the device: the
 result tensors are written by the kernel and no value is read back by the host.
 """
 
@@ -158,6 +159,9 @@ def _rejection_sample_kernel(
                     # total == 0 only by round-off (p == q): keep p rather than divide by zero.
                     left = tl.where(total > 0, tl.maximum(p - q, 0.0) / total, p)
                     tl.store(residual_row + offs, left, mask=ok)
+                # Later reads of the residual (the next sibling's p[token], the final sample)
+                # may come from other threads of the program than the ones that wrote it.
+                tl.debug_barrier()
                 in_residual = tl.full([], 1, tl.int32)
     # Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. is a sample from p (recovered token
     # after a rejection, bonus token after a leaf). Ties go to the lowest index, as torch.argmax.

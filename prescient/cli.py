@@ -77,7 +77,7 @@ def _attach_speculator(engine, args) -> None:
     if getattr(args, "speculate", "off") == "off":
         return
     try:
-        from prescient.speculative.engine_hook import make_speculator
+        from prescient.speculative.speculator import make_speculator
     except ImportError:
         return
     engine.speculator = make_speculator(engine, args.speculate, getattr(args, "draft_model", None))

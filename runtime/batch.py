@@ -37,7 +37,7 @@ class ForwardBatch:
 
 def build_forward_batch(
     seqs: list,  # list[ScheduledSeq]
-    trees: list,  # per seq: None, or (tokens [N], parents [N], depth [N], mask_bits [N, W]) of its draft tree
+    trees: list,  # per seq: None or its DraftTree (node 0 = the last sampled token)
     block_size: int,
     device: torch.device,
 ) -> ForwardBatch:
@@ -63,9 +63,8 @@ def build_forward_batch(
             ids = r.all_token_ids[start:start + seq.num_new_tokens]
             pos = list(range(start, start + len(ids)))
         else:
-            tokens, _, depth, _ = tree
-            ids = list(tokens)
-            pos = [start + d for d in depth]
+            ids = list(tree.tokens)
+            pos = [start + d for d in tree.depth]
             any_tree = True
         row = len(input_ids)
         input_ids.extend(ids)
@@ -78,7 +77,7 @@ def build_forward_batch(
             logits_indices.extend(range(row, row + len(ids)))
         elif seq.samples:
             logits_indices.append(row + len(ids) - 1)
-        mask_rows.append((row, len(ids), None if tree is None else tree[3]))
+        mask_rows.append((row, len(ids), None if tree is None else tree.mask_bits()))
     mask_bits = _mask_bits(mask_rows, len(input_ids)) if any_tree else None
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return ForwardBatch(

@@ -24,6 +24,7 @@ from prescient.runtime.request import Request, RequestOutput, RequestStatus, SOU
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import Scheduler
+from prescient.runtime.sessions import SessionPins
 from prescient.runtime.step_result import SeqResult, commit_tokens
 from prescient.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -34,6 +35,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -51,7 +53,9 @@ class Engine:
         num_blocks = cache.num_blocks or max(64, cache.kv_cache_bytes // (model.kv_bytes_per_token() * cache.block_size))
         self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        self.sessions = SessionPins(self.block_manager, config.session_ttl_s)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   reclaim=self.sessions.evict_oldest)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
@@ -133,6 +137,9 @@ class Engine:
         return True
 
     def _release(self, request: Request) -> None:
+        if request.session_id is not None and request.finish_reason not in ("abort", "error"):
+            # keep the conversation's cached blocks for its next turn
+            self.sessions.pin(request.session_id, request.block_ids[:len(request.block_hashes)])
         self.scheduler.finish(request)
         self.detokenizers.pop(request.request_id, None)
         if self.speculator is not None:
@@ -144,12 +151,12 @@ class Engine:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
+        self.sessions.expire()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
         trees = self.speculator.propose(sched.seqs) if self.speculator else [None] * len(sched.seqs)
-        batch = build_forward_batch(sched.seqs, [t.forward_view() if t else None for t in trees],
-                                    self.block_manager.block_size, self.model.device)
+        batch = build_forward_batch(sched.seqs, trees, self.block_manager.block_size, self.model.device)
         logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
         results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator
                    else self._sample(sched.seqs, logits))

@@ -34,13 +34,11 @@ class _Layer:
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 fast_linear: bool = True, num_layers: int | None = None):
-        """`num_layers` < config.num_layers builds an early-exit copy (the self-speculative
-        draft) that shares the given tensors."""
+                 fast_linear: bool = True):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
-        self.num_layers = num_layers or config.num_layers
+        self.num_layers = config.num_layers
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype)
@@ -67,6 +65,17 @@ class LlamaModel:
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
         self.scale = config.head_dim ** -0.5
+
+    def early_exit(self, num_layers: int) -> "LlamaModel":
+        """A model made of this one's first `num_layers` layers, final norm and LM head, sharing
+        every tensor (no copy): the self-speculative draft when no draft model is given."""
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"early-exit depth must be in [1, {self.num_layers}], got {num_layers}")
+        draft = object.__new__(LlamaModel)
+        draft.__dict__.update(self.__dict__)
+        draft.layers = self.layers[:num_layers]
+        draft.num_layers = num_layers
+        return draft
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 (as the reference does for half types), scale in the model dtype.

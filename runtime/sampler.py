@@ -45,7 +45,7 @@ def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> to
 def exponential_noise(shape: tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
     """I.i.d. Exp(1) noise for the exponential race; float32 on CPU."""
     u = torch.rand(shape, generator=generator, dtype=torch.float32)
-    return -torch.log1p(-u).clamp_min(1e-20)
+    return (-torch.log1p(-u)).clamp_min(1e-20)
 
 
 def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -44,8 +44,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 reclaim=None):
+        """`reclaim()` frees memory held outside running requests (session pins); it returns
+        False when it has nothing left to give."""
         self.config = config
+        self.reclaim = reclaim or (lambda: False)
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -69,8 +73,9 @@ class Scheduler:
 
     def _grow(self, request: Request, num_slots: int) -> bool:
         n = self._blocks_needed(request, num_slots)
-        if not self.blocks.can_allocate(n):
-            return False
+        while not self.blocks.can_allocate(n):
+            if not self.reclaim():
+                return False
         request.block_ids.extend(self.blocks.allocate(n))
         return True
 
@@ -119,6 +124,8 @@ class Scheduler:
                 fresh = -(-(len(hit_ids) * self.block_size + num_new) // self.block_size) - len(hit_ids)
                 held = sum(1 for b in hit_ids if self.blocks.blocks[b].ref_count == 0)
                 if not self.blocks.can_allocate(fresh + held):
+                    if self.reclaim():
+                        continue  # pins released: match again, their blocks may be gone
                     break
                 self.blocks.acquire_prefix(hit_ids, len(request.prompt_token_ids) if not request.num_preemptions else 0)
                 request.block_ids = list(hit_ids)

@@ -33,9 +33,10 @@ class DraftTree:
             raise ValueError(f"tokens ({len(tokens)}) and parents ({len(parents)}) differ in length")
         if parents[0] != -1:
             raise ValueError("node 0 is the root: its parent must be -1")
-        for i, parent in enumerate(parents[1:], 1):
-            if not 0 <= parent < i:
-                raise ValueError(f"parents[{i}] = {parent}: nodes must follow their parents")
+        # parents[i] < i for every non-root node (C-level loops: trees are built every step)
+        if len(parents) > 1 and (min(parents[1:]) < 0 or not all(map(int.__lt__, parents[1:], range(1, len(parents))))):
+            bad = next(i for i in range(1, len(parents)) if not 0 <= parents[i] < i)
+            raise ValueError(f"parents[{bad}] = {parents[bad]}: nodes must follow their parents")
         if min(tokens) < 0:
             raise ValueError("token ids must be >= 0")
         self.tokens: tuple[int, ...] = tokens

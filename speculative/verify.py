@@ -78,118 +78,158 @@ def verify(
     drafts were chosen deterministically (n-gram, top-k trees): one-hot drafts.
     A request with a generator draws its randomness from it alone (reproducible per seed,
     whatever else is in the batch); requests without one share torch's default generator."""
-    num_nodes = [t.num_nodes for t in trees]
-    if target_logits.shape[0] != sum(num_nodes):
-        raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {sum(num_nodes)} tree nodes")
     if not (len(params) == len(generators) == len(trees)):
         raise ValueError("trees, params and generators must have one entry per request")
-    draft_probs = draft_probs if draft_probs is not None else [None] * len(trees)
-    cu_nodes = [0]
-    for n in num_nodes:
-        cu_nodes.append(cu_nodes[-1] + n)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    one_hot = [i for i, p in enumerate(params) if not p.greedy and draft_probs[i] is None]
-    sampled = [i for i, p in enumerate(params) if not p.greedy and draft_probs[i] is not None]
-    outcomes: list[VerifyOutcome | None] = [None] * len(trees)
-    if greedy:
-        _verify_greedy(greedy, trees, target_logits, cu_nodes, outcomes)
-    for group, with_draft_probs in ((one_hot, False), (sampled, True)):
-        if group:
-            _verify_sampled(group, trees, target_logits, cu_nodes, params, generators,
-                            draft_probs if with_draft_probs else None, outcomes)
-    return outcomes  # type: ignore[return-value]
+    draft_tokens, parents, num_nodes = pack_trees(trees)
+    flat_draft_probs = None
+    if draft_probs is not None and any(d is not None for d in draft_probs):
+        # One-hot rows for the deterministic drafts of the batch: the same rule (see below).
+        flat_draft_probs = torch.zeros(target_logits.shape, dtype=torch.float32)
+        flat_tokens = torch.tensor([t for tree in trees for t in tree.tokens])
+        flat_draft_probs[torch.arange(len(flat_tokens)), flat_tokens] = 1.0
+        start = 0
+        for tree, probs in zip(trees, draft_probs):
+            if probs is not None:
+                flat_draft_probs[start : start + tree.num_nodes] = probs
+            start += tree.num_nodes
+    verdict = verify_packed(draft_tokens, parents, num_nodes, target_logits, params, generators, flat_draft_probs)
+    return verdict.outcomes()
 
 
-def _verify_greedy(
-    requests: list[int], trees: Sequence[DraftTree], target_logits: torch.Tensor,
-    cu_nodes: list[int], outcomes: list[VerifyOutcome | None],
-) -> None:
-    sub_trees = [trees[i] for i in requests]
-    draft_tokens, parents, num_nodes = pack_trees(sub_trees)
-    rows, cols, flat = _node_index(requests, cu_nodes)
-    # The same argmax plain greedy decoding takes (target_probs_from_logits is one-hot on it).
-    target_argmax = torch.zeros_like(draft_tokens)  # [num_seqs, max_nodes]
-    target_argmax[rows, cols] = target_logits[flat].argmax(-1)
-    result = ops.greedy_verify(draft_tokens, parents, num_nodes, target_argmax)
-    _collect(requests, sub_trees, draft_tokens, parents, *result, outcomes)
+@dataclass(frozen=True)
+class BatchVerdict:
+    """verify_packed's result, one row per request."""
+
+    accept_len: torch.Tensor  # [num_seqs] int64: draft tokens accepted
+    accepted_nodes: torch.Tensor  # [num_seqs, max_nodes] int64: path from the root, padded -1
+    accepted_tokens: torch.Tensor  # [num_seqs, max_nodes] int64: their tokens (root's first), padded -1
+    next_token: torch.Tensor  # [num_seqs] int64: the bonus or recovered token
+    recovered: torch.Tensor  # [num_seqs] bool: next_token is recovered (else bonus)
+    num_nodes: torch.Tensor  # [num_seqs] int64: tree sizes, root included
+
+    def outcomes(self) -> list[VerifyOutcome]:
+        rows = zip(self.accept_len.tolist(), self.accepted_nodes.tolist(), self.accepted_tokens.tolist(),
+                   self.next_token.tolist(), self.recovered.tolist(), self.num_nodes.tolist())
+        return [VerifyOutcome(tuple(nodes[: n + 1]), tuple(toks[1 : n + 1]), token,
+                              RECOVERED if rec else BONUS, size - 1)
+                for n, nodes, toks, token, rec, size in rows]
 
 
-def _verify_sampled(
-    requests: list[int], trees: Sequence[DraftTree], target_logits: torch.Tensor,
-    cu_nodes: list[int], params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-    draft_probs: Sequence[torch.Tensor | None] | None, outcomes: list[VerifyOutcome | None],
-) -> None:
-    sub_trees = [trees[i] for i in requests]
-    draft_tokens, parents, num_nodes = pack_trees(sub_trees)
+def verify_packed(
+    draft_tokens: torch.Tensor,  # [num_seqs, max_nodes] int64, node 0 = root, padding -1
+    parents: torch.Tensor,  # [num_seqs, max_nodes] int64, padding -1
+    num_nodes: torch.Tensor,  # [num_seqs] int64
+    target_logits: torch.Tensor,  # [sum(num_nodes), vocab]: each tree's nodes, trees in order
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    draft_probs: torch.Tensor | None = None,  # [sum(num_nodes), vocab] or None = one-hot drafts
+) -> BatchVerdict:
+    """`verify` on trees already in the kernel layout (`pack_trees`), results as tensors: for
+    callers that keep a whole batch in tensors. Rows of draft_probs for deterministic drafts
+    must be one-hot on the node's token (which judges them exactly as a None would)."""
+    num_seqs, max_nodes = draft_tokens.shape
+    if target_logits.shape[0] != int(num_nodes.sum()):
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {int(num_nodes.sum())} tree nodes")
+    if not (len(params) == len(generators) == num_seqs):
+        raise ValueError("params and generators must have one entry per request")
+    rows, cols = _node_index(num_nodes)
+    accept_len = torch.zeros(num_seqs, dtype=torch.int64)
+    accepted_nodes = torch.full((num_seqs, max_nodes), -1, dtype=torch.int64)
+    next_token = torch.zeros(num_seqs, dtype=torch.int64)
+    is_greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    greedy, sampled = is_greedy.nonzero()[:, 0], (~is_greedy).nonzero()[:, 0]
+    if len(greedy):
+        # The same argmax plain greedy decoding takes (target_probs_from_logits is one-hot on it).
+        target_argmax = torch.zeros_like(draft_tokens)  # [num_seqs, max_nodes]
+        target_argmax[rows, cols] = target_logits.argmax(-1)
+        # Greedy tree verification (SpecInfer's token-tree verifier at temperature 0): follow
+        # the child whose token is the target's argmax at each node; the argmax at the last
+        # accepted node is the next token, exactly as plain greedy decoding would produce it.
+        result = ops.greedy_verify(draft_tokens[greedy], parents[greedy], num_nodes[greedy], target_argmax[greedy])
+        accept_len[greedy], accepted_nodes[greedy], next_token[greedy] = result
+    if len(sampled):
+        result = _rejection_sample(sampled, draft_tokens, parents, num_nodes, rows, cols, target_logits,
+                                   params, generators, draft_probs)
+        accept_len[sampled], accepted_nodes[sampled], next_token[sampled] = result
+    last = accepted_nodes.gather(1, accept_len[:, None])  # [num_seqs, 1]
+    # The next token is recovered iff the last accepted node has children (they were all
+    # rejected); at a leaf it is the bonus token.
+    recovered = (parents == last).any(1)
+    accepted_tokens = torch.where(accepted_nodes >= 0, draft_tokens.gather(1, accepted_nodes.clamp(min=0)), -1)
+    return BatchVerdict(accept_len, accepted_nodes, accepted_tokens, next_token, recovered, num_nodes)
+
+
+def _rejection_sample(
+    sampled: torch.Tensor,  # [num_sampled] rows of the batch that sample
+    draft_tokens: torch.Tensor,  # [num_seqs, max_nodes]
+    parents: torch.Tensor,  # [num_seqs, max_nodes]
+    num_nodes: torch.Tensor,  # [num_seqs]
+    rows: torch.Tensor,  # [sum(num_nodes)] batch row of each flat node
+    cols: torch.Tensor,  # [sum(num_nodes)] node index of each flat node
+    target_logits: torch.Tensor,  # [sum(num_nodes), vocab]
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    draft_probs: torch.Tensor | None,  # [sum(num_nodes), vocab]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_seqs, max_nodes = draft_tokens.shape
     vocab = target_logits.shape[1]
-    rows, cols, flat = _node_index(requests, cu_nodes)
-    target_probs = torch.zeros(num_seqs, max_nodes, vocab)  # [num_seqs, max_nodes, vocab]
+    position = torch.full((num_seqs,), -1, dtype=torch.int64)  # batch row -> row among the sampled
+    position[sampled] = torch.arange(len(sampled))
+    sub_rows = position[rows]  # [sum(num_nodes)], -1 for the nodes of greedy requests
+    target_probs = torch.zeros(len(sampled), max_nodes, vocab)  # [num_sampled, max_nodes, vocab]
     # One target_probs_from_logits call per distinct SamplingParams (agents mostly share them).
     by_params: dict[SamplingParams, list[int]] = {}
-    for seq, i in enumerate(requests):
-        by_params.setdefault(params[i], []).append(seq)
+    for seq in sampled.tolist():
+        by_params.setdefault(params[seq], []).append(seq)
     for request_params, seqs in by_params.items():
-        pick = torch.isin(rows, torch.tensor(seqs)) if len(seqs) < num_seqs else slice(None)
-        target_probs[rows[pick], cols[pick]] = target_probs_from_logits(target_logits[flat[pick]], request_params)
+        pick = sub_rows >= 0 if len(by_params) == 1 else torch.isin(rows, torch.tensor(seqs))
+        target_probs[sub_rows[pick], cols[pick]] = target_probs_from_logits(target_logits[pick], request_params)
     packed_draft_probs = None
     if draft_probs is not None:
-        packed_draft_probs = torch.zeros(num_seqs, max_nodes, vocab)  # [num_seqs, max_nodes, vocab]
-        packed_draft_probs[rows, cols] = torch.cat([draft_probs[i].float() for i in requests])
-    uniform, recovery_noise = _random_draws(requests, [t.num_nodes for t in sub_trees], generators, max_nodes, vocab)
-    result = ops.rejection_sample(draft_tokens, parents, num_nodes, target_probs, packed_draft_probs,
-                                  uniform, recovery_noise)
-    _collect(requests, sub_trees, draft_tokens, parents, *result, outcomes)
+        pick = sub_rows >= 0
+        packed_draft_probs = torch.zeros(len(sampled), max_nodes, vocab)  # [num_sampled, max_nodes, vocab]
+        packed_draft_probs[sub_rows[pick], cols[pick]] = draft_probs[pick].float()
+    sub_num_nodes = num_nodes[sampled]
+    uniform, recovery_noise = _random_draws(sampled.tolist(), sub_num_nodes.tolist(), generators, max_nodes, vocab)
+    # Recursive rejection sampling over the tree: SpecInfer's multi-step speculative sampling
+    # (Miao et al. 2024, Alg. 2) generalising Leviathan et al. 2023 (Alg. 1, Thm. 1) from a chain
+    # to siblings: child c with token t is accepted with prob min(1, target(t) / draft_c(t)); on
+    # rejection the target becomes norm(max(target - draft_c, 0)) for the next sibling, and the
+    # next token is sampled from whatever distribution the walk stops at (the residual:
+    # recovered token; the target itself at a leaf: bonus token). One-hot drafts reduce this to
+    # walking the siblings: accept t with prob target(t), else zero it out and renormalise.
+    # Exact for any drafts, provided draft_probs row c is the distribution node c's token was
+    # drawn from given the draws before it: the parent's draft distribution for i.i.d. siblings,
+    # that distribution renormalised over the not-yet-drawn tokens for sampling without
+    # replacement, one-hot for deterministic drafts.
+    return ops.rejection_sample(draft_tokens[sampled], parents[sampled], sub_num_nodes, target_probs,
+                                packed_draft_probs, uniform, recovery_noise)
 
 
 def _random_draws(
-    requests: list[int], num_nodes: list[int], generators: Sequence[torch.Generator | None],
+    seqs: list[int], num_nodes: list[int], generators: Sequence[torch.Generator | None],
     max_nodes: int, vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """uniform [num_seqs, max_nodes] (column c judges node c; column 0 unused) and
-    recovery_noise [num_seqs, vocab], Exp(1). A request with a generator draws the noise first,
-    then one uniform per draft node, so a 1-node tree consumes exactly what plain sampling
-    does; requests without one draw together from the default generator."""
-    uniform = torch.zeros(len(requests), max_nodes)
-    recovery_noise = torch.empty(len(requests), vocab)
-    shared = [seq for seq, i in enumerate(requests) if generators[i] is None]
-    if shared:
-        recovery_noise[shared] = exponential_noise((len(shared), vocab), None)
-        uniform[shared, 1:] = torch.rand(len(shared), max_nodes - 1)
-    for seq, i in enumerate(requests):
-        generator = generators[i]
-        if generator is not None:
-            recovery_noise[seq] = exponential_noise((1, vocab), generator)[0]
-            uniform[seq, 1 : num_nodes[seq]] = torch.rand(num_nodes[seq] - 1, generator=generator)
+    """uniform [len(seqs), max_nodes] (column c judges node c; column 0 unused) and
+    recovery_noise [len(seqs), vocab], Exp(1). A request with a generator draws the noise
+    first, then one uniform per draft node, so a 1-node tree consumes exactly what plain
+    sampling does; requests without one draw together from the default generator."""
+    uniform = torch.zeros(len(seqs), max_nodes)
+    recovery_noise = torch.empty(len(seqs), vocab)
+    own = [(i, generators[seq]) for i, seq in enumerate(seqs) if generators[seq] is not None]
+    if len(own) < len(seqs):
+        shared = torch.ones(len(seqs), dtype=torch.bool)
+        shared[[i for i, _ in own]] = False
+        recovery_noise[shared] = exponential_noise((len(seqs) - len(own), vocab), None)
+        uniform[shared, 1:] = torch.rand(len(seqs) - len(own), max_nodes - 1)
+    for i, generator in own:
+        recovery_noise[i] = exponential_noise((1, vocab), generator)[0]
+        uniform[i, 1 : num_nodes[i]] = torch.rand(num_nodes[i] - 1, generator=generator)
     return uniform, recovery_noise
 
 
-def _node_index(requests: list[int], cu_nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For every node of the selected requests: (seq row in the packed batch, node column,
-    row in the flat target_logits), each [num_selected_nodes] int64."""
-    starts = torch.tensor([cu_nodes[i] for i in requests], dtype=torch.int64)
-    counts = torch.tensor([cu_nodes[i + 1] - cu_nodes[i] for i in requests], dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(requests)), counts)
-    cols = torch.arange(int(counts.sum())) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
-    return rows, cols, starts[rows] + cols
-
-
-def _collect(
-    requests: list[int], sub_trees: list[DraftTree],
-    draft_tokens: torch.Tensor,  # [num_seqs, max_nodes]
-    parents: torch.Tensor,  # [num_seqs, max_nodes]
-    accept_len: torch.Tensor,  # [num_seqs]
-    accepted_nodes: torch.Tensor,  # [num_seqs, max_nodes], padded -1
-    next_token: torch.Tensor,  # [num_seqs]
-    outcomes: list[VerifyOutcome | None],
-) -> None:
-    rows = torch.arange(len(requests))
-    last = accepted_nodes[rows, accept_len]
-    # A rejection happened iff the last accepted node has children: then the next token is the
-    # residual's sample (recovered); at a leaf it is the target's own sample (bonus).
-    rejected = (parents == last[:, None]).any(1).tolist()
-    path_tokens = draft_tokens.gather(1, accepted_nodes.clamp(min=0)).tolist()
-    for seq, (i, n, nodes, toks, token, rej) in enumerate(zip(
-            requests, accept_len.tolist(), accepted_nodes.tolist(), path_tokens, next_token.tolist(), rejected)):
-        outcomes[i] = VerifyOutcome(tuple(nodes[: n + 1]), tuple(toks[1 : n + 1]), token,
-                                    RECOVERED if rej else BONUS, sub_trees[seq].num_draft_tokens)
+def _node_index(num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch row, node index) of every flat node row, each [sum(num_nodes)] int64."""
+    rows = torch.repeat_interleave(torch.arange(len(num_nodes)), num_nodes)
+    starts = num_nodes.cumsum(0) - num_nodes
+    return rows, torch.arange(len(rows)) - starts[rows]

@@ -48,6 +48,22 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def default_engine():
     """One real default model (float32) for every slow test of the session."""
+    from prescient.runtime.config import CacheConfig
+    from prescient.runtime.engine import Engine, EngineConfig
+
+    return Engine.from_pretrained(dtype="float32", config=EngineConfig(cache=CacheConfig(kv_cache_bytes=256 << 20)))
+
+
+def sibling_engine(engine, **config_overrides):
+    """Another Engine over the same loaded model and tokenizer (its own KV cache and queue)."""
+    import dataclasses
+
     from prescient.runtime.engine import Engine
 
-    return Engine.from_pretrained(dtype="float32")
+    return Engine(engine.model, engine.tokenizer, dataclasses.replace(engine.config, **config_overrides))
+
+
+def load_workloads() -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in WORKLOADS.read_text().splitlines() if line.strip()]

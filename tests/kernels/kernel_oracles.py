@@ -74,11 +74,12 @@ def attention_oracle(
         slots = [slot_of(block_tables[i], p, block_size) for p in range(ctx)]
         k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
         v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].double()
+        kv_head = torch.arange(num_heads) // group  # GQA: query head h reads kv head h // group
         for t in range(start, end):
             seen = torch.cat([torch.ones(prefix, dtype=torch.bool), visible_new[t]])
-            for h in range(num_heads):
-                scores = k[seen, h // group] @ q[t, h].double() * scale
-                out[t, h] = scores.softmax(0) @ v[seen, h // group]
+            keys, values = k[seen][:, kv_head], v[seen][:, kv_head]  # [num_seen, num_heads, head_dim]
+            scores = torch.einsum("nhd,hd->hn", keys, q[t].double()) * scale
+            out[t] = torch.einsum("hn,nhd->hd", scores.softmax(-1), values)
     return out
 
 

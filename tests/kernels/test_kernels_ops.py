@@ -15,6 +15,7 @@ import torch
 from prescient.kernels import ops
 from prescient.kernels.reference import pack_bits
 from tests.kernels import kernel_oracles as oracle
+from tests.kernels.conftest import HAS_TRITON
 
 BLOCK_SIZE = 16
 
@@ -76,6 +77,29 @@ def test_tree_attention_block_edges_and_causal(backend, device, dtype):
     want = oracle.attention_oracle(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), ctx.cpu(), cu.cpu(), visible, 0.125)
     tol = {torch.bfloat16: 2e-2, torch.float32: 2e-5, torch.float64: 1e-6}[dtype]
     torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_tree_attention_kv_splits(device):
+    """Flash-decoding: the KV range split over 3 programs per query block, merged by a second
+    kernel; one split of the short sequence is empty."""
+    from prescient.kernels import triton_tree_attention
+
+    (q, k, v, bt, ctx, cu), mask_bits, visible = _attention_case(
+        [1, WIDE, 1], [90, 40, 3], 2, 2, 64, torch.float32, device, seed=8
+    )
+    out = triton_tree_attention.tree_attention(q, k, v, bt, ctx, cu, mask_bits, 0.125, num_splits=3)
+    want = oracle.attention_oracle(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), ctx.cpu(), cu.cpu(), visible, 0.125)
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
+
+
+def test_tree_attention_prefill_chunk(backend, device):
+    # 70 new tokens after 10 cached ones, GQA 2: the kernel's wide (64-row) query blocks, three
+    # of them in one sequence, each stopping its KV loop at its last query.
+    (q, k, v, bt, ctx, cu), _, visible = _attention_case([70], [10], 4, 2, 64, torch.float32, device, seed=9)
+    out = ops.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
+    want = oracle.attention_oracle(q.cpu(), k.cpu(), v.cpu(), bt.cpu(), ctx.cpu(), cu.cpu(), visible, 0.125)
+    torch.testing.assert_close(out.cpu().double(), want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,0 +1,180 @@
+"""GrammarCompiler: one per tokenizer; compiles GrammarSpecs in the background, cached by spec.
+
+`submit(spec)` is called when a request arrives and returns at once; the compile runs on a small
+thread pool (xgrammar releases the GIL) so it overlaps queueing and prefill. The engine asks
+`pending.done()` without blocking and calls `pending.result()` when the request needs its first
+mask. The time limit runs from submission: a request whose grammar is not ready by then fails
+with GrammarError (xgrammar cannot cancel a compile, so it finishes in the background and its
+result still lands in the cache; a repeat of the same spec waits on that same compile).
+
+Every JSON schema that reaches xgrammar, including tool argument schemas, passes
+`check_schema` first, so nothing is silently weakened.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import xgrammar as xgr
+
+from prescient.grammar.errors import GrammarError
+from prescient.grammar.matcher import Matcher
+from prescient.grammar.pattern import has_pattern, schema_ebnf_with_patterns
+from prescient.grammar.schema_check import check_pattern, check_schema
+from prescient.grammar.spec import GrammarSpec
+from prescient.grammar.tokenizer import GrammarTokenizer
+from prescient.grammar.tools import tool_call_structural_tag
+
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:47:55] /project/cpp/x.cc:5082: "
+
+
+@dataclass(frozen=True)
+class CompilerConfig:
+    time_limit_s: float = 10.0
+    max_workers: int = 2  # grammars compiled at once
+    xgrammar_threads: int = 2  # threads inside one xgrammar compile
+    cache_size: int = 512  # compiled grammars kept, least recently used evicted
+    # JSON layout. False fixes it to json.dumps' default (", " and ": ", one line): forced
+    # spans then cover whole keys (`{"location": "` is one jump-forward span instead of none)
+    # and a small model cannot loop on whitespace. True allows any whitespace between tokens.
+    any_whitespace: bool = False
+    max_whitespace: int | None = None  # with any_whitespace: cap on one whitespace run
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1:
+            raise ValueError(f"invalid CompilerConfig {self}")
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    spec: GrammarSpec
+    handle: xgr.CompiledGrammar
+    tokenizer: GrammarTokenizer
+    compile_s: float
+
+    def matcher(self) -> Matcher:
+        return Matcher(self.handle, self.tokenizer)
+
+
+class PendingGrammar:
+    """A compile in flight (or done); `result()` honors the deadline set at submission."""
+
+    def __init__(self, spec: GrammarSpec, future: Future, deadline: float, time_limit_s: float):
+        self.spec = spec
+        self._future = future
+        self._deadline = deadline
+        self._time_limit_s = time_limit_s
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> CompiledGrammar:
+        try:
+            return self._future.result(timeout=max(0.0, self._deadline - time.monotonic()))
+        except FutureTimeout:
+            raise GrammarError(f"grammar compile exceeded the {self._time_limit_s:g} s time "
+                               "limit", feature="time_limit") from None
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: GrammarTokenizer, config: CompilerConfig = CompilerConfig()):
+        self.tokenizer = tokenizer
+        self.config = config
+        # xgrammar's own cache is off: ours bounds memory by entry count and also caches refusals.
+        self._xgr = xgr.GrammarCompiler(
+            tokenizer.info, max_threads=config.xgrammar_threads, cache_enabled=False
+        )
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar")
+        self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self._builders = {
+            "json_schema": self._json_schema,
+            "json_object": self._json_object,
+            "regex": self._regex,
+            "ebnf": self._ebnf,
+            "tool_calls": self._tool_calls,
+        }
+
+    def submit(self, spec: GrammarSpec) -> PendingGrammar:
+        start = time.monotonic()
+        with self._lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self.hits += 1
+                self._cache.move_to_end(spec)
+            else:
+                self.misses += 1
+                future = self._pool.submit(self._compile, spec)
+                self._cache[spec] = future
+                if len(self._cache) > self.config.cache_size:
+                    self._cache.popitem(last=False)
+        limit = self.config.time_limit_s
+        return PendingGrammar(spec, future, start + limit, limit)
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Blocking submit + result."""
+        return self.submit(spec).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- per-kind builders (run on the pool) ------------------------------------------------
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            handle = self._builders[spec.kind](spec.source)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as err:
+            # xgrammar reports an invalid grammar, regex or schema as RuntimeError; keep the
+            # message's last line (the first names xgrammar's source file).
+            lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+            message = _LOG_PREFIX.sub("", lines[-1]) if lines else type(err).__name__
+            raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {message}",
+                               feature=spec.kind) from err
+        return CompiledGrammar(spec, handle, self.tokenizer, time.perf_counter() - start)
+
+    def _json_options(self) -> dict:
+        # strict_mode=False keeps JSON Schema's meaning: undeclared keys are allowed unless
+        # the schema says additionalProperties: false.
+        return dict(any_whitespace=self.config.any_whitespace, strict_mode=False,
+                    max_whitespace_cnt=self.config.max_whitespace)
+
+    def _json_schema(self, source: str) -> xgr.CompiledGrammar:
+        schema = json.loads(source)
+        check_schema(schema)
+        if has_pattern(schema):  # see pattern.py: xgrammar's own pattern FSM over-accepts
+            return self._xgr.compile_grammar(schema_ebnf_with_patterns(schema, self._schema_ebnf))
+        return self._xgr.compile_json_schema(source, **self._json_options())
+
+    def _json_object(self, source: str) -> xgr.CompiledGrammar:
+        return self._xgr.compile_json_schema('{"type": "object"}', **self._json_options())
+
+    def _regex(self, source: str) -> xgr.CompiledGrammar:
+        check_pattern(source)
+        return self._xgr.compile_regex(source)
+
+    def _ebnf(self, source: str) -> xgr.CompiledGrammar:
+        return self._xgr.compile_grammar(source)
+
+    def _tool_calls(self, source: str) -> xgr.CompiledGrammar:
+        return self._xgr.compile_structural_tag(tool_call_structural_tag(source, self._args_ebnf))
+
+    def _args_ebnf(self, schema: object) -> str:
+        check_schema(schema)
+        if has_pattern(schema):
+            return schema_ebnf_with_patterns(schema, self._schema_ebnf)
+        return self._schema_ebnf(json.dumps(schema))
+
+    def _schema_ebnf(self, schema_json: str) -> str:
+        return str(xgr.Grammar.from_json_schema(schema_json, **self._json_options()))

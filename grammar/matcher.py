@@ -1,0 +1,112 @@
+"""Matcher: one per constrained request, a thin wrapper around xgrammar.GrammarMatcher.
+
+The engine advances it with every committed token (`accept_token`), undoes rejected speculation
+with `rollback`, and asks it for the next-token mask of its row in the batch bitmask
+(`[num_rows, ceil(vocab_size / 32)]` int32 on CPU, bit set = allowed; copy it to the device).
+`BatchMaskFiller` fills many rows at once on xgrammar's thread pool.
+
+Forced spans (jump-forward): when the grammar admits exactly one continuation, `forced_tokens()`
+returns it tokenized by the model's own tokenizer, so the tokens are canonical, minus the last
+token, whose bytes could merge with whatever follows (`{"name` may become one token once `"`
+is known). The engine proposes them as free draft tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, Literal, Sequence
+
+import torch
+import xgrammar as xgr
+
+if TYPE_CHECKING:
+    from prescient.grammar.tokenizer import GrammarTokenizer
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)] int32, all tokens allowed."""
+    return xgr.allocate_token_bitmask(num_rows, vocab_size)
+
+
+class Matcher:
+    def __init__(self, compiled: xgr.CompiledGrammar, tokenizer: "GrammarTokenizer",
+                 _handle: xgr.GrammarMatcher | None = None):
+        self.tokenizer = tokenizer
+        self._compiled = compiled
+        self.handle = _handle or xgr.GrammarMatcher(
+            compiled, override_stop_tokens=list(tokenizer.stop_token_ids)
+        )
+        self.num_tokens = 0  # accepted and not rolled back; rollback cannot go past 0
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar forbids it."""
+        ok = self.handle.accept_token(int(token_id))
+        self.num_tokens += ok
+        return ok
+
+    def accept_tokens(self, token_ids: Iterable[int]) -> int:
+        """Accept tokens in order up to the first forbidden one; returns how many were taken."""
+        n = 0
+        for token_id in token_ids:
+            if not self.accept_token(token_id):
+                break
+            n += 1
+        return n
+
+    def rollback(self, num_tokens: int = 1) -> None:
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_tokens} tokens")
+        if num_tokens:
+            self.handle.rollback(num_tokens)
+            self.num_tokens -= num_tokens
+
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the output is complete and nothing more is allowed."""
+        return self.handle.is_terminated()
+
+    def is_completed(self) -> bool:
+        """The text so far is a complete match (a stop token is allowed next)."""
+        return self.handle.is_completed()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> bool:
+        """Write the allowed-next-token mask to `bitmask[row]`; False if it allows everything."""
+        return self.handle.fill_next_token_bitmask(bitmask, row)
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar forces next (canonically tokenized, last one held back)."""
+        if self.handle.is_terminated():
+            return []
+        text = self.handle.find_jump_forward_string()
+        if not text:
+            return []
+        token_ids = self.tokenizer.encode(text)[:-1]
+        probe = self.handle.fork()
+        forced = []
+        for token_id in token_ids:
+            if not probe.accept_token(token_id):
+                break  # cannot happen for a canonical tokenizer; keep what is valid
+            forced.append(token_id)
+        return forced
+
+    def fork(self) -> "Matcher":
+        twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork())
+        twin.num_tokens = self.num_tokens
+        return twin
+
+
+class BatchMaskFiller:
+    """Fills the bitmask rows of many matchers in one call, on xgrammar's own thread pool."""
+
+    def __init__(self, max_threads: int | Literal["auto"] = "auto"):
+        self._batch = xgr.BatchGrammarMatcher(max_threads)
+
+    def fill(self, matchers: Sequence[Matcher], bitmask: torch.Tensor,
+             rows: Sequence[int] | None = None) -> None:
+        """bitmask: [num_rows, ceil(vocab_size / 32)] int32 CPU; matcher i fills rows[i]
+        (default: row i)."""
+        if rows is not None and len(rows) != len(matchers):
+            raise ValueError("rows and matchers differ in length")
+        if not matchers:
+            return
+        self._batch.batch_fill_next_token_bitmask(
+            [m.handle for m in matchers], bitmask, None if rows is None else list(rows)
+        )

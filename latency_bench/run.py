@@ -1,0 +1,253 @@
+"""One benchmark run, phase by phase, into a report (JSON + Markdown + PNGs) in `cfg.out`.
+
+    measure    read bandwidth, GEMM peak per dtype (in this run, on this machine's current load)
+    batch 1    every mode on the same prompts, interleaved (batch1.py) -> issue-2/3 comparisons
+    verify     k-token vs 1-token forward cost (verify_cost.py)
+    concurrent N requests in one engine vs the same at batch 1 (concurrency.py)
+    load       per load mode: closed-loop agents, open loop at a rate, rate sweep (full runs)
+    report     JSON (validated against schema.py when jsonschema is installed), Markdown, plots
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from prescient.latency_bench import analysis, hf_runner, llamacpp_runner, prescient_runner  # noqa: F401 (registers runners)
+from prescient.latency_bench.agent_loop import AgentLoadConfig, run_agents
+from prescient.latency_bench.batch1 import chat_prompt_ids, run_batch1
+from prescient.latency_bench.concurrency import measure_concurrency
+from prescient.latency_bench.config import BenchConfig
+from prescient.latency_bench.context import DTYPES, BenchContext, EngineKnobs
+from prescient.latency_bench.efficiency import machine_info, matmul_params, measure_gemm_flops, measure_read_bandwidth
+from prescient.latency_bench.markdown import render
+from prescient.latency_bench.modes import RUNNERS, ModeSpec, Unavailable, default_modes
+from prescient.latency_bench.open_loop import best_rate, run_open_loop
+from prescient.latency_bench.schema import SCHEMA_VERSION
+from prescient.latency_bench.verify_cost import measure_verify_cost
+from prescient.latency_bench.workloads import load_workloads, select
+from prescient.runtime.slo import SLOTracker
+
+
+def _bar(cfg: BenchConfig, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def _log(cfg: BenchConfig, msg: str) -> None:
+    if cfg.progress:
+        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
+    t0 = time.perf_counter()
+    created = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if not cfg.quick:
+        _log(cfg, "full run: every prompt, 2 repetitions, rate sweep; expect well over half an hour on 2 cores")
+    notes: list[str] = []
+
+    machine = machine_info()
+    _log(cfg, "measuring read bandwidth and GEMM peak")
+    machine["dram_read_bytes_s"] = measure_read_bandwidth(cfg.bandwidth_bytes)
+    needed = tuple(dict.fromkeys(cfg.dtypes + (cfg.spec_dtype,)))
+    machine["gemm_peak_flops"] = {d: measure_gemm_flops(DTYPES[d], cfg.gemm_n) for d in needed}
+
+    ctx = BenchContext(cfg.model, EngineKnobs(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_gb,
+                                              cfg.draft_model))
+    ctx.llamacpp_model = cfg.llamacpp_model
+    all_workloads, wmeta = load_workloads(cfg.workloads)
+    selected = select(all_workloads, cfg.prompts_per_kind, cfg.max_tokens_cap)
+    wmeta["selected"] = [w.name for w in selected]
+
+    specs = default_modes(cfg.dtypes, cfg.spec_dtype)
+    if cfg.modes:
+        specs = [s for s in specs if s.name in cfg.modes]
+    _log(cfg, f"loading {ctx.model_path} and building {len(specs)} modes")
+    runners, mode_entries = {}, []
+    for spec in specs:
+        entry = spec.to_dict()
+        try:
+            runners[spec.name] = RUNNERS[spec.engine](spec, ctx)
+            entry.update(available=True, reason=None)
+        except Unavailable as e:
+            entry.update(available=False, reason=str(e))
+        mode_entries.append(entry)
+    model_cfg = ctx.model_config
+
+    # ------------------------------------------------------------ batch 1
+    bar = _bar(cfg, cfg.reps * len(selected) * len(runners), "batch-1 runs")
+    records = run_batch1(runners, selected, ctx.tokenizer, cfg.reps, bar)
+    bar.close()
+    modes = analysis.mode_sections(records, runners, model_cfg, machine["dram_read_bytes_s"],
+                                   machine["gemm_peak_flops"], cfg.slo)
+    comparisons = analysis.comparisons(records, modes, [s for s in specs if s.name in runners], cfg.slo)
+
+    # ------------------------------------------------------------ verify cost
+    verify_dtypes = needed if not cfg.quick else (cfg.spec_dtype,)
+    verify = []
+    for dtype in verify_dtypes:
+        _log(cfg, f"verify cost, {dtype}")
+        verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps,
+                                          seed=cfg.seed))
+
+    # ------------------------------------------------------------ concurrency
+    short = [chat_prompt_ids(ctx.tokenizer, w) for w in all_workloads if w.kind in ("chat", "tool_call")]
+    conc_dtypes = cfg.dtypes if not cfg.quick else (cfg.spec_dtype,)
+    concurrency = []
+    for dtype in conc_dtypes:
+        bar = _bar(cfg, 2 * cfg.concurrent_reps, f"{cfg.num_concurrent} concurrent vs batch 1, {dtype}")
+        concurrency.append(measure_concurrency(ctx.engine(dtype, "off"), short, cfg.num_concurrent,
+                                               cfg.concurrent_max_tokens, cfg.concurrent_reps, cfg.slo, bar))
+        bar.close()
+
+    # ------------------------------------------------------------ load
+    load = _load_phases(cfg, ctx, all_workloads, selected, modes, notes)
+
+    # ------------------------------------------------------------ report
+    machine["load_avg_end"] = list(os.getloadavg())
+    report = {
+        "schema_version": SCHEMA_VERSION, "tool": "prescient.latency_bench", "created_utc": created,
+        "command": command, "quick": cfg.quick, "wall_s": None, "config": _jsonable(dataclasses.asdict(cfg)),
+        "machine": machine,
+        "model": {"path": ctx.model_path, "name": model_cfg.name, "architecture": model_cfg.architecture,
+                  "num_layers": model_cfg.num_layers, "hidden_size": model_cfg.hidden_size,
+                  "vocab_size": model_cfg.vocab_size, "matmul_params": matmul_params(model_cfg),
+                  "kv_bytes_per_token": {d: ctx.model(d).kv_bytes_per_token() for d in needed}},
+        "workloads": wmeta, "slo": cfg.slo.to_dict(), "modes": mode_entries,
+        "batch1": {"reps": cfg.reps, "modes": modes, "runs": analysis.run_rows(records, cfg.slo)},
+        "comparisons": comparisons, "verify_cost": verify, "concurrency": concurrency, "load": load,
+        "plots": [], "notes": notes + _standard_notes(cfg, specs, runners),
+    }
+    if cfg.plots:
+        from prescient.latency_bench.plots import plot_all
+
+        report["plots"] = plot_all(report, out)
+    report["wall_s"] = time.perf_counter() - t0
+    validate(report)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "report.md").write_text(render(report))
+    _log(cfg, f"wrote {out / 'report.json'}, {out / 'report.md'} and {len(report['plots'])} plots "
+              f"in {report['wall_s'] / 60:.1f} min")
+    return report
+
+
+def _load_phases(cfg: BenchConfig, ctx, all_workloads, selected, modes: dict, notes: list[str]) -> dict:
+    load = {"client": cfg.server or "in-process AsyncEngine", "closed_loop": [], "open_loop": [], "sweep": [],
+            "max_rate_meeting_slo": {}}
+    scripts = [w for w in all_workloads if w.kind == "tool_call"]
+    agent_cfg = AgentLoadConfig(cfg.num_agents, cfg.sessions_per_agent, cfg.agent_turns, cfg.tool_latency_s,
+                                cfg.agent_max_tokens)
+    for speculate in cfg.load_speculate:
+        name = ModeSpec("prescient", cfg.spec_dtype, speculate).name
+        factory = _client_factory(cfg, ctx, speculate)
+        # open-loop rates scale with what this mode served at batch 1 (1 / mean E2E)
+        b1 = modes.get(name) or modes.get(ModeSpec("prescient", cfg.spec_dtype).name)
+        capacity = 1.0 / b1["summary"]["e2e_s"]["mean"] if b1 and b1["summary"]["e2e_s"]["mean"] else 0.1
+
+        try:
+            client, tracker = factory()
+        except Unavailable as e:
+            notes.append(f"load mode {name} skipped: {e}")
+            continue
+        bar = _bar(cfg, cfg.num_agents * cfg.sessions_per_agent, f"agents {name}")
+        agents = run_agents(client, scripts, agent_cfg, f"agent-{name}", bar)
+        bar.close()
+        load["closed_loop"].append({"mode": name, "agents": agents, "latency": tracker.summary(),
+                                    "engine": client.engine_stats()})
+        client.close()
+
+        rate = cfg.open_rate or capacity
+        client, tracker = factory()
+        bar = _bar(cfg, cfg.open_requests, f"open loop {name} @ {rate:.2f} req/s")
+        info = run_open_loop(client, selected, rate, cfg.open_requests, f"open-{name}", cfg.arrival, cfg.arrival_cv,
+                             cfg.seed, bar)
+        bar.close()
+        load["open_loop"].append({"mode": name, **info, "latency": tracker.summary(), "engine": client.engine_stats()})
+        client.close()
+
+        if cfg.sweep:
+            points = []
+            bar = _bar(cfg, len(cfg.sweep_factors) * cfg.sweep_requests, f"rate sweep {name}")
+            for factor in cfg.sweep_factors:
+                client, tracker = factory()
+                info = run_open_loop(client, selected, capacity * factor, cfg.sweep_requests,
+                                     f"sweep-{name}-{factor}", cfg.arrival, cfg.arrival_cv, cfg.seed, bar)
+                s = tracker.summary()
+                client.close()
+                points.append({"mode": name, "rate_rps": info["rate_rps"], "throughput_rps": s["throughput_rps"],
+                               "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
+                               "ttft_p99_s": s["ttft_s"]["p99"], "itl_p99_s": s["itl_p99_overall_s"]})
+                if (s["slo_attainment"] or 0) < 0.5:
+                    break  # past saturation: higher rates only queue longer
+            bar.close()
+            load["sweep"] += points
+            load["max_rate_meeting_slo"][name] = best_rate(points, cfg.attainment_target)
+    return load
+
+
+def _client_factory(cfg: BenchConfig, ctx, speculate: str):
+    """-> () -> (client, tracker), a fresh engine per load run (cold caches); raises Unavailable
+    when the speculator does not attach. With --server, the load goes to the running server."""
+    if cfg.server:
+        from prescient.latency_bench.server_client import ServerClient
+
+        def make_server():
+            tracker = SLOTracker(cfg.slo)
+            return ServerClient(cfg.server, ctx.tokenizer, tracker), tracker
+
+        return make_server
+    from prescient.latency_bench.load_client import InProcessClient
+
+    def make():
+        engine = ctx.engine(cfg.spec_dtype, speculate)
+        if speculate != "off" and engine.speculator is None:
+            raise Unavailable(f"speculation {speculate!r} did not attach to the engine")
+        tracker = SLOTracker(cfg.slo)
+        return InProcessClient(engine, tracker), tracker
+
+    return make
+
+
+def _standard_notes(cfg: BenchConfig, specs, runners) -> list[str]:
+    notes = []
+    if cfg.quick:
+        notes.append("Quick run: a subset of the prompts (first "
+                     f"{cfg.prompts_per_kind} per kind), one repetition, short load phases, no rate sweep.")
+    if any(s.engine == "hf" for s in specs) and len({s.dtype for s in specs if s.engine == "hf"}) > 1:
+        notes.append("transformers loads the GGUF once (dequantized to dense weights by from_pretrained); its "
+                     "other dtype is that model cast with .to(dtype), the weights a second load would give.")
+    notes.append("Queue time is first_scheduled_time - arrival_time as the engine stamps them.")
+    notes.append("TTFT includes tokenized-prompt prefill from a cold prefix cache in batch-1 runs; "
+                 "load phases keep the prefix cache on, as a server would.")
+    return notes
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def validate(report: dict) -> None:
+    """Check the report against the schema when jsonschema is installed (it is in the test extras)."""
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    from prescient.latency_bench.schema import REPORT_SCHEMA
+
+    jsonschema.validate(report, REPORT_SCHEMA)

@@ -1,0 +1,105 @@
+"""Benchmark workloads: the shared chat / tool_call / long_edit prompts and the agent loop script.
+
+The canonical prompts live in ../shared/workloads/workloads.jsonl (made by make_workloads.py,
+shared by every peer measurement); `workloads.jsonl` next to this file is a verbatim copy used
+when the shared folder is absent (a fresh checkout). The report records which file was read and
+its sha256, so two reports can be checked to have measured the same prompts.
+
+An agent session starts from a tool_call prompt. Each turn's reply is treated as a tool call;
+after `tool_latency_s` the simulated tool answers with a deterministic JSON result (as a `tool`
+message) and the next turn continues the same conversation under the same session id, so the
+engine can reuse the conversation's KV and the proposer can copy from earlier turns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+KINDS = ("chat", "tool_call", "long_edit")
+_HERE = Path(__file__).resolve().parent
+SHARED_WORKLOADS = _HERE.parent.parent / "shared" / "workloads" / "workloads.jsonl"
+BUNDLED_WORKLOADS = _HERE / "workloads.jsonl"
+
+
+@dataclass(frozen=True)
+class Workload:
+    index: int  # line number in the file (stable prompt id across reports)
+    kind: str
+    messages: tuple  # chat messages (dicts)
+    max_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.index}"
+
+
+def default_workloads_path() -> Path:
+    return SHARED_WORKLOADS if SHARED_WORKLOADS.exists() else BUNDLED_WORKLOADS
+
+
+def load_workloads(path: str | Path | None = None) -> tuple[list[Workload], dict]:
+    """All workloads in file order, and {path, sha256} for the report."""
+    p = Path(path) if path else default_workloads_path()
+    if not p.exists():
+        raise FileNotFoundError(f"workloads file not found: {p}")
+    raw = p.read_bytes()
+    items = []
+    for i, line in enumerate(raw.decode().splitlines()):
+        if line.strip():
+            w = json.loads(line)
+            items.append(Workload(i, w["workload"], tuple(w["messages"]), int(w["max_tokens"])))
+    return items, {"path": str(p), "sha256": hashlib.sha256(raw).hexdigest(), "num_workloads": len(items)}
+
+
+def select(workloads: list[Workload], per_kind: int | None, max_tokens_cap: int | None = None) -> list[Workload]:
+    """The first `per_kind` prompts of each kind (all when None), max_tokens capped if asked."""
+    out, seen = [], {}
+    for w in workloads:
+        seen[w.kind] = seen.get(w.kind, 0) + 1
+        if per_kind is None or seen[w.kind] <= per_kind:
+            cap = min(w.max_tokens, max_tokens_cap) if max_tokens_cap else w.max_tokens
+            out.append(Workload(w.index, w.kind, w.messages, cap))
+    return out
+
+
+# ---------------------------------------------------------------- simulated tools
+
+_WEATHER = {"paris": (14, "light rain"), "oslo": (-3, "snow"), "london": (9, "overcast")}
+
+
+def tool_result(reply: str, turn: int) -> str:
+    """A deterministic tool answer for an agent's reply. The reply is parsed as the tool call
+    the workload's system prompt asks for ({"name": ..., "arguments": {...}}); a reply that is
+    not one (a small model often drifts) still gets an answer, so every session runs its turns."""
+    call = _parse_call(reply)
+    name = call.get("name", "")
+    args = call.get("arguments", {}) if isinstance(call.get("arguments"), dict) else {}
+    if name == "get_weather":
+        city = str(args.get("city", "Paris"))
+        temp, cond = _WEATHER.get(city.lower(), (21, "clear"))
+        if args.get("unit") == "fahrenheit":
+            temp = round(temp * 9 / 5 + 32)
+        result = {"city": city, "temperature": temp, "unit": args.get("unit", "celsius"), "conditions": cond}
+    elif name == "search_flights":
+        origin, dest = str(args.get("origin", "SFO")), str(args.get("destination", "JFK"))
+        result = {"flights": [{"flight": f"PX{100 + 17 * i + turn}", "origin": origin, "destination": dest,
+                               "date": str(args.get("date", "2026-12-24")), "departure": f"{7 + 3 * i:02d}:15",
+                               "price_usd": 189 + 40 * i} for i in range(3)]}
+    else:
+        result = {"error": "no tool call recognised", "hint": "reply with a JSON tool call or a final answer"}
+    return json.dumps({"turn": turn, "tool": name or None, "result": result})
+
+
+def _parse_call(reply: str) -> dict:
+    m = re.search(r"\{.*\}", reply, re.S)
+    if not m:
+        return {}
+    try:
+        call = json.loads(m.group(0))
+    except json.JSONDecodeError:
+        return {}
+    return call if isinstance(call, dict) else {}

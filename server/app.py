@@ -1,0 +1,150 @@
+"""The Starlette app and `prescient serve`.
+
+    build_app(aengine, ServerConfig(...)) -> Starlette app over one AsyncEngine
+    run_server(args)                      -> `prescient serve`: build the engine, serve under uvicorn
+
+Routes: `GET /health`, `GET /metrics`, `GET /v1/models[/{model}]`, `POST /v1/chat/completions`,
+`POST /v1/completions`, `POST /v1/responses`, WebSocket `/v1/responses`. The app's lifespan warms
+the engine up (one tiny generation, so the first request does not pay torch's first-call costs)
+before `/health` says ok, and on shutdown stops the engine after uvicorn has let in-flight HTTP
+requests finish (up to `shutdown_grace_s`) and closed the WebSockets (code 1012), whose
+responses are cancelled and their KV freed; requests still queued are aborted cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import aclosing, asynccontextmanager
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, WebSocketRoute
+
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.server.access import AccessGuard
+from prescient.server.context import ServerConfig, ServerContext
+from prescient.server.errors import APIError
+from prescient.server.generation import Generation
+from prescient.server.openai_http import chat_completions, completions, get_model, health, list_models, metrics
+from prescient.server.responses_http import create_response
+from prescient.server.responses_ws import responses_websocket
+
+log = logging.getLogger("prescient.server")
+_encode = msgspec.json.Encoder().encode
+
+
+def _error_response(err: APIError) -> Response:
+    return Response(_encode(err.body()), status_code=err.status, media_type="application/json")
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return _error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                                    code="not_found" if exc.status_code == 404 else None))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="server_error"))
+
+
+async def warm_up(ctx: ServerContext) -> None:
+    ids = ctx.renderer.render([], [{"role": "user", "content": "Hi"}]).token_ids
+    gen = Generation(ctx.aengine, ids, SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup")
+    gen.start()
+    async with aclosing(gen.events()) as events:
+        async for _ in events:
+            pass
+
+
+def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
+    ctx = ServerContext(aengine, config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await warm_up(ctx)
+        ctx.ready = True
+        try:
+            yield
+        finally:
+            ctx.ready = False
+            ctx.constraints.close()
+            await asyncio.to_thread(aengine.shutdown)
+
+    routes = [
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/v1/models", list_models),
+        Route("/v1/models/{model:path}", get_model),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        WebSocketRoute("/v1/responses", responses_websocket),
+    ]
+    app = Starlette(
+        routes=routes, lifespan=lifespan,
+        middleware=[Middleware(AccessGuard, api_key=config.api_key, max_connections=config.max_connections,
+                               metrics=ctx.metrics)],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
+    app.state.ctx = ctx
+    return app
+
+
+def uvicorn_config(app, host: str, port: int, config: ServerConfig):
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=host, port=port, lifespan="on", log_level="warning", access_log=False,
+        ws="websockets-sansio",
+        # Frames over max_frame_bytes get an `error` event; past 4x that uvicorn closes with 1009
+        # before buffering more of it.
+        ws_max_size=4 * config.max_frame_bytes,
+        timeout_graceful_shutdown=config.shutdown_grace_s)
+
+
+def bound_port(server) -> int:
+    """The port a started uvicorn server listens on (the real one when asked for port 0)."""
+    return server.servers[0].sockets[0].getsockname()[1]
+
+
+def run_server(args) -> int:
+    import uvicorn
+
+    from prescient.cli import build_engine
+    from prescient.runtime.async_engine import AsyncEngine
+    from prescient.runtime.loader import ModelLoadError
+
+    print(f"prescient: loading {args.model or 'the default model'} ({args.dtype}) ...", flush=True)
+    try:
+        engine = build_engine(args)
+    except ModelLoadError as err:
+        print(f"prescient: {err}", flush=True)
+        return 1
+    config = ServerConfig(api_key=args.api_key, max_connections=args.max_connections)
+    app = build_app(AsyncEngine(engine), config)
+    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, config))
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            base = f"http://{args.host}:{bound_port(server)}"
+            ws = base.replace("http://", "ws://", 1)
+            print(f"prescient: serving {app.state.ctx.model_name!r}\n"
+                  f"  OpenAI API          {base}/v1\n"
+                  f"  Responses WebSocket {ws}/v1/responses\n"
+                  f"  health / metrics    {base}/health  {base}/metrics", flush=True)
+        await task
+
+    asyncio.run(serve())
+    print("prescient: stopped", flush=True)
+    return 0 if server.started else 1

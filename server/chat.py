@@ -1,0 +1,171 @@
+"""Conversations -> prompt tokens: both APIs' message shapes to plain chat messages, then the
+model's chat template.
+
+Plain messages are `{"role": "system"|"user"|"assistant", "content": str}`. Assistant tool calls
+and tool results are written into the content in the hermes format of server/tools.py (tool
+results become a user turn), since the default template knows no tool roles. Leading system /
+developer messages, the request's `instructions` and the tools block merge into one system
+message.
+
+`ChatRenderer.render(..., prefix=)` keeps an agent conversation's tokens stable: when the new
+prompt's text extends the text of the previous turn (prompt + the model's raw output), the
+prompt is the previous turn's exact token ids + the tokens of the new text. Re-tokenizing the
+whole text could split the model's own output differently and lose the prefix-cache hit from
+there on; extending the ids cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prescient.server.errors import bad_request
+from prescient.server.protocol import ChatMessage, InputItem
+from prescient.server.tools import render_tool_call, render_tool_results
+
+_SYSTEM_ROLES = ("system", "developer")
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as the model sees it: template text and its token ids."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
+        self._special = tuple(s for s in tokenizer.hf.all_special_tokens if s)
+
+    def render(self, system: list[str], messages: list[dict], *, add_generation_prompt: bool = True,
+               prefix: Rendered | None = None) -> Rendered:
+        system_text = "\n\n".join(s for s in system if s)
+        full = ([{"role": "system", "content": system_text}] if system_text else []) + messages
+        if not full:
+            raise bad_request("the conversation is empty", param="messages", code="empty_input")
+        try:
+            text = self.tokenizer.hf.apply_chat_template(full, tokenize=False,
+                                                         add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # a template that refuses the conversation (role order, ...)
+            raise bad_request(f"the chat template rejected the conversation: {err}", param="messages") from None
+        if prefix is not None and text.startswith(prefix.text):
+            rest = text[len(prefix.text):]
+            # Only where the new text starts at a special token is the split point a token
+            # boundary for certain (ChatML: the `<|im_end|>` after the model's output).
+            if not rest or rest.startswith(self._special):
+                return Rendered(text, prefix.token_ids + tuple(self.tokenizer.encode(rest)))
+        return Rendered(text, tuple(self.tokenizer.encode(text)))
+
+    def model_output(self, output_ids: list[int]) -> tuple[list[int], str]:
+        """The model's output as the conversation continues it: ids without the final stop
+        token (the template writes its own end-of-turn) and their raw text."""
+        ids = list(output_ids)
+        if ids and ids[-1] in self.eos_token_ids:
+            ids.pop()
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def split_system(messages: list[dict]) -> tuple[list[str], list[dict]]:
+    """Leading system messages' texts, and the rest of the conversation."""
+    i = 0
+    while i < len(messages) and messages[i]["role"] == "system":
+        i += 1
+    return [m["content"] for m in messages[:i]], messages[i:]
+
+
+def _text(content, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        if part.type not in _TEXT_PARTS or part.text is None:
+            raise bad_request(f"content part type {part.type!r} is not supported (text only)",
+                              param=f"{param}[{j}].type", code="unsupported_content")
+        out.append(part.text)
+    return "".join(out)
+
+
+class _Builder:
+    """Appends turns, merging consecutive tool results and an assistant's text with its calls."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict] = []
+        self._results: list[str] = []
+
+    def _flush(self) -> None:
+        if self._results:
+            self.messages.append({"role": "user", "content": render_tool_results(self._results)})
+            self._results = []
+
+    def add(self, role: str, content: str) -> None:
+        self._flush()
+        self.messages.append({"role": role, "content": content})
+
+    def add_call(self, name: str, arguments: str) -> None:
+        self._flush()
+        call = render_tool_call(name, arguments)
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last["role"] == "assistant":
+            last["content"] = f"{last['content']}\n{call}" if last["content"] else call
+        else:
+            self.messages.append({"role": "assistant", "content": call})
+
+    def add_result(self, output: str) -> None:
+        self._results.append(output)
+
+    def done(self) -> list[dict]:
+        self._flush()
+        return self.messages
+
+
+def messages_from_chat(messages: list[ChatMessage]) -> list[dict]:
+    b = _Builder()
+    for i, m in enumerate(messages):
+        param = f"messages[{i}]"
+        role = "system" if m.role in _SYSTEM_ROLES else m.role
+        if role == "tool":
+            b.add_result(_text(m.content, f"{param}.content"))
+        elif role in ("system", "user"):
+            b.add(role, _text(m.content, f"{param}.content"))
+        elif role == "assistant":
+            text = _text(m.content, f"{param}.content")
+            if text or not m.tool_calls:
+                b.add("assistant", text)
+            for call in m.tool_calls or []:
+                b.add_call(call.function.name, call.function.arguments)
+        else:
+            raise bad_request(f"unknown role {m.role!r}", param=f"{param}.role", code="invalid_role")
+    return b.done()
+
+
+def messages_from_items(items: str | list[InputItem] | None, param: str = "input") -> list[dict]:
+    if items is None:
+        return []
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    b = _Builder()
+    for i, item in enumerate(items):
+        p = f"{param}[{i}]"
+        kind = item.type or ("message" if item.role else None)
+        if kind == "message":
+            role = "system" if item.role in _SYSTEM_ROLES else item.role
+            if role not in ("system", "user", "assistant"):
+                raise bad_request(f"unknown role {item.role!r}", param=f"{p}.role", code="invalid_role")
+            b.add(role, _text(item.content, f"{p}.content"))
+        elif kind == "function_call":
+            if not item.name:
+                raise bad_request("a function_call item needs a name", param=f"{p}.name")
+            b.add_call(item.name, item.arguments or "{}")
+        elif kind == "function_call_output":
+            if item.output is None:
+                raise bad_request("a function_call_output item needs an output", param=f"{p}.output")
+            b.add_result(item.output if isinstance(item.output, str) else _text(item.output, f"{p}.output"))
+        else:
+            raise bad_request(f"input item type {kind!r} is not supported (message, function_call, "
+                              "function_call_output)", param=f"{p}.type", code="unsupported_item")
+    return b.done()

@@ -1,0 +1,90 @@
+"""`ServerConfig` (the serving knobs) and `ServerContext` (what every handler shares).
+
+The context holds the one `AsyncEngine` the server talks to and the per-server helpers built
+around it: the chat renderer, the grammar constraints, the response store for
+`previous_response_id`, and the metrics. It also turns a request's sampling fields into
+`SamplingParams` and checks the requested model name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.server.chat import ChatRenderer
+from prescient.server.constraints import Constraints
+from prescient.server.errors import APIError, bad_request
+from prescient.server.metrics import ServerMetrics
+from prescient.server.protocol import SamplingFields
+from prescient.server.sessions import ResponseStore
+
+MODEL_ALIAS = "default"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model_name: str | None = None  # served name; None: the model's own name
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` when set
+    max_connections: int = 256  # HTTP requests in flight + open WebSockets
+    max_body_bytes: int = 8 << 20  # HTTP request bodies
+    max_frame_bytes: int = 4 << 20  # WebSocket client frames (larger: an `error` event)
+    ws_buffer_bytes: int = 4 << 20  # per-connection outbound buffer; overflow ends the response
+    max_responses_per_connection: int = 16  # responses in flight on one WebSocket
+    default_max_tokens: int = 1024  # chat completions / responses when the request sets none
+    default_completion_tokens: int = 16  # legacy completions, as OpenAI's default
+    response_store_size: int = 4096  # conversations kept for previous_response_id
+    response_ttl_s: float = 3600.0
+    shutdown_grace_s: int = 10  # in-flight HTTP requests get this long to finish on shutdown
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_body_bytes", "max_frame_bytes", "ws_buffer_bytes",
+                     "max_responses_per_connection", "default_max_tokens", "default_completion_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+class ServerContext:
+    def __init__(self, aengine, config: ServerConfig = ServerConfig()):
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.config = config
+        engine = self.engine
+        if engine.tokenizer is None:
+            raise ValueError("the server needs an engine with a tokenizer")
+        self.model_name = config.model_name or engine.model.config.name
+        self.tokenizer = engine.tokenizer
+        self.renderer = ChatRenderer(engine.tokenizer)
+        self.metrics = ServerMetrics(engine)
+        aengine.step_hooks.append(self.metrics.step_hook)
+        self.constraints = Constraints(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids,
+                                       self.metrics)
+        self.store = ResponseStore(config.response_store_size, config.response_ttl_s)
+        self.ready = False  # set once warmed up; /health answers 503 before
+        self.max_model_len = engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name, MODEL_ALIAS):
+            raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r} "
+                           f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
+
+    def sampling(self, fields: SamplingFields, max_tokens: int, *, stop=None, ignore_eos: bool = False,
+                 logprobs: int | None = None) -> SamplingParams:
+        stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if fields.temperature is None else fields.temperature,
+                top_p=1.0 if fields.top_p is None else fields.top_p,
+                top_k=fields.top_k or 0,
+                min_p=fields.min_p or 0.0,
+                seed=fields.seed,
+                stop=stop,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+            )
+        except ValueError as err:  # SamplingParams names the field first
+            message = str(err)
+            raise bad_request(message, param=message.split(" ", 1)[0]) from None
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

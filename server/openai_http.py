@@ -1,0 +1,230 @@
+"""OpenAI-compatible HTTP: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`.
+
+Both generation endpoints answer as JSON or, with `stream: true`, as SSE chunks ending in
+`data: [DONE]` (`stream_options.include_usage` adds a last chunk with the usage). Everything that
+can be refused is refused before the first byte of the answer: malformed or mistyped bodies, an
+unknown model (404), a prompt over the context or `max_tokens` over what fits, a refused
+schema or tool list. An engine failure mid-stream ends the stream with an `{"error": ...}` chunk,
+which the SDK raises as an APIError.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from prescient.server import chat_wire as w
+from prescient.server import sse
+from prescient.server.chat import messages_from_chat, split_system
+from prescient.server.constraints import format_spec, pick_spec
+from prescient.server.context import ServerContext
+from prescient.server.errors import APIError, bad_request
+from prescient.server.metrics import CONTENT_TYPE
+from prescient.server.generation import (CallDelta, CallStart, Finished, Generation, TextDelta, check_max_tokens,
+                                         new_id)
+from prescient.server.protocol import ChatCompletionRequest, CompletionRequest, decode
+from prescient.server.tools import FunctionTool, tool_setup
+
+_encode = msgspec.json.Encoder().encode
+_CHUNK, _TEXT = "chat.completion.chunk", "text_completion"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def _refuse_penalties(req) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise bad_request(f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
+
+
+def _finish_reason(gen: Generation, reason: str) -> str:
+    if reason == "stop" and gen.complete_calls:
+        return "tool_calls"
+    return "length" if reason == "length" else "stop"
+
+
+# ---------------------------------------------------------------- chat completions
+
+async def chat_completions(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    req = decode(await read_body(request, ctx.config.max_body_bytes), ChatCompletionRequest)
+    ctx.check_model(req.model)
+    _refuse_penalties(req)
+    tools = []
+    for i, t in enumerate(req.tools or []):
+        if t.type != "function":
+            raise bad_request(f"tool type {t.type!r} is not supported (function only)", param=f"tools[{i}].type")
+        tools.append(FunctionTool(t.function.name, t.function.description, t.function.parameters))
+    setup = tool_setup(tools, req.tool_choice, req.parallel_tool_calls)
+    system, rest = split_system(messages_from_chat(req.messages))
+    prompt = ctx.renderer.render(system + [setup.system_text()], rest)
+    spec = pick_spec(format_spec(req.response_format, "response_format"), setup.grammar, "response_format")
+    max_tokens = check_max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
+                                  ctx.config.default_max_tokens, ctx.max_model_len,
+                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+    params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
+                          logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    matcher = await ctx.constraints.matcher(spec, "response_format" if req.response_format else "tools")
+    gen = Generation(ctx.aengine, prompt.token_ids, params, grammar=matcher, parse_calls=setup.parse_calls,
+                     metrics=ctx.metrics, prompt_param="messages")
+    gen.start()
+    rid, created = new_id("chatcmpl"), int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse.SSEResponse(_chat_chunks(ctx, gen, rid, created, include_usage, req.logprobs))
+    return await _chat_json(ctx, gen, rid, created, req.logprobs)
+
+
+async def _chat_json(ctx: ServerContext, gen: Generation, rid: str, created: int, logprobs: bool) -> Response:
+    entries: list[dict] = []
+    async with aclosing(gen.events()) as events:
+        async for ev in events:
+            if isinstance(ev, (TextDelta, CallDelta, Finished)):
+                entries.extend(ev.tokens.logprobs)
+    done = gen.finished
+    if done.reason == "error":
+        raise APIError(500, done.error or "generation failed", code="server_error")
+    calls = [w.ToolCallOut(cid, w.FunctionOut(c.name, c.arguments)) for cid, c in gen.complete_calls]
+    message = w.MessageOut(gen.content if (gen.content or not calls) else None, tool_calls=calls or None)
+    choice = w.Choice(0, message, _finish_reason(gen, done.reason),
+                      w.chat_logprobs(entries, ctx.token_text) if logprobs else None)
+    body = w.ChatCompletion(rid, created, ctx.model_name, [choice], w.usage(done.usage))
+    return Response(_encode(body), media_type="application/json")
+
+
+async def _chat_chunks(ctx: ServerContext, gen: Generation, rid: str, created: int, include_usage: bool,
+                       logprobs: bool):
+    def chunk(delta: w.Delta, finish: str | None = None, tokens=None) -> bytes:
+        lp = w.chat_logprobs(tokens.logprobs, ctx.token_text) if logprobs and tokens and tokens.logprobs else None
+        c = w.ChatCompletionChunk(rid, created, ctx.model_name, [w.ChunkChoice(0, delta, finish, lp)], _CHUNK,
+                                  token_times=tokens.times if tokens else None,
+                                  token_sources=tokens.sources if tokens else None)
+        return sse.data(_encode(c))
+
+    yield chunk(w.Delta(role="assistant", content=""))
+    async with aclosing(gen.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                yield chunk(w.Delta(content=ev.text), tokens=ev.tokens)
+            elif isinstance(ev, CallStart):
+                yield chunk(w.Delta(tool_calls=[w.ToolCallDelta(ev.index, ev.call_id, "function",
+                                                                w.FunctionDelta(name=ev.name, arguments=""))]))
+            elif isinstance(ev, CallDelta):
+                yield chunk(w.Delta(tool_calls=[w.ToolCallDelta(ev.index, function=w.FunctionDelta(arguments=ev.text))]),
+                            tokens=ev.tokens)
+            elif isinstance(ev, Finished):
+                if ev.reason == "error":
+                    yield sse.data(_encode(APIError(500, ev.error or "generation failed", code="server_error").body()))
+                    yield sse.DONE
+                    return
+                yield chunk(w.Delta(), _finish_reason(gen, ev.reason), tokens=ev.tokens if len(ev.tokens) else None)
+                if include_usage:
+                    yield sse.data(_encode(w.ChatCompletionChunk(rid, created, ctx.model_name, [], _CHUNK,
+                                                                 usage=w.usage(ev.usage))))
+    yield sse.DONE
+
+
+# ---------------------------------------------------------------- completions
+
+async def completions(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    req = decode(await read_body(request, ctx.config.max_body_bytes), CompletionRequest)
+    ctx.check_model(req.model)
+    _refuse_penalties(req)
+    if req.echo:
+        raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
+    if req.suffix:
+        raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
+    if isinstance(req.prompt, str):
+        prompt_ids = ctx.tokenizer.encode(req.prompt)
+    else:
+        prompt_ids = list(req.prompt)
+    if not prompt_ids:
+        raise bad_request("prompt is empty", param="prompt", code="empty_input")
+    max_tokens = check_max_tokens(len(prompt_ids), req.max_tokens, ctx.config.default_completion_tokens,
+                                  ctx.max_model_len, "max_tokens")
+    params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    gen = Generation(ctx.aengine, prompt_ids, params, metrics=ctx.metrics, prompt_param="prompt")
+    gen.start()
+    rid, created = new_id("cmpl"), int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return sse.SSEResponse(_completion_chunks(ctx, gen, rid, created, include_usage, req.logprobs is not None))
+    entries: list[dict] = []
+    async with aclosing(gen.events()) as events:
+        async for ev in events:
+            if isinstance(ev, (TextDelta, Finished)):
+                entries.extend(ev.tokens.logprobs)
+    done = gen.finished
+    if done.reason == "error":
+        raise APIError(500, done.error or "generation failed", code="server_error")
+    lp = w.completion_logprobs(entries, ctx.token_text, 0) if req.logprobs is not None else None
+    choice = w.CompletionChoice(0, gen.content, "length" if done.reason == "length" else "stop", lp)
+    body = w.Completion(rid, created, ctx.model_name, [choice], _TEXT, usage=w.usage(done.usage))
+    return Response(_encode(body), media_type="application/json")
+
+
+async def _completion_chunks(ctx: ServerContext, gen: Generation, rid: str, created: int, include_usage: bool,
+                             logprobs: bool):
+    offset = 0
+    async with aclosing(gen.events()) as events:
+        async for ev in events:
+            if isinstance(ev, TextDelta):
+                lp = w.completion_logprobs(ev.tokens.logprobs, ctx.token_text, offset) if logprobs else None
+                offset += len(ev.text)
+                yield sse.data(_encode(w.Completion(rid, created, ctx.model_name, [w.CompletionChoice(0, ev.text, None, lp)], _TEXT,
+                                                    token_times=ev.tokens.times, token_sources=ev.tokens.sources)))
+            elif isinstance(ev, Finished):
+                if ev.reason == "error":
+                    yield sse.data(_encode(APIError(500, ev.error or "generation failed", code="server_error").body()))
+                    yield sse.DONE
+                    return
+                finish = "length" if ev.reason == "length" else "stop"
+                yield sse.data(_encode(w.Completion(rid, created, ctx.model_name, [w.CompletionChoice(0, "", finish)], _TEXT)))
+                if include_usage:
+                    yield sse.data(_encode(w.Completion(rid, created, ctx.model_name, [], _TEXT, usage=w.usage(ev.usage))))
+    yield sse.DONE
+
+
+# ---------------------------------------------------------------- models, health, metrics
+
+def _model_card(ctx: ServerContext) -> dict:
+    return {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "prescient",
+            "max_model_len": ctx.max_model_len}
+
+
+async def list_models(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    return JSONResponse({"object": "list", "data": [_model_card(ctx)]})
+
+
+async def get_model(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    ctx.check_model(request.path_params["model"])
+    return JSONResponse(_model_card(ctx))
+
+
+async def health(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    if not ctx.ready:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": ctx.model_name})
+
+
+async def metrics(request: Request) -> Response:
+    ctx: ServerContext = request.app.state.ctx
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,247 @@
+"""One Responses API `response.create`, independent of the transport (WebSocket or SSE).
+
+    run = ResponseRun(ctx, params)
+    await run.prepare()               # validate, render the conversation, compile its grammar, submit
+    send(run.opening())               # response.created, response.in_progress
+    async for event in run.events():  # output items and deltas ... response.completed
+        send(event)
+    send(run.cancelled())             # when the transport stops it early: the closing events
+
+Events are wire Structs that the transport must encode as it receives them: later events
+mutate the same response object.
+
+Output items follow the generation: text opens a `message` item with one `output_text` part; a
+tool call opens a `function_call` item as soon as its name is fixed and streams its arguments.
+A finished response is stored under its id (server/sessions.py) unless `store` is false, so
+`previous_response_id` can continue it; the conversation's `session_id` (its first response's
+id) goes to the engine with every turn, which pins the conversation's KV between turns.
+
+`generate: false` warms a conversation: its prompt (without the assistant prefix) is prefilled
+into the KV cache and stored, and the response completes with no output.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import aclosing
+
+from prescient.server import responses_wire as w
+from prescient.server.chat import messages_from_items, split_system
+from prescient.server.constraints import format_spec, pick_spec
+from prescient.server.errors import bad_request
+from prescient.server.generation import (CallDelta, CallEnd, CallStart, Finished, Generation, TextDelta, Tokens,
+                                         check_max_tokens, new_id)
+from prescient.server.protocol import ResponseCreateParams
+from prescient.server.sessions import Conversation
+from prescient.server.tools import FunctionTool, tool_setup
+
+
+def _tools(params: ResponseCreateParams) -> list[FunctionTool]:
+    out = []
+    for i, t in enumerate(params.tools or []):
+        if t.type != "function":
+            raise bad_request(f"tool type {t.type!r} is not supported (function only)", param=f"tools[{i}].type",
+                              code="unsupported_tool")
+        if not t.name:
+            raise bad_request("a function tool needs a name", param=f"tools[{i}].name")
+        out.append(FunctionTool(t.name, t.description, t.parameters))
+    return out
+
+
+class ResponseRun:
+    def __init__(self, ctx, params: ResponseCreateParams):
+        self.ctx = ctx
+        self.params = params
+        self.id = new_id("resp")
+        self.stream_id = params.stream_id
+        self.generate = params.generate is not False
+        self.gen: Generation | None = None
+        self._messages: list[dict] = []
+        self._rendered = None
+        self._session_id: str | None = None
+        self._message: w.OutputMessage | None = None  # the open text item
+        self._calls: dict[int, w.FunctionCallItem] = {}  # open function_call items by call index
+        self.response = w.ResponseObject(
+            id=self.id, created_at=int(time.time()), model=ctx.model_name, status="in_progress",
+            instructions=params.instructions, max_output_tokens=params.max_output_tokens,
+            previous_response_id=params.previous_response_id,
+            temperature=1.0 if params.temperature is None else params.temperature,
+            top_p=1.0 if params.top_p is None else params.top_p,
+            tool_choice=params.tool_choice if params.tool_choice is not None else "auto",
+            tools=[{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                    "strict": t.strict} for t in params.tools or []],
+            parallel_tool_calls=params.parallel_tool_calls is not False,
+            text={"format": (params.text.format if params.text and params.text.format else {"type": "text"})},
+            metadata=params.metadata or {})
+
+    # ---------------------------------------------------------------- before the first event
+
+    async def prepare(self) -> None:
+        ctx, p = self.ctx, self.params
+        ctx.check_model(p.model)
+        previous = None
+        if p.previous_response_id is not None:
+            previous = ctx.store.get(p.previous_response_id)
+            if previous is None:
+                raise bad_request(f"previous response {p.previous_response_id!r} not found (unknown or expired)",
+                                  param="previous_response_id", code="previous_response_not_found")
+        setup = tool_setup(_tools(p), p.tool_choice, p.parallel_tool_calls)
+        new = messages_from_items(p.input)
+        if not new and previous is None:
+            raise bad_request("input is required", param="input", code="empty_input")
+        self._messages = (list(previous.messages) if previous else []) + new
+        system, rest = split_system(self._messages)
+        self._rendered = ctx.renderer.render([p.instructions or ""] + system + [setup.system_text()], rest,
+                                             add_generation_prompt=self.generate,
+                                             prefix=previous.rendered if previous else None)
+        fmt = p.text.format if p.text else None
+        spec = pick_spec(format_spec(fmt, "text.format"), setup.grammar, "text.format")
+        prompt_ids = self._rendered.token_ids
+        max_tokens = (check_max_tokens(len(prompt_ids), p.max_output_tokens, ctx.config.default_max_tokens,
+                                       ctx.max_model_len, "max_output_tokens") if self.generate
+                      else check_max_tokens(len(prompt_ids), None, 1, ctx.max_model_len, "max_output_tokens"))
+        sampling = ctx.sampling(p, max_tokens, logprobs=p.top_logprobs)
+        matcher = await ctx.constraints.matcher(spec, "text.format" if fmt else "tools") if self.generate else None
+        if p.store is not False:
+            self._session_id = previous.session_id if previous else self.id
+        self.gen = Generation(ctx.aengine, prompt_ids, sampling, request_id=self.id, session_id=self._session_id,
+                              grammar=matcher, parse_calls=setup.parse_calls and self.generate, metrics=ctx.metrics,
+                              prompt_param="input")
+        self.gen.start()
+
+    # ---------------------------------------------------------------- events
+
+    def _ev(self, cls, **fields):
+        return cls(stream_id=self.stream_id, **fields)
+
+    def opening(self) -> list[w.Event]:
+        return [self._ev(w.ResponseCreated, response=self.response),
+                self._ev(w.ResponseInProgress, response=self.response)]
+
+    async def events(self):
+        async with aclosing(self.gen.events()) as stream:
+            async for ev in stream:
+                for out in self._on(ev):
+                    yield out
+        for out in self._finish(self.gen.finished):
+            yield out
+
+    def _on(self, ev) -> list[w.Event]:
+        if not self.generate:
+            return []  # warming: the one sampled token is discarded
+        if isinstance(ev, TextDelta):
+            events = self._open_message() if self._message is None else []
+            msg = self._message
+            msg.content[0].text += ev.text
+            return events + [self._ev(w.OutputTextDelta, item_id=msg.id, output_index=self._index(msg),
+                                      delta=ev.text, **_timing(ev.tokens), logprobs=self._logprobs(ev.tokens))]
+        if isinstance(ev, CallStart):
+            events = self._close_message("completed")
+            item = w.FunctionCallItem(id=new_id("fc"), call_id=ev.call_id, name=ev.name, arguments="",
+                                      status="in_progress")
+            self._calls[ev.index] = item
+            self.response.output.append(item)
+            added = w.FunctionCallItem(id=item.id, call_id=item.call_id, name=item.name, arguments="",
+                                       status="in_progress")
+            return events + [self._ev(w.OutputItemAdded, output_index=self._index(item), item=added)]
+        if isinstance(ev, CallDelta):
+            item = self._calls[ev.index]
+            item.arguments += ev.text
+            return [self._ev(w.FunctionCallArgumentsDelta, item_id=item.id, output_index=self._index(item),
+                             delta=ev.text, **_timing(ev.tokens))]
+        if isinstance(ev, CallEnd):
+            return self._close_call(ev.index, "completed")
+        return []  # Finished: handled after the stream ends
+
+    def cancelled(self) -> list[w.Event]:
+        """Closing events for a response its transport stopped on the client's request."""
+        return self._finish(None, cancelled=True)
+
+    # ---------------------------------------------------------------- item bookkeeping
+
+    def _index(self, item) -> int:
+        return next(i for i, it in enumerate(self.response.output) if it is item)
+
+    def _logprobs(self, tokens: Tokens) -> list:
+        token_text = self.ctx.token_text
+        return [{"token": token_text(e["token_id"]), "logprob": e["logprob"],
+                 "top_logprobs": [{"token": token_text(i), "logprob": lp} for i, lp in e.get("top", [])]}
+                for e in tokens.logprobs]
+
+    def _open_message(self) -> list[w.Event]:
+        msg_id = new_id("msg")
+        self._message = w.OutputMessage(id=msg_id, status="in_progress", content=[w.OutputText(text="")])
+        self.response.output.append(self._message)
+        index = self._index(self._message)
+        # The events get items of their own: the live one keeps growing after they are sent.
+        return [self._ev(w.OutputItemAdded, output_index=index,
+                         item=w.OutputMessage(id=msg_id, status="in_progress", content=[])),
+                self._ev(w.ContentPartAdded, item_id=msg_id, output_index=index, content_index=0,
+                         part=w.OutputText(text=""))]
+
+    def _close_message(self, status: str) -> list[w.Event]:
+        msg, self._message = self._message, None
+        if msg is None:
+            return []
+        index, part = self._index(msg), msg.content[0]
+        msg.status = status
+        return [self._ev(w.OutputTextDone, item_id=msg.id, output_index=index, content_index=0, text=part.text),
+                self._ev(w.ContentPartDone, item_id=msg.id, output_index=index, content_index=0, part=part),
+                self._ev(w.OutputItemDone, output_index=index, item=msg)]
+
+    def _close_call(self, call_index: int, status: str) -> list[w.Event]:
+        item = self._calls.pop(call_index, None)
+        if item is None:
+            return []
+        item.status = status
+        index = self._index(item)
+        return [self._ev(w.FunctionCallArgumentsDone, item_id=item.id, output_index=index, name=item.name,
+                         arguments=item.arguments),
+                self._ev(w.OutputItemDone, output_index=index, item=item)]
+
+    def _finish(self, done: Finished | None, cancelled: bool = False) -> list[w.Event]:
+        ok = done is not None and done.reason in ("stop", "length")
+        item_status = "completed" if done is not None and done.reason == "stop" else "incomplete"
+        events = self._close_message(item_status)
+        for call_index in list(self._calls):
+            events += self._close_call(call_index, "incomplete")
+        r = self.response
+        r.completed_at = int(time.time())
+        if done is not None:
+            u = done.usage
+            r.usage = w.ResponseUsage(u.prompt_tokens, w.InputTokensDetails(u.cached_tokens),
+                                      u.output_tokens if self.generate else 0, w.OutputTokensDetails(),
+                                      u.prompt_tokens + (u.output_tokens if self.generate else 0))
+        tokens = done.tokens if done is not None and self.generate else Tokens()
+        ttft = self.gen.ttft if self.gen is not None and self.generate else None
+        extra = dict(**_timing(tokens), ttft_s=None if ttft is None else round(ttft, 6))
+        if cancelled:
+            r.status, r.incomplete_details = "cancelled", w.IncompleteDetails("cancelled")
+            events.append(self._ev(w.ResponseIncomplete, response=r, **extra))
+        elif done.reason == "stop" or (done.reason == "length" and not self.generate):
+            r.status = "completed"
+            events.append(self._ev(w.ResponseCompleted, response=r, **extra))
+        elif done.reason == "length":
+            r.status, r.incomplete_details = "incomplete", w.IncompleteDetails("max_output_tokens")
+            events.append(self._ev(w.ResponseIncomplete, response=r, **extra))
+        else:
+            r.status = "failed"
+            r.error = w.ResponseError("server_error", done.error or f"generation ended: {done.reason}")
+            events.append(self._ev(w.ResponseFailed, response=r, **extra))
+        if ok and self._session_id is not None:
+            self._store()
+        return events
+
+    def _store(self) -> None:
+        """Keep the conversation, including the model's raw output, for previous_response_id."""
+        rendered, messages = self._rendered, list(self._messages)
+        if self.generate:
+            ids, text = self.ctx.renderer.model_output(self.gen.output_ids)
+            messages.append({"role": "assistant", "content": text})
+            rendered = type(rendered)(rendered.text + text, rendered.token_ids + tuple(ids))
+        self.ctx.store.put(Conversation(self.id, self._session_id, tuple(messages), rendered))
+
+
+def _timing(tokens: Tokens) -> dict:
+    return {"token_times": tokens.times, "num_tokens": len(tokens), "token_sources": tokens.sources}
+

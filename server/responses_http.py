@@ -1,0 +1,53 @@
+"""`POST /v1/responses`: the Responses API over HTTP, as JSON or (`stream: true`) SSE.
+
+The same `ResponseRun` as the WebSocket drives it; over SSE each event is framed as
+`event: <type>` + `data: <json>` with `sequence_number` counting from 0 within the response.
+Refusals (bad input, unknown model, unknown previous_response_id) are HTTP errors before the
+stream starts. Without `stream`, the answer is the final `Response` object.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import aclosing
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from prescient.server import sse
+from prescient.server.errors import APIError
+from prescient.server.openai_http import read_body
+from prescient.server.protocol import ResponseCreateParams, decode
+from prescient.server.responses import ResponseRun
+
+_encode = msgspec.json.Encoder().encode
+
+
+async def create_response(request: Request) -> Response:
+    ctx = request.app.state.ctx
+    params = decode(await read_body(request, ctx.config.max_body_bytes), ResponseCreateParams)
+    run = ResponseRun(ctx, params)
+    await run.prepare()
+    if params.stream:
+        return sse.SSEResponse(_stream(run))
+    async with aclosing(run.events()) as events:
+        async for _ in events:
+            pass
+    if run.response.status == "failed":
+        raise APIError(500, run.response.error.message, code="server_error")
+    return Response(_encode(run.response), media_type="application/json")
+
+
+async def _stream(run: ResponseRun):
+    seq = itertools.count()
+
+    def frame(event) -> bytes:
+        event.sequence_number = next(seq)
+        return sse.event(type(event).__struct_config__.tag, _encode(event))
+
+    for event in run.opening():
+        yield frame(event)
+    async with aclosing(run.events()) as events:
+        async for event in events:
+            yield frame(event)

@@ -1,0 +1,192 @@
+"""`/v1/responses` over WebSocket: OpenAI's Responses WebSocket mode.
+
+The client sends `response.create` (the `POST /v1/responses` fields, flat, plus `stream_id`)
+and `response.cancel` (`response_id` optional: without it every response in flight on the
+connection is cancelled). The server answers every frame with at least one event; all events on
+a connection carry one increasing `sequence_number`. Several responses may run on one
+connection at once (up to `max_responses_per_connection`); their events interleave and are told
+apart by item ids and `stream_id`.
+
+Flow control: events go through a bounded per-connection outbox drained by one writer task.
+The engine and the response tasks never wait on the socket: when a slow reader lets the outbox
+fill up, the response that overflowed it is stopped (its KV freed) and ends with an `error`
+event (`code: "slow_consumer"`), and every other connection keeps streaming.
+
+Cancel stops generation within one engine step (the abort reaches the engine thread before its
+next step) and ends the response with `response.incomplete`, `response.status: "cancelled"`.
+A disconnect cancels every response of the connection and frees their KV the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import msgspec
+from starlette.websockets import WebSocket
+
+from prescient.server import responses_wire as w
+from prescient.server.errors import APIError, bad_request
+from prescient.server.protocol import ClientEvent, ResponseCancelEvent, decode
+from prescient.server.responses import ResponseRun
+
+_encode = msgspec.json.Encoder().encode
+
+
+class Outbox:
+    """Encoded events waiting for the socket, bounded in bytes."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._items: deque[str] = deque()
+        self._bytes = 0
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, data: str, force: bool = False) -> bool:
+        """Queue `data`; False (nothing queued) if it would pass the limit. `force` passes it
+        anyway: for the one error event that reports an overflow."""
+        if not force and self._items and self._bytes + len(data) > self.limit_bytes:
+            return False
+        self._items.append(data)
+        self._bytes += len(data)
+        self._ready.set()
+        return True
+
+    async def get(self) -> str:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        data = self._items.popleft()
+        self._bytes -= len(data)
+        return data
+
+
+class _Overflow(Exception):
+    pass
+
+
+@dataclass
+class _Active:
+    run: ResponseRun
+    task: asyncio.Task | None = None
+    started: bool = False  # response.created was sent
+    cancel_requested: bool = False
+
+
+class ResponsesConnection:
+    def __init__(self, ws: WebSocket, ctx):
+        self.ws = ws
+        self.ctx = ctx
+        self.config = ctx.config
+        self.outbox = Outbox(ctx.config.ws_buffer_bytes)
+        self._seq = itertools.count()
+        self.active: dict[str, _Active] = {}
+
+    async def serve(self) -> None:
+        writer = asyncio.create_task(self._write())
+        try:
+            while True:
+                message = await self.ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                frame = message.get("text")
+                self.on_frame(frame if frame is not None else message.get("bytes") or b"")
+        finally:
+            tasks = [a.task for a in self.active.values() if a.task is not None]
+            for task in tasks:
+                task.cancel()  # each task's generation aborts its engine request
+            await asyncio.gather(*tasks, return_exceptions=True)
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.ws.send_text(await self.outbox.get())
+        except Exception:  # the socket is gone: the reader sees the disconnect and cleans up
+            return
+
+    def send(self, events: list[w.Event], force: bool = False) -> bool:
+        for event in events:
+            event.sequence_number = next(self._seq)
+            if not self.outbox.put(_encode(event).decode(), force):
+                return False
+        return True
+
+    def send_error(self, err: APIError, stream_id: str | None = None) -> None:
+        self.send([w.error_event(err, stream_id)], force=True)
+
+    # ---------------------------------------------------------------- client frames
+
+    def on_frame(self, frame: str | bytes) -> None:
+        if len(frame) > self.config.max_frame_bytes:
+            self.send_error(APIError(413, f"frame of {len(frame)} bytes exceeds the limit of "
+                                     f"{self.config.max_frame_bytes}", code="frame_too_large"))
+            return
+        try:
+            event = decode(frame, ClientEvent)
+        except APIError as err:
+            if err.param == "type" and "Invalid value" in err.message:
+                err = bad_request(f"unknown event type; expected 'response.create' or 'response.cancel' "
+                                  f"({err.message})", param="type", code="unknown_event_type")
+            self.send_error(err)
+            return
+        if isinstance(event, ResponseCancelEvent):
+            self.cancel(event.response_id)
+            return
+        if len(self.active) >= self.config.max_responses_per_connection:
+            self.send_error(APIError(429, f"{len(self.active)} responses are already in flight on this "
+                                     "connection", code="too_many_responses"), event.stream_id)
+            return
+        active = _Active(ResponseRun(self.ctx, event))
+        self.active[active.run.id] = active
+        active.task = asyncio.create_task(self._run(active))
+
+    def cancel(self, response_id: str | None) -> None:
+        targets = ([self.active[response_id]] if response_id in self.active else []) if response_id else \
+            list(self.active.values())
+        if not targets:
+            what = f"response {response_id!r}" if response_id else "any response"
+            self.send_error(bad_request(f"no response to cancel: {what} is not in progress on this connection",
+                                        param="response_id", code="response_not_found"))
+            return
+        for active in targets:
+            if not active.cancel_requested:
+                active.cancel_requested = True
+                active.task.cancel()
+
+    # ---------------------------------------------------------------- one response
+
+    async def _run(self, active: _Active) -> None:
+        run = active.run
+        try:
+            await run.prepare()
+            active.started = True
+            self.send(run.opening(), force=True)
+            async with aclosing(run.events()) as events:
+                async for event in events:
+                    if not self.send([event]):
+                        raise _Overflow
+        except APIError as err:
+            self.send_error(err, run.stream_id)
+        except _Overflow:
+            self.send_error(APIError(503, f"the client is not reading: the connection's buffer of "
+                                     f"{self.config.ws_buffer_bytes} bytes overflowed, response {run.id} was "
+                                     "stopped", code="slow_consumer"), run.stream_id)
+        except asyncio.CancelledError:
+            if not active.cancel_requested:
+                raise  # a disconnect or shutdown: nobody to tell
+            self.send((run.opening() if not active.started else []) + run.cancelled(), force=True)
+        finally:
+            self.active.pop(run.id, None)
+
+
+async def responses_websocket(ws: WebSocket) -> None:
+    await ws.accept()
+    await ResponsesConnection(ws, ws.app.state.ctx).serve()

@@ -1,0 +1,319 @@
+"""Draft-model proposer: a small causal LM (or the target's own first layers) guesses ahead.
+
+The draft is any `LlamaModel` sharing the target's tokenizer, or, with none given, the
+self-speculative early-exit draft `target.early_exit(n)`: the target's first n layers, final norm
+and LM head, sharing its weights (no extra memory).
+
+Data flow of one `propose` over a batch of requests:
+1. Catch-up: the draft has its own paged KV (its own `BlockManager` and KV tensors). Per
+   request it remembers which token ids its KV holds at positions 0..len-1; the longest common
+   prefix with `context.token_ids` is kept and the rest (the prompt at first, then the bonus
+   token and whatever the draft had not computed) runs in one batched causal forward, ending at
+   the root (the last verified token), whose logits start the tree.
+2. Expansion (`draft_tree_expand.DynamicTree`, EAGLE-2's dynamic tree): one batched draft
+   forward per depth over every request's frontier nodes, with tree attention. The kernel's mask
+   covers only a forward's own new tokens and every query sees all earlier KV positions, so a
+   forward recomputes each frontier node's ancestors too (a few rows; on a bandwidth-bound CPU
+   extra rows are nearly free, and logits, the LM head being the costly part, are taken only for
+   the frontier). Rows sit at KV positions `prefix_len + 1 + row` (after the root at
+   `prefix_len`), RoPE positions `prefix_len + depth`: the layout of docs/CONTRACTS.md.
+3. The best `budget` nodes form the `DraftTree`. The first forwarded path sits at its true
+   positions, so its KV counts as held: accepted draft tokens need no recompute next step.
+
+Drafts are chosen deterministically (greedy / top-k), so the verifier must use the exact one-hot
+rule (`verify(..., draft_probs=None)`): lossless for greedy requests (target argmax) and for
+sampled ones alike (recursive rejection with one-hot drafts keeps the target distribution).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from prescient.kernels.reference import pack_bits
+from prescient.runtime.batch import ForwardBatch
+from prescient.runtime.kv_cache import BlockManager
+from prescient.runtime.model import LlamaModel
+from prescient.speculative.draft_tree_expand import DynamicTree
+from prescient.speculative.proposer import ProposalContext, register_proposer
+from prescient.speculative.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    """Which draft, its KV size, and the tree shape. Give `draft_model`, or `target_model` (with
+    `early_exit_layers`) for the early-exit draft."""
+
+    draft_model: LlamaModel | None = None
+    target_model: LlamaModel | None = None  # also bounds draft token ids to the target's vocab
+    early_exit_layers: int | None = None  # None: a quarter of the target's layers
+    max_depth: int = 4  # deepest draft token
+    top_k: int = 1  # children per expanded node and nodes expanded per depth; 1 = chain drafting
+    max_draft_tokens: int = 8  # node budget; each context's max_draft_tokens caps it further
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20  # the draft's KV pool...
+    num_blocks: int | None = None  # ...or exactly this many blocks
+    max_context_len: int | None = None  # per request; longer contexts get no proposal (None: pool/model limit)
+    max_batched_tokens: int = 512  # catch-up rows per forward (a long prompt is chunked)
+
+    def __post_init__(self) -> None:
+        if self.draft_model is None and self.target_model is None:
+            raise ValueError("a draft proposer needs draft_model, or target_model for the early-exit draft")
+        for name in ("max_depth", "top_k", "max_draft_tokens", "block_size", "max_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+    def build_draft(self) -> LlamaModel:
+        if self.draft_model is not None:
+            return self.draft_model
+        assert self.target_model is not None
+        layers = self.early_exit_layers or max(1, self.target_model.num_layers // 4)
+        return self.target_model.early_exit(layers)
+
+
+@dataclass
+class _RequestKV:
+    block_ids: list[int] = field(default_factory=list)
+    # Tokens whose KV is valid at positions 0..len-1: the context of the last step, then perhaps
+    # the first draft path of that step.
+    token_ids: list[int] = field(default_factory=list)
+    num_committed: int = 0  # how many of token_ids were that context
+
+
+def _common_prefix(kv: _RequestKV, token_ids: Sequence[int]) -> int:
+    """How many leading positions of the draft's KV stay valid for `token_ids` (never the last
+    token: its logits are needed, so the root is always recomputed)."""
+    limit = min(len(kv.token_ids), len(token_ids) - 1)
+    # The engine only appends to a context: one C-level slice comparison settles the committed
+    # part, and only the last step's draft path is walked token by token.
+    common = min(kv.num_committed, limit)
+    if kv.token_ids[:common] != list(token_ids[:common]):
+        common = 0  # a rewritten context: find the divergence from the start
+    while common < limit and kv.token_ids[common] == token_ids[common]:
+        common += 1
+    return common
+
+
+@dataclass
+class _Rows:
+    """One sequence's rows of a draft forward."""
+
+    kv: _RequestKV
+    input_ids: list[int]
+    positions: list[int]  # RoPE positions
+    start: int  # KV position of the first row; row r writes position start + r
+    attend: torch.Tensor | None  # [num_rows, num_rows] bool among these rows, None = causal
+    logits_rows: list[int]  # rows whose logits come back, in order
+
+
+class DraftModelProposer:
+    """Proposes EAGLE-2 dynamic draft trees (chains when top_k == 1) from a draft model."""
+
+    def __init__(self, config: DraftModelConfig) -> None:
+        self.config = config
+        self.model = config.build_draft()
+        self.vocab_limit = self.model.config.vocab_size
+        if config.target_model is not None:
+            self.vocab_limit = min(self.vocab_limit, config.target_model.config.vocab_size)
+        block_size = config.block_size
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // (self.model.kv_bytes_per_token() * block_size))
+        self.kv_caches = self.model.allocate_kv_cache(num_blocks, block_size)
+        # No prefix caching: a draft block is only ever read by its own request.
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.max_context_len = min(config.max_context_len or num_blocks * block_size, num_blocks * block_size)
+        self._requests: dict[str, _RequestKV] = {}
+        self.num_forwards = 0  # draft forwards run (catch-up chunks + expansion depths)
+        self.num_catch_up_tokens = 0  # context tokens the draft computed (not held in its KV)
+
+    # ---------------------------------------------------------------- Proposer protocol
+
+    def propose(self, contexts: Sequence[ProposalContext]) -> list[DraftTree | None]:
+        results: list[DraftTree | None] = [None] * len(contexts)
+        work: list[tuple[int, ProposalContext, _RequestKV, DynamicTree]] = []
+        for i, ctx in enumerate(contexts):
+            budget = min(ctx.max_draft_tokens, self.config.max_draft_tokens)
+            if budget < 1 or not ctx.token_ids:
+                continue
+            tree = DynamicTree(int(ctx.token_ids[-1]), budget, self.config.max_depth, self.config.top_k)
+            kv = self._reserve(ctx, tree)
+            if kv is not None:
+                work.append((i, ctx, kv, tree))
+        if not work:
+            return results
+        root_logits = self._catch_up([(ctx, kv) for _, ctx, kv, _ in work])  # [len(work), vocab]
+        for (_, _, _, tree), logits in zip(work, root_logits):
+            tree.expand([0], *self._top_k(logits[None], tree.top_k))
+        self._expand([(ctx, kv, tree) for _, ctx, kv, tree in work])
+        for i, _, _, tree in work:
+            results[i] = tree.build()
+        return results
+
+    def on_tokens_appended(self, request_id: str, session_id: str | None, token_ids: Sequence[int]) -> None:
+        """Nothing to do: propose() catches up from context.token_ids in one batched forward."""
+
+    def on_request_finished(self, request_id: str) -> None:
+        kv = self._requests.pop(request_id, None)
+        if kv is not None:
+            self.block_manager.free_blocks(kv.block_ids)
+
+    def on_session_closed(self, session_id: str) -> None:
+        """Nothing kept per session: draft KV lives and dies with its request."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    # ---------------------------------------------------------------- KV bookkeeping
+
+    def _reserve(self, ctx: ProposalContext, tree: DynamicTree) -> _RequestKV | None:
+        """The request's KV state with blocks for its context plus this step's tree rows, or None
+        (no proposal this step) when it does not fit."""
+        num_tokens = len(ctx.token_ids)
+        # A depth forward holds the paths to at most top_k frontier nodes, plus the greedy one
+        # when it ranks below them (a chain's only node is the greedy one), each at most
+        # max_depth - 1 deep (the last depth is never forwarded).
+        max_rows = (tree.top_k + (tree.top_k > 1)) * (tree.max_depth - 1)
+        needed = num_tokens + max_rows
+        # RoPE tables end at max_position_embeddings; the deepest row sits at num_tokens - 2 + max_depth.
+        if needed > self.max_context_len or num_tokens + tree.max_depth > self.model.config.max_position_embeddings:
+            # Over capacity: drop its KV rather than grow without bound; it decodes plainly.
+            self.on_request_finished(ctx.request_id)
+            return None
+        kv = self._requests.get(ctx.request_id)
+        if kv is None:
+            kv = self._requests[ctx.request_id] = _RequestKV()
+        missing = -(-needed // self.block_manager.block_size) - len(kv.block_ids)
+        if missing > 0:
+            if not self.block_manager.can_allocate(missing):
+                return None  # pool full: this request decodes plainly until blocks free up
+            kv.block_ids += self.block_manager.allocate(missing)
+        return kv
+
+    def _catch_up(self, requests: list[tuple[ProposalContext, _RequestKV]]) -> torch.Tensor:
+        """Compute the tokens each request's KV lacks, in as few causal forwards as
+        max_batched_tokens allows. -> the root's logits [len(requests), vocab]."""
+        pending = []  # [request index, next position, end]
+        for i, (ctx, kv) in enumerate(requests):
+            pending.append([i, _common_prefix(kv, ctx.token_ids), len(ctx.token_ids)])
+        root_logits: list[torch.Tensor | None] = [None] * len(requests)
+        while pending:
+            room = self.config.max_batched_tokens
+            seqs, finishing = [], []
+            for item in pending:
+                i, start, end = item
+                take = min(end - start, room)
+                if take == 0:
+                    break
+                room -= take
+                self.num_catch_up_tokens += take
+                ids = [int(t) for t in requests[i][0].token_ids[start:start + take]]
+                done = start + take == end
+                seqs.append(_Rows(requests[i][1], ids, list(range(start, start + take)), start, None,
+                                  [take - 1] if done else []))
+                if done:
+                    finishing.append(i)
+                item[1] = start + take
+            for i, logits in zip(finishing, self._forward(seqs)):
+                root_logits[i] = logits
+            pending = [item for item in pending if item[1] < item[2]]
+        for ctx, kv in requests:
+            kv.token_ids = list(ctx.token_ids)
+            kv.num_committed = len(kv.token_ids)
+        return torch.stack(root_logits)  # type: ignore[arg-type]
+
+    # ---------------------------------------------------------------- tree expansion
+
+    def _expand(self, requests: list[tuple[ProposalContext, _RequestKV, DynamicTree]]) -> None:
+        """EAGLE-2 expansion: one batched forward per depth over every request's frontier."""
+        while True:
+            seqs, frontiers, held = [], [], []
+            for ctx, kv, tree in requests:
+                frontier = tree.frontier()
+                if not frontier:
+                    continue
+                rows, attend = tree.rows(frontier)
+                num_tokens = len(ctx.token_ids)
+                row_of = {node: r for r, node in enumerate(rows)}
+                seqs.append(_Rows(kv, [tree.tokens[n] for n in rows],
+                                  [num_tokens - 1 + tree.depths[n] for n in rows],
+                                  num_tokens, attend, [row_of[n] for n in frontier]))
+                frontiers.append((tree, frontier))
+                # The first rows that continue the root one depth at a time hold valid causal KV
+                # at their true positions; everything after them is scratch.
+                in_place = []
+                for r, node in enumerate(rows):
+                    if False:
+                        break
+                    in_place.append(tree.tokens[node])
+                held.append((kv, [*ctx.token_ids, *in_place]))
+            if not seqs:
+                return
+            logits = self._forward(seqs)  # [sum(len(frontier)), vocab]
+            for kv, token_ids in held:
+                kv.token_ids = token_ids
+            row = 0
+            for tree, frontier in frontiers:
+                tree.expand(frontier, *self._top_k(logits[row:row + len(frontier)], tree.top_k))
+                row += len(frontier)
+
+    def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [num_rows, vocab] -> (tokens, draft log-probs), each [num_rows, k], best first."""
+        logprobs = torch.log_softmax(logits[:, : self.vocab_limit].double(), dim=-1)
+        values, tokens = torch.topk(logprobs, k, dim=-1)
+        return tokens, values
+
+    # ---------------------------------------------------------------- one draft forward
+
+    def _forward(self, seqs: list[_Rows]) -> torch.Tensor:
+        """Run the draft over the rows of several sequences. -> logits [num_logits, vocab] for
+        each sequence's logits_rows, sequences in order."""
+        block_size = self.block_manager.block_size
+        input_ids, positions, slots, context_lens, cu, logits_indices = [], [], [], [], [0], []
+        max_blocks = max(len(s.kv.block_ids) for s in seqs)
+        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
+        any_tree = any(s.attend is not None for s in seqs)
+        masks = []
+        for i, s in enumerate(seqs):
+            num_rows = len(s.input_ids)
+            block_tables[i, : len(s.kv.block_ids)] = torch.tensor(s.kv.block_ids, dtype=torch.int32)
+            logits_indices += [cu[-1] + r for r in s.logits_rows]
+            input_ids += s.input_ids
+            positions += s.positions
+            slots += [s.kv.block_ids[p // block_size] * block_size + p % block_size
+                      for p in range(s.start, s.start + num_rows)]
+            context_lens.append(s.start + num_rows)
+            cu.append(cu[-1] + num_rows)
+            if any_tree:
+                attend = s.attend if s.attend is not None else torch.ones(num_rows, num_rows, dtype=torch.bool).tril()
+                masks.append(pack_bits(attend))  # [num_rows, ceil(num_rows / 32)]
+        mask_bits = None
+        if any_tree:
+            num_words = max(m.shape[1] for m in masks)
+            mask_bits = torch.cat([torch.nn.functional.pad(m, (0, num_words - m.shape[1])) for m in masks])
+        device = self.model.device
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        batch = ForwardBatch(
+            input_ids=as_long(input_ids), positions=as_long(positions), slot_mapping=as_long(slots),
+            block_tables=block_tables.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            mask_bits=None if mask_bits is None else mask_bits.to(device),
+            logits_indices=as_long(logits_indices),
+        )
+        self.num_forwards += 1
+        return self.model.forward(batch, self.kv_caches)
+
+
+@register_proposer("draft")
+def make_draft_proposer(config: DraftModelConfig | None) -> DraftModelProposer:
+    """Registry factory; the draft model (or the target, for early exit) comes in the config."""
+    if config is None:
+        raise ValueError("the draft proposer needs a DraftModelConfig (draft_model or target_model)")
+    return DraftModelProposer(config)

@@ -1,0 +1,110 @@
+"""GrammarCompiler: background compile, cache by spec, time limit, errors; regex and EBNF."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarError, GrammarSpec
+
+from .conftest import accepts_text
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+def test_cache_hit_returns_the_same_compile(toy_tokenizer):
+    compiler = GrammarCompiler(toy_tokenizer)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    first = compiler.compile(spec)
+    second = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    assert second is first
+    assert (compiler.hits, compiler.misses) == (1, 1)
+    compiler.compile(GrammarSpec("regex", "ab"))
+    assert (compiler.hits, compiler.misses) == (1, 2)
+    compiler.close()
+
+
+def test_cache_evicts_least_recently_used(toy_tokenizer):
+    compiler = GrammarCompiler(toy_tokenizer, CompilerConfig(cache_size=2))
+    specs = [GrammarSpec("regex", r) for r in ("a", "b", "c")]
+    compiler.compile(specs[0])
+    compiler.compile(specs[1])
+    compiler.compile(specs[0])  # refresh "a"
+    compiler.compile(specs[2])  # evicts "b"
+    misses = compiler.misses
+    compiler.compile(specs[0])
+    assert compiler.misses == misses
+    compiler.compile(specs[1])
+    assert compiler.misses == misses + 1
+    compiler.close()
+
+
+def test_refusals_are_cached_too(toy_compiler):
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "not": {}}))
+    for _ in range(2):
+        with pytest.raises(GrammarError, match="'not'"):
+            toy_compiler.compile(spec)
+
+
+def test_submit_returns_at_once_and_time_limit_refuses(real_tokenizer):
+    compiler = GrammarCompiler(real_tokenizer, CompilerConfig(time_limit_s=0.02))
+    spec = GrammarSpec("regex", "[a-z]{500,1000}")  # ~0.5 s against the 49k vocabulary
+    start = time.monotonic()
+    pending = compiler.submit(spec)
+    assert time.monotonic() - start < 0.02
+    assert not pending.done()
+    with pytest.raises(GrammarError, match="time limit") as info:
+        pending.result()
+    assert info.value.feature == "time_limit"
+    # xgrammar cannot cancel: the compile finishes in the background and lands in the cache.
+    again = compiler.submit(spec)
+    assert compiler.hits == 1
+    while not again.done():
+        time.sleep(0.01)
+    assert again.result().spec == spec
+    compiler.close()
+
+
+@pytest.mark.parametrize("kind,source,match", [
+    ("regex", "a(b", "invalid regex"),
+    ("regex", "^(?=a)a$", "lookaround"),
+    ("ebnf", 'root ::= "a" undefined_rule', "invalid ebnf"),
+    ("json_schema", '{"type": "integer", "minimum": 1.5}', "invalid json schema"),
+])
+def test_invalid_grammars_raise_grammar_error(toy_compiler, kind, source, match):
+    with pytest.raises(GrammarError, match=match):
+        toy_compiler.compile(GrammarSpec(kind, source))
+
+
+def test_regex_is_full_match(toy_compiler, toy_tokenizer):
+    grammar = toy_compiler.compile(GrammarSpec("regex", "(ab|c)+x?"))
+    for text in ["ab", "abcab", "cx"]:
+        assert accepts_text(grammar.matcher(), toy_tokenizer, text), text
+    for text in ["a", "abx c", "xab"]:
+        assert not accepts_text(grammar.matcher(), toy_tokenizer, text), text
+
+
+def test_ebnf(toy_compiler, toy_tokenizer):
+    grammar = toy_compiler.compile(GrammarSpec("ebnf", 'root ::= "[" item ("," item)* "]"\n'
+                                                       'item ::= "1" | "2" | "x"'))
+    assert accepts_text(grammar.matcher(), toy_tokenizer, "[1,x,2]")
+    assert not accepts_text(grammar.matcher(), toy_tokenizer, "[1,]")
+    assert not accepts_text(grammar.matcher(), toy_tokenizer, "[1")
+
+
+def test_json_object_allows_any_object_only(toy_compiler, toy_tokenizer):
+    grammar = toy_compiler.compile(GrammarSpec("json_object", ""))
+    assert accepts_text(grammar.matcher(), toy_tokenizer, '{"a": [1, {"b": null}]}')
+    assert not accepts_text(grammar.matcher(), toy_tokenizer, "[1]")
+
+
+def test_undeclared_keys_follow_json_schema(toy_compiler, toy_tokenizer):
+    """additionalProperties defaults to true (xgrammar's strict mode is off); false forbids."""
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    grammar = toy_compiler.compile(GrammarSpec("json_schema", json.dumps(open_schema)))
+    assert accepts_text(grammar.matcher(), toy_tokenizer, '{"a": 1, "b": 2}')
+    grammar = toy_compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    assert not accepts_text(grammar.matcher(), toy_tokenizer, '{"a": 1, "b": 2}')

@@ -1,0 +1,134 @@
+"""Adaptive speculation: the cost model, the plan's optimality, and how budgets follow acceptance."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation, CostModel, expected_tokens
+from prescient.speculative.verify import BONUS, RECOVERED, VerifyOutcome
+
+
+def outcome(num_draft: int, num_accepted: int) -> VerifyOutcome:
+    nodes = tuple(range(num_accepted + 1))
+    role = BONUS if num_accepted == num_draft else RECOVERED
+    return VerifyOutcome(nodes, tuple(range(num_accepted)), 0, role, num_draft)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, cost",
+    [(1, 1.0), (2, 1.0 + 0.1 / 3), (4, 1.1), (6, 1.175), (8, 1.25), (12, 1.375), (16, 1.5),
+     (32, 2.0)],  # past the table: the last segment's slope (0.25 / 8 per token)
+)
+def test_cost_model_interpolates_and_extrapolates(num_tokens, cost):
+    assert CostModel({1: 1.0, 4: 1.1, 8: 1.25, 16: 1.5})(num_tokens) == pytest.approx(cost)
+
+
+def test_cost_model_edge_tables():
+    assert CostModel({1: 1.0})(50) == 1.0
+    with pytest.raises(ValueError):
+        CostModel({})
+    with pytest.raises(ValueError):
+        CostModel({0: 1.0, 4: 1.1})
+    with pytest.raises(ValueError):
+        AdaptiveConfig(verify_cost={1: -1.0, 2: 1.0})
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def _objective(rates, budgets, cost, num_base):
+    value = sum(expected_tokens(r, k) for r, k in zip(rates, budgets))
+    return value / cost(num_base + sum(budgets))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_is_the_exact_optimum(seed):
+    rng = random.Random(seed)
+    table = {1: 1.0, 2: 1.02, 4: 1.1, 6: 1.3, 8: 1.35, 12: 1.9}  # deliberately not convex
+    controller = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=4, verify_cost=table))
+    ids = ["a", "b", "c"]
+    for request_id in ids:
+        for _ in range(5):  # drive each estimate somewhere different
+            k = rng.randrange(1, 5)
+            controller.observe(request_id, outcome(k, rng.randrange(k + 1)))
+    rates = [controller.acceptance_rate(r) for r in ids]
+    num_base = rng.randrange(3, 6)
+    budgets = controller.plan(ids, num_base_tokens=num_base)
+    best = max(_objective(rates, b, controller.verify_cost, num_base)
+               for b in itertools.product(range(5), repeat=3))
+    assert _objective(rates, budgets, controller.verify_cost, num_base) == pytest.approx(best)
+
+
+def test_fresh_request_gets_the_prior_plan():
+    # prior acceptance 0.5, default costs: 3 drafts maximise (1 + .5 + .25 + .125) / cost(4)
+    assert AdaptiveSpeculation().plan(["r"]) == [3]
+
+
+def test_budget_follows_acceptance():
+    controller = AdaptiveSpeculation()
+    for _ in range(20):
+        budget = controller.plan(["r"])[0]
+        controller.observe("r", outcome(budget, budget))  # everything accepted
+    assert controller.acceptance_rate("r") > 0.99
+    assert controller.plan(["r"]) == [16]  # the cap
+    assert controller.mean_accepted("r") > 10
+    for _ in range(20):
+        budget = controller.plan(["r"])[0]
+        if budget:
+            controller.observe("r", outcome(budget, 0))  # everything rejected
+    assert controller.acceptance_rate("r") < 0.05
+    assert controller.plan(["r"]) == [0]
+
+
+def test_persistent_rejection_stops_then_probes_and_recovers():
+    config = AdaptiveConfig(probe_interval=4, probe_tokens=2)
+    controller = AdaptiveSpeculation(config)
+    for _ in range(10):
+        controller.observe("r", outcome(4, 0))
+    plans = [controller.plan(["r"])[0] for _ in range(10)]
+    assert plans == [0, 0, 0, 0, 2, 0, 0, 0, 0, 2]
+    for _ in range(6):  # the text turned copyable: probes succeed, the estimate climbs back
+        budget = max(controller.plan(["r"])[0], 1)
+        controller.observe("r", outcome(budget, budget))
+    assert controller.plan(["r"])[0] >= 3
+
+
+def test_large_batches_stop_speculating():
+    controller = AdaptiveSpeculation()
+    ids = [f"r{i}" for i in range(64)]
+    assert sum(controller.plan(ids[:1])) == 3
+    assert sum(controller.plan(ids)) == 0  # at 0.5 acceptance a draft no longer pays at batch 64
+    # measured costs that stay flat (a GPU far from its compute limit): speculation pays again
+    controller.set_verify_cost({1: 1.0, 4096: 1.0})
+    assert controller.plan(ids) == [16] * 64
+
+
+def test_prefill_tokens_in_the_batch_count_toward_cost():
+    # Tokens are free up to 8 per forward, then each costs as much as a whole step.
+    controller = AdaptiveSpeculation(AdaptiveConfig(verify_cost={1: 1.0, 8: 1.0, 9: 2.0}))
+    assert controller.plan(["r"], num_base_tokens=1) == [7]  # fill the free slots
+    assert controller.plan(["r"], num_base_tokens=8) == [0]  # a prefill chunk already filled them
+
+
+def test_steps_without_drafts_are_ignored_and_forget_resets():
+    controller = AdaptiveSpeculation()
+    controller.observe("r", outcome(0, 0))
+    assert controller.acceptance_rate("r") == 0.5
+    controller.observe("r", outcome(3, 0))
+    assert controller.acceptance_rate("r") < 0.5
+    controller.forget("r")
+    assert controller.acceptance_rate("r") == 0.5
+
+
+@pytest.mark.parametrize(
+    "overrides", [dict(max_draft_tokens=-1), dict(ema_decay=1.0), dict(prior_acceptance=1.5), dict(probe_interval=0)]
+)
+def test_config_validation(overrides):
+    with pytest.raises(ValueError):
+        AdaptiveConfig(**overrides)

@@ -1,0 +1,30 @@
+"""The real default model in float32 on all shared workloads at their max_tokens: greedy with
+n-gram speculation emits exactly the plain greedy tokens. Slow (a few minutes on 2 cores)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.speculative.speculator import make_speculator
+from tests.conftest import load_workloads, sibling_engine
+
+
+@pytest.mark.slow
+def test_ngram_speculation_matches_plain_greedy_on_workloads(default_engine):
+    workloads = load_workloads()
+    plain_engine = sibling_engine(default_engine)
+    spec_engine = sibling_engine(default_engine)
+    spec_engine.speculator = make_speculator(spec_engine, "ngram")
+    tok = default_engine.tokenizer
+    mismatches = []
+    for w in workloads:
+        ids = tok.apply_chat_template(w["messages"])
+        params = SamplingParams(temperature=0, max_tokens=w["max_tokens"])
+        plain = plain_engine.generate([ids], params)[0]
+        spec = spec_engine.generate([ids], params)[0]
+        if plain != spec:
+            mismatches.append((w["workload"], plain, spec))
+    assert not mismatches
+    stats = spec_engine.speculator.stats
+    assert stats.num_accepted_tokens > 0  # long_edit copies text: drafts get accepted
