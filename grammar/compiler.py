@@ -26,8 +26,12 @@ import xgrammar as xgr
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.matcher import Matcher
-from prescient.grammar.pattern import has_pattern, schema_ebnf_with_patterns
-from prescient.grammar.schema_check import check_pattern, check_schema
+from prescient.grammar.pattern import (
+    check_pattern,
+    has_pattern,
+    schema_ebnf_with_patterns,
+)
+from prescient.grammar.schema_check import check_schema
 from prescient.grammar.spec import GrammarSpec
 from prescient.grammar.tokenizer import GrammarTokenizer
 from prescient.grammar.tools import tool_call_structural_tag

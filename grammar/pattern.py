@@ -122,6 +122,43 @@ def _rename_refs(body: str, names: set[str], prefix: str) -> str:
     return "".join(out)
 
 
+def check_pattern(pattern: Any, path: str = "#") -> None:
+    """Refuse what xgrammar ignores with only a log line: lookaround assertions, and anchors
+    anywhere but the ends of a top-level alternative (where whole-string matching makes them
+    no-ops; elsewhere dropping one would accept more, as in `(a$|c)b`)."""
+    if not isinstance(pattern, str):
+        raise GrammarError("'pattern' must be a string", feature="pattern", path=path)
+    i, in_class, depth, n = 0, False, 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(" and pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            raise GrammarError(f"lookaround assertion in pattern {pattern!r} is not supported "
+                               "(xgrammar would ignore it)", feature="pattern:lookaround",
+                               path=path)
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "^" and not (depth == 0 and (i == 0 or pattern[i - 1] == "|")
+                               or re.fullmatch(r"(\((\?:)?)*", pattern[:i])):
+            raise GrammarError(f"anchor '^' in the middle of pattern {pattern!r} is not "
+                               "supported (xgrammar would ignore it)", feature="pattern:anchor",
+                               path=path)
+        elif c == "$" and not (depth == 0 and (i + 1 == n or pattern[i + 1] == "|")
+                               or re.fullmatch(r"\)*", pattern[i + 1:])):
+            raise GrammarError(f"anchor '$' in the middle of pattern {pattern!r} is not "
+                               "supported (xgrammar would ignore it)", feature="pattern:anchor",
+                               path=path)
+        i += 1
+
+
 # --- pattern -> regex over the JSON text of the string body -----------------------------------
 
 
@@ -153,7 +190,9 @@ class _Rewriter:
             elif c == "(":
                 out.append(self._group_open())
             elif c in "^$":
-                self.i += 1  # only at branch ends (check_pattern): a whole-string match anyway
+                # check_pattern allows anchors only at branch ends, where a whole-string
+                # match makes them no-ops
+                self.i += 1
             elif c in ")|*+?{}":
                 out.append(c)
                 self.i += 1

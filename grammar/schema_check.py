@@ -6,6 +6,9 @@ keyword and matching an instance that violates only that keyword; tests/grammar/
 test_grammar_schema_check.py keeps one such canary per rule, so an xgrammar upgrade that starts
 honoring a keyword shows up as a failing canary rather than a silently over-strict refusal.
 
+`pattern` is compiled by pattern.py (xgrammar's own pattern FSM over-accepts); here it is only
+checked for constructs neither path supports.
+
 Where xgrammar is *stricter* than JSON Schema we let it be (every output still validates):
 patterns match the whole string, properties come in declared order, strings under
 minLength/maxLength have no escapes, bounded numbers have no exponent, a type-less schema with
@@ -23,6 +26,7 @@ from typing import Any, Iterable
 from urllib.parse import unquote
 
 from prescient.grammar.errors import GrammarError
+from prescient.grammar.pattern import check_pattern
 
 # Dropped wherever they appear (verified: a violating instance is accepted).
 _DROPPED = (
@@ -33,7 +37,12 @@ _DROPPED = (
 _EMPTY_IS_NOOP = frozenset({"dependentSchemas", "dependentRequired", "dependencies",
                             "patternProperties"})
 
-# Standard formats xgrammar treats as any string; the other standard ones it enforces.
+_STANDARD_FORMATS = frozenset({
+    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
+    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
+    "json-pointer", "relative-json-pointer", "regex",
+})
+# Standard formats xgrammar treats as any string; it enforces the other standard ones.
 _UNENFORCED_FORMATS = frozenset({"iri", "iri-reference", "idn-hostname", "idn-email", "regex"})
 
 _MAX_MULTIPLE_OF_RANGE = 9999  # widest [low, high] (high - low) xgrammar enumerates
@@ -57,7 +66,10 @@ def check_schema(schema: Any) -> None:
     """Raise GrammarError naming the first feature xgrammar would not enforce exactly."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object or a boolean", feature="schema")
-    _Checker(schema).check(schema, "#", frozenset())
+    try:
+        _Checker(schema).check(schema, "#", frozenset())
+    except RecursionError:
+        raise GrammarError("schema nesting is too deep", feature="depth") from None
 
 
 class _Checker:
@@ -320,34 +332,6 @@ class _Checker:
         return False
 
 
-def check_pattern(pattern: Any, path: str = "#") -> None:
-    """Refuse regex features xgrammar ignores with only a log line: lookaround assertions and
-    anchors in the middle of a pattern. (Backreferences, \\b and \\p{} make xgrammar raise.)"""
-    if not isinstance(pattern, str):
-        raise GrammarError("'pattern' must be a string", feature="pattern", path=path)
-    i, in_class, n = 0, False, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-        elif c == "(" and pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
-            raise GrammarError(f"lookaround assertion in pattern {pattern!r} is not supported "
-                               "(xgrammar would ignore it)", feature="pattern:lookaround",
-                               path=path)
-        elif c == "^" and not _at_branch_start(pattern, i):
-            raise GrammarError(f"anchor '^' in the middle of pattern {pattern!r} is not supported "
-                               "(xgrammar would ignore it)", feature="pattern:anchor", path=path)
-        elif c == "$" and not (i + 1 == n or pattern[i + 1] in "|)"):
-            raise GrammarError(f"anchor '$' in the middle of pattern {pattern!r} is not supported "
-                               "(xgrammar would ignore it)", feature="pattern:anchor", path=path)
-        i += 1
-
-
 def _integer_bounds(node: dict) -> tuple[float | None, float | None]:
     """Inclusive integer bounds (None where unbounded)."""
     low = high = None
@@ -364,11 +348,6 @@ def _integer_bounds(node: dict) -> tuple[float | None, float | None]:
         bound = math.ceil(node["exclusiveMaximum"]) - 1
         high = bound if high is None else min(high, bound)
     return low, high
-
-
-def _at_branch_start(pattern: str, i: int) -> bool:
-    before = pattern[:i]
-    return before == "" or before.endswith(("(", "|", "(?:"))
 
 
 def _assertion_keys(node: dict, exclude: Iterable[str]) -> list[str]:
@@ -443,9 +422,3 @@ def _format_is_annotation(fmt: Any) -> bool:
     """Formats JSON Schema does not define are annotations (a validator ignores them too)."""
     return not isinstance(fmt, str) or fmt not in _STANDARD_FORMATS
 
-
-_STANDARD_FORMATS = frozenset({
-    "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
-    "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
-    "json-pointer", "relative-json-pointer", "regex",
-})

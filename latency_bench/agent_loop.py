@@ -39,6 +39,7 @@ async def _session(client, script: Workload, cfg: AgentLoadConfig, agent: int, i
             break
         await asyncio.sleep(cfg.tool_latency_s)
         messages.append({"role": "tool", "content": tool_result(reply, turn)})
+    await client.end_session(session_id)
     return time.perf_counter() - t0
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from prescient.latency_bench.modes import Unavailable
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,7 +89,10 @@ class BenchContext:
         )
         engine = Engine(self.model(dtype), self.tokenizer, config, eos_token_ids=self.checkpoint.eos_token_ids)
         args = argparse.Namespace(speculate=speculate, draft_model=k.draft_model)
-        _attach_speculator(engine, args)
+        try:
+            _attach_speculator(engine, args)
+        except Exception as e:  # speculation is optional per mode: report why, run the others
+            raise Unavailable(f"speculation {speculate!r} failed to attach: {type(e).__name__}: {e}") from e
         return engine
 
     # ---------------------------------------------------------------- transformers

@@ -50,6 +50,9 @@ class InProcessClient:
             tokens.extend(out.new_token_ids)
         return self.tokenizer.decode(tokens)
 
+    async def end_session(self, session_id: str) -> None:
+        """The agent is done with the conversation (the engine's pin expires on its own TTL)."""
+
     def engine_stats(self) -> dict:
         return {"num_steps": self.num_steps,
                 "mean_step_ms": 1e3 * self.step_seconds / self.num_steps if self.num_steps else None,

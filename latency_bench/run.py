@@ -149,8 +149,10 @@ def _load_phases(cfg: BenchConfig, ctx, all_workloads, selected, modes: dict, no
     scripts = [w for w in all_workloads if w.kind == "tool_call"]
     agent_cfg = AgentLoadConfig(cfg.num_agents, cfg.sessions_per_agent, cfg.agent_turns, cfg.tool_latency_s,
                                 cfg.agent_max_tokens)
-    for speculate in cfg.load_speculate:
-        name = ModeSpec("prescient", cfg.spec_dtype, speculate).name
+    # a server runs whatever speculation it was started with: one load mode, named "server"
+    targets = [("server", "off")] if cfg.server else [
+        (ModeSpec("prescient", cfg.spec_dtype, s).name, s) for s in cfg.load_speculate]
+    for name, speculate in targets:
         factory = _client_factory(cfg, ctx, speculate)
         # open-loop rates scale with what this mode served at batch 1 (1 / mean E2E)
         b1 = modes.get(name) or modes.get(ModeSpec("prescient", cfg.spec_dtype).name)
@@ -205,7 +207,7 @@ def _client_factory(cfg: BenchConfig, ctx, speculate: str):
 
         def make_server():
             tracker = SLOTracker(cfg.slo)
-            return ServerClient(cfg.server, ctx.tokenizer, tracker), tracker
+            return ServerClient(cfg.server, tracker), tracker
 
         return make_server
     from prescient.latency_bench.load_client import InProcessClient

@@ -25,6 +25,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # latency_bench owns its whole command line (argparse's REMAINDER would refuse a leading
+        # option such as `bench --quick`), so hand it over before parsing
+        from prescient.latency_bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:]) or 0
     parser = argparse.ArgumentParser(prog="prescient", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -41,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
 
-    bench = sub.add_parser("bench", help="latency benchmark; see `prescient bench --help`")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="latency benchmark; see `prescient bench --help`")
 
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -51,10 +57,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_server(args) or 0
     if args.command == "generate":
         return _generate(args)
-    if args.command == "bench":
-        from prescient.latency_bench.__main__ import main as bench_main
-
-        return bench_main(args.rest) or 0
     return 2
 
 

@@ -20,7 +20,8 @@ from prescient.runtime.batch import build_forward_batch
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
-from prescient.runtime.request import Request, RequestOutput, RequestStatus, SOURCE_TARGET
+from prescient.runtime.constrain import GrammarStep, resolve_matcher
+from prescient.runtime.request import SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, Request, RequestOutput
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import Scheduler
@@ -59,6 +60,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
+        self.grammar_step = GrammarStep(model.config.vocab_size)
+        self._grammar_compiler = None
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -150,18 +153,42 @@ class Engine:
 
     # ---------------------------------------------------------------- the step
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         self.sessions.expire()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return []
+        failed = self._resolve_grammars(sched.seqs)
         trees = self.speculator.propose(sched.seqs) if self.speculator else [None] * len(sched.seqs)
+        trees, masks = self.grammar_step.prepare(sched.seqs, trees)
         batch = build_forward_batch(sched.seqs, trees, self.block_manager.block_size, self.model.device)
         logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
+        self.grammar_step.apply(logits, masks)
         results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator
                    else self._sample(sched.seqs, logits))
         self.num_steps += 1
-        return self._commit(sched.seqs, results)
+        return failed + self._commit(sched.seqs, results, masks)
+
+    def _resolve_grammars(self, seqs) -> list[RequestOutput]:
+        """Requests about to sample their first token wait for their grammar compile here; a
+        failed compile fails that request alone (removed from this step's batch)."""
+        failed = []
+        for seq in list(seqs):
+            request = seq.request
+            if request.grammar is None or not seq.samples or hasattr(request.grammar, "accept_token"):
+                continue
+            try:
+                resolve_matcher(request)
+            except Exception as e:  # GrammarError, compile errors: this request only
+                seqs.remove(seq)
+                self.requests.pop(request.request_id, None)
+                request.finish_reason = "error"
+                request.finished_time = time.perf_counter()
+                self._release(request)
+                failed.append(RequestOutput(request.request_id, [], "", True, "error", error=str(e),
+                                            num_prompt_tokens=len(request.prompt_token_ids)))
+        return failed
 
     def _sample(self, seqs, logits: torch.Tensor) -> list[SeqResult | None]:
         """Plain decoding: one token per request whose step reached the end of its sequence."""
@@ -184,10 +211,10 @@ class Engine:
             row += 1
         return results
 
-    def _commit(self, seqs, results: list[SeqResult | None]) -> list[RequestOutput]:
+    def _commit(self, seqs, results: list[SeqResult | None], masks) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for seq, result in zip(seqs, results):
+        for i, (seq, result) in enumerate(zip(seqs, results)):
             request = seq.request
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -195,6 +222,9 @@ class Engine:
             request.num_computed_tokens += seq.num_new_tokens + n_accepted
             out = None
             if result is not None:
+                if masks is not None and masks.forced[i]:
+                    result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT else s for s in result.sources]
+                self.grammar_step.advance(request, result.tokens)
                 out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_model_len, now)
             self.scheduler.register_full_blocks(request)
             if out is None:
@@ -203,10 +233,23 @@ class Engine:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
                 self._release(request)
+            elif request.grammar is not None and self.speculator is not None:
+                # room for the next forced span even when drafts are not paying
+                request.spec_budget = max(request.spec_budget, len(request.grammar.forced_tokens()))
             outputs.append(out)
         return outputs
 
     # ---------------------------------------------------------------- convenience
+
+    def grammar_compiler(self):
+        """The one xgrammar compiler for this engine's tokenizer (cached grammars, time limit)."""
+        if self._grammar_compiler is None:
+            from prescient.grammar import GrammarCompiler, GrammarTokenizer
+
+            gtok = GrammarTokenizer.from_huggingface(self.tokenizer.hf, vocab_size=self.model.config.vocab_size,
+                                                     stop_token_ids=list(self.eos_token_ids))
+            self._grammar_compiler = GrammarCompiler(gtok)
+        return self._grammar_compiler
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:
         """Run prompts to completion; returns the generated token ids of each (tests, benchmarks)."""

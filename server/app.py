@@ -14,10 +14,13 @@ responses are cancelled and their KV freed; requests still queued are aborted cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from contextlib import aclosing, asynccontextmanager
+import signal
+import threading
 
 import msgspec
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -60,7 +63,7 @@ async def warm_up(ctx: ServerContext) -> None:
     ids = ctx.renderer.render([], [{"role": "user", "content": "Hi"}]).token_ids
     gen = Generation(ctx.aengine, ids, SamplingParams(max_tokens=2, temperature=0.0), request_id="warmup")
     gen.start()
-    async with aclosing(gen.events()) as events:
+    async with contextlib.aclosing(gen.events()) as events:
         async for _ in events:
             pass
 
@@ -68,7 +71,7 @@ async def warm_up(ctx: ServerContext) -> None:
 def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
     ctx = ServerContext(aengine, config)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app):
         await warm_up(ctx)
         ctx.ready = True
@@ -76,7 +79,6 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
             yield
         finally:
             ctx.ready = False
-            ctx.constraints.close()
             await asyncio.to_thread(aengine.shutdown)
 
     routes = [
@@ -98,16 +100,31 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
     return app
 
 
-def uvicorn_config(app, host: str, port: int, config: ServerConfig):
-    import uvicorn
-
+def uvicorn_config(app, host: str, port: int, config: ServerConfig) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level="warning", access_log=False,
         ws="websockets-sansio",
-        # Frames over max_frame_bytes get an `error` event; past 4x that uvicorn closes with 1009
-        # before buffering more of it.
-        ws_max_size=4 * config.max_frame_bytes,
+        # Frames over max_frame_bytes get an `error` event; past 4x that (at least 1 MiB) uvicorn
+        # closes with 1009 before buffering more of it.
+        ws_max_size=max(4 * config.max_frame_bytes, 1 << 20),
         timeout_graceful_shutdown=config.shutdown_grace_s)
+
+
+class GracefulServer(uvicorn.Server):
+    """Ctrl-C / SIGTERM end in a graceful shutdown and a normal exit (uvicorn would re-raise the
+    signal afterwards, ending `prescient serve` in a KeyboardInterrupt traceback)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
 
 
 def bound_port(server) -> int:
@@ -116,8 +133,6 @@ def bound_port(server) -> int:
 
 
 def run_server(args) -> int:
-    import uvicorn
-
     from prescient.cli import build_engine
     from prescient.runtime.async_engine import AsyncEngine
     from prescient.runtime.loader import ModelLoadError
@@ -130,7 +145,7 @@ def run_server(args) -> int:
         return 1
     config = ServerConfig(api_key=args.api_key, max_connections=args.max_connections)
     app = build_app(AsyncEngine(engine), config)
-    server = uvicorn.Server(uvicorn_config(app, args.host, args.port, config))
+    server = GracefulServer(uvicorn_config(app, args.host, args.port, config))
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())

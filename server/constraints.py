@@ -2,13 +2,17 @@
 
 `response_format` (Chat Completions) / `text.format` (Responses: json_schema, json_object, and the
 `regex` / `grammar` extensions) or the tool-call grammar `tool_choice` asks for become a
-`GrammarSpec` (prescient.grammar), compiled on grammar/'s background pool (cached per spec) while
-the handler awaits it without blocking the event loop. The matcher goes to the engine with the
-request (`grammar=`), which masks each step's logits with it. A schema or grammar that cannot be
-enforced exactly is a 400 naming the field, before anything streams.
+`GrammarSpec` (prescient.grammar), compiled by the engine's compiler (`Engine.grammar_compiler()`,
+cached per spec, so an agent's repeated tool list compiles once) on its background pool while the
+handler awaits it without blocking the event loop. The matcher goes to the engine with the
+request (`grammar=`), which masks each step's logits with it.
 
-The compiler is built on first use: the vocabulary scan takes ~0.5 s and unconstrained servers
-never pay it.
+The handler waits for the compile rather than handing the engine a pending one: a schema or
+grammar that cannot be enforced exactly is then a 400 naming the field before anything streams,
+and the engine thread never blocks on a compile while other requests wait for their next token.
+The cost is the first compile of a new spec (~50-150 ms) on that request's TTFT; repeats are
+cache hits. The compiler is built on first use (a ~0.5 s vocabulary scan unconstrained servers
+never pay).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from prescient.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarTokenizer, spec_from_response_format
+from prescient.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_response_format
 from prescient.server.errors import bad_request
 
 
@@ -38,10 +42,8 @@ def pick_spec(format_grammar: GrammarSpec | None, tool_grammar: GrammarSpec | No
 
 
 class Constraints:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], metrics=None):
-        self._tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._stop_token_ids = stop_token_ids
+    def __init__(self, engine, metrics=None):
+        self._engine = engine
         self._metrics = metrics
         self._compiler: GrammarCompiler | None = None
         self._lock = asyncio.Lock()
@@ -49,13 +51,8 @@ class Constraints:
     async def compiler(self) -> GrammarCompiler:
         async with self._lock:
             if self._compiler is None:
-                self._compiler = await asyncio.to_thread(self._build)
+                self._compiler = await asyncio.to_thread(self._engine.grammar_compiler)
         return self._compiler
-
-    def _build(self) -> GrammarCompiler:
-        gtok = GrammarTokenizer.from_huggingface(self._tokenizer.hf, vocab_size=self._vocab_size,
-                                                 stop_token_ids=list(self._stop_token_ids))
-        return GrammarCompiler(gtok)
 
     async def matcher(self, spec: GrammarSpec | None, param: str):
         """A fresh matcher for `spec` (None: unconstrained); 400 naming `param` if refused."""
@@ -71,7 +68,3 @@ class Constraints:
         if self._metrics is not None:
             self._metrics.grammar_compile.observe(time.perf_counter() - start)
         return compiled.matcher()
-
-    def close(self) -> None:
-        if self._compiler is not None:
-            self._compiler.close()

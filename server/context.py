@@ -56,8 +56,7 @@ class ServerContext:
         self.renderer = ChatRenderer(engine.tokenizer)
         self.metrics = ServerMetrics(engine)
         aengine.step_hooks.append(self.metrics.step_hook)
-        self.constraints = Constraints(engine.tokenizer, engine.model.config.vocab_size, engine.eos_token_ids,
-                                       self.metrics)
+        self.constraints = Constraints(engine, self.metrics)
         self.store = ResponseStore(config.response_store_size, config.response_ttl_s)
         self.ready = False  # set once warmed up; /health answers 503 before
         self.max_model_len = engine.max_model_len

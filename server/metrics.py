@@ -42,10 +42,15 @@ class EngineCollector:
         hits = CounterMetricFamily("prescient_prefix_cache_hits", "prompt tokens served from the prefix cache")
         hits.add_metric([], stats.hits)
         yield hits
-        sessions = getattr(e, "sessions", None)
-        if sessions is not None:
-            yield GaugeMetricFamily("prescient_pinned_sessions", "agent sessions whose KV is pinned between turns",
-                                    value=len(sessions))
+        yield GaugeMetricFamily("prescient_pinned_sessions", "agent sessions whose KV is pinned between turns",
+                                value=len(e.sessions))
+        grammar = e.grammar_step.stats
+        mask = CounterMetricFamily("prescient_grammar_mask_seconds", "time spent filling and applying grammar masks")
+        mask.add_metric([], grammar.mask_seconds)
+        yield mask
+        rows = CounterMetricFamily("prescient_grammar_masked_rows", "logits rows masked by a grammar")
+        rows.add_metric([], grammar.num_masked_rows)
+        yield rows
 
 
 class ServerMetrics:

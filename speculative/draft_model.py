@@ -66,6 +66,8 @@ class DraftModelConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.draft_model is not None and self.early_exit_layers is not None:
+            raise ValueError("early_exit_layers builds a draft from target_model; not with draft_model")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
@@ -148,8 +150,9 @@ class DraftModelProposer:
         if not work:
             return results
         root_logits = self._catch_up([(ctx, kv) for _, ctx, kv, _ in work])  # [len(work), vocab]
-        for (_, _, _, tree), logits in zip(work, root_logits):
-            tree.expand([0], *self._top_k(logits[None], tree.top_k))
+        top_tokens, top_logprobs = self._top_k(root_logits)
+        for r, (_, _, _, tree) in enumerate(work):
+            tree.expand([0], top_tokens[r:r + 1], top_logprobs[r:r + 1])
         self._expand([(ctx, kv, tree) for _, ctx, kv, tree in work])
         for i, _, _, tree in work:
             results[i] = tree.build()
@@ -249,24 +252,26 @@ class DraftModelProposer:
                 # at their true positions; everything after them is scratch.
                 in_place = []
                 for r, node in enumerate(rows):
-                    if False:
+                    if tree.depths[node] != r + 1 or (r and tree.parents[node] != rows[r - 1]):
                         break
                     in_place.append(tree.tokens[node])
                 held.append((kv, [*ctx.token_ids, *in_place]))
             if not seqs:
                 return
-            logits = self._forward(seqs)  # [sum(len(frontier)), vocab]
+            top_tokens, top_logprobs = self._top_k(self._forward(seqs))  # [sum(len(frontier)), top_k]
             for kv, token_ids in held:
                 kv.token_ids = token_ids
             row = 0
             for tree, frontier in frontiers:
-                tree.expand(frontier, *self._top_k(logits[row:row + len(frontier)], tree.top_k))
+                rows = slice(row, row + len(frontier))
+                tree.expand(frontier, top_tokens[rows], top_logprobs[rows])
                 row += len(frontier)
 
-    def _top_k(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [num_rows, vocab] -> (tokens, draft log-probs), each [num_rows, k], best first."""
+    def _top_k(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [num_rows, vocab] -> (tokens, draft log-probs), each [num_rows, top_k], best
+        first (a tree with a smaller budget uses the first few)."""
         logprobs = torch.log_softmax(logits[:, : self.vocab_limit].double(), dim=-1)
-        values, tokens = torch.topk(logprobs, k, dim=-1)
+        values, tokens = torch.topk(logprobs, min(self.config.top_k, self.vocab_limit), dim=-1)
         return tokens, values
 
     # ---------------------------------------------------------------- one draft forward

@@ -79,6 +79,7 @@ REFUSED = [
     ("pattern:lookaround", {"type": "string", "pattern": "^(?=a)[a-z]+$"}, '"b"'),
     ("pattern:lookaround", {"type": "string", "pattern": "^(?!a)[a-z]+$"}, '"ab"'),
     ("pattern:anchor", {"type": "string", "pattern": "a^b"}, '"ab"'),
+    ("pattern:anchor", {"type": "string", "pattern": "(a$|c)b"}, '"ab"'),
 ]
 
 
@@ -139,7 +140,8 @@ SUPPORTED = [
 ]
 
 
-@pytest.mark.parametrize("schema,instance", SUPPORTED, ids=[json.dumps(s)[:40] for s, _ in SUPPORTED])
+@pytest.mark.parametrize("schema,instance", SUPPORTED,
+                         ids=[json.dumps(s)[:40] for s, _ in SUPPORTED])
 def test_supported_feature_is_enforced(schema, instance):
     check_schema(schema)
     assert not _xgrammar_accepts(schema, instance)

@@ -22,7 +22,7 @@ BLOCK_SIZE = 16
 
 def _attention_case(trees, prefix_lens, num_heads, num_kv_heads, head_dim, dtype, device, seed):
     """A batch whose sequence i has prefix_lens[i] cached tokens and new tokens shaped by
-    trees[i] (a parents list; None = a causal chunk of the given length via an int)."""
+    trees[i]: a parents list (a draft tree), or an int (a causal chunk of that many tokens)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     q_lens = [len(t) if isinstance(t, list) else t for t in trees]
@@ -39,7 +39,9 @@ def _attention_case(trees, prefix_lens, num_heads, num_kv_heads, head_dim, dtype
         visible.extend(seen)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     args = (q, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32), cu)
-    mask_bits = pack_bits(torch.stack([torch.nn.functional.pad(v, (0, max(q_lens) - len(v))) for v in visible]))
+    # Causal rows carry their causal bits too, as in a mixed batch (docs/CONTRACTS.md).
+    width = max(q_lens)
+    mask_bits = pack_bits(torch.stack([torch.nn.functional.pad(v, (0, width - len(v))) for v in visible]))
     return [a.to(device) for a in args], mask_bits.to(device), visible
 
 

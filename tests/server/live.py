@@ -85,6 +85,7 @@ class ServeProcess:
                 m = re.search(r"OpenAI API\s+(http://\S+)/v1", line)
                 if m:
                     self.url = m.group(1)
+                if "/metrics" in line:  # the banner's last line
                     ready.set()
             ready.set()
 

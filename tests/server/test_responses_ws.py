@@ -212,7 +212,7 @@ def test_generate_false_warms_the_session(tiny):
             await ws.send(create(instructions="Use tools.", tools=tools, input="I will ask about words.",
                                  generate=False))
             warm = await until_terminal(ws)
-            await ws.send(create(instructions="Use tools.", tools=tools, input="What is a fjord?",
+            await ws.send(create(instructions="Use tools.", tools=tools, tool_choice="none", input="What is a fjord?",
                                  previous_response_id=warm[-1]["response"]["id"], max_output_tokens=2))
             return warm, await until_terminal(ws)
 
@@ -299,7 +299,7 @@ def test_oversized_frames(make_tiny_server):
             await ws.send(create(max_output_tokens=2))
             ok = await until_terminal(ws)
         async with websockets.connect(server.ws_url) as ws:  # past the hard cap: closed with 1009
-            await ws.send("x" * 5000)
+            await ws.send("x" * ((1 << 20) + 1))
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await ws.recv()
         return too_big, ok, closed.value.rcvd.code

@@ -93,6 +93,20 @@ def test_target_as_draft_chains_are_accepted_in_full(target):
             seqs[i] = seqs[i] + outcome.tokens
 
 
+def test_separate_draft_model_chains_its_own_greedy_continuation(target, tmp_path):
+    """Any causal LM sharing the vocabulary can draft: the chain is the draft's greedy text."""
+    ckpt = load_checkpoint(str(make_tiny_checkpoint(tmp_path / "draft", seed=1, num_hidden_layers=1)))
+    small = LlamaModel(ckpt.config, ckpt.weights, dtype=torch.float64)
+    draft = DraftModelProposer(DraftModelConfig(draft_model=small, target_model=target, num_blocks=32, block_size=8))
+    tokens = random_tokens(30, 14)
+    for _ in range(2):
+        tree = draft.propose([ctx(tokens)])[0]
+        assert tree == DraftTree.chain(tokens[-1], greedy_continuation(small, tokens, 4))
+        tokens = tokens + list(tree.tokens[1:3]) + [5]
+    with pytest.raises(ValueError):
+        DraftModelConfig(draft_model=small, early_exit_layers=2)
+
+
 def test_budget_and_empty_proposals(target):
     draft = proposer(target, target.num_layers, max_draft_tokens=3)
     tokens = random_tokens(12, 4)

@@ -1,0 +1,136 @@
+"""Grammar-constrained decoding inside the engine step (xgrammar through prescient.grammar).
+
+For every scheduled request that samples this step and carries a grammar:
+
+1. `prepare` resolves its compile (started when the request arrived, so it overlapped queueing
+   and prefill), then shapes its draft tree: a *forced span* (the grammar admits one
+   continuation: JSON keys, punctuation, tool-call scaffolding) becomes the draft chain itself,
+   tokens the target then verifies for free in the same forward; otherwise the proposer's tree
+   is cut to its grammar-valid subtree before verification (no target compute on forbidden
+   tokens), and every surviving node gets its own next-token mask.
+2. `apply` masks the logits rows (forbidden -> -inf) before sampling / verification, so plain
+   and speculative decoding pick from the same constrained distribution (lossless).
+3. `advance` moves the matcher over the committed tokens; a completed grammar finishes the request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from prescient.kernels import ops
+from prescient.runtime.request import Request
+from prescient.speculative.tree import DraftTree
+
+
+@dataclass
+class GrammarStats:
+    num_masked_rows: int = 0
+    mask_seconds: float = 0.0
+    mask_seconds_per_row: list[float] = field(default_factory=list)  # recent, for p50/p99
+    num_forced_tokens_proposed: int = 0
+    num_pruned_nodes: int = 0
+
+
+@dataclass
+class PreparedMasks:
+    bitmask: torch.Tensor  # [num_logits, num_words] int32, rows of unconstrained requests all-ones
+    forced: list[bool]  # per seq: its tree is a forced span
+
+
+def resolve_matcher(request: Request):
+    """Turn a pending compile / compiled grammar into the request's matcher (raises
+    GrammarError on a failed or timed-out compile)."""
+    g = request.grammar
+    if hasattr(g, "result"):  # PendingGrammar
+        g = g.result()
+    if hasattr(g, "matcher"):  # CompiledGrammar
+        g = g.matcher()
+    request.grammar = g
+    return g
+
+
+class GrammarStep:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size  # the model's logits width
+        self.num_words = (vocab_size + 31) // 32
+        self.stats = GrammarStats()
+
+    def prepare(self, seqs, trees: list[DraftTree | None]) -> tuple[list[DraftTree | None], PreparedMasks | None]:
+        """Returns the (possibly pruned / forced) trees and the bitmask for the logits rows, or
+        None when no scheduled request is constrained."""
+        if not any(s.samples and s.request.grammar is not None for s in seqs):
+            return trees, None
+        t0 = time.perf_counter()
+        trees = list(trees)
+        forced = [False] * len(seqs)
+        blocks: list[torch.Tensor] = []
+        for i, seq in enumerate(seqs):
+            if not seq.samples:
+                continue
+            request = seq.request
+            tree = trees[i]
+            num_rows = tree.num_nodes if tree is not None else 1
+            if request.grammar is None:
+                blocks.append(torch.full((num_rows, self.num_words), -1, dtype=torch.int32))
+                continue
+            matcher = request.grammar
+            root = request.all_token_ids[-1]
+            span = matcher.forced_tokens()[:seq.num_spec_slots]
+            if span:
+                tree = DraftTree.chain(root, span)
+                forced[i] = True
+                self.stats.num_forced_tokens_proposed += len(span)
+            if tree is not None:
+                from prescient.grammar import prune_tree, tree_masks
+
+                masks = tree_masks(matcher, list(tree.tokens), list(tree.parents))
+                if not masks.keep.all():
+                    node_ids, tokens, parents = prune_tree(list(tree.tokens), list(tree.parents), masks.keep)
+                    self.stats.num_pruned_nodes += tree.num_nodes - len(node_ids)
+                    tree = DraftTree(tokens.tolist(), parents.tolist()) if len(node_ids) > 1 else None
+                    rows = masks.bitmask[torch.from_numpy(node_ids)]
+                else:
+                    rows = masks.bitmask
+                trees[i] = tree
+                blocks.append(self._widen(rows))
+            else:
+                from prescient.grammar import allocate_bitmask
+
+                row = allocate_bitmask(1, matcher.tokenizer.vocab_size)
+                matcher.fill_bitmask(row, 0)
+                blocks.append(self._widen(row))
+            self.stats.num_masked_rows += blocks[-1].shape[0]
+        bitmask = torch.cat(blocks) if blocks else torch.empty(0, self.num_words, dtype=torch.int32)
+        dt = time.perf_counter() - t0
+        self.stats.mask_seconds += dt
+        self.stats.mask_seconds_per_row.append(dt / max(1, bitmask.shape[0]))
+        del self.stats.mask_seconds_per_row[:-4096]
+        return trees, PreparedMasks(bitmask, forced)
+
+    def _widen(self, rows: torch.Tensor) -> torch.Tensor:
+        """Grammar vocab -> model vocab width (tokens the tokenizer lacks are never allowed)."""
+        if rows.shape[1] == self.num_words:
+            return rows
+        out = torch.zeros(rows.shape[0], self.num_words, dtype=torch.int32)
+        w = min(rows.shape[1], self.num_words)
+        out[:, :w] = rows[:, :w]
+        return out
+
+    @staticmethod
+    def apply(logits: torch.Tensor, masks: PreparedMasks | None) -> None:
+        """logits: [num_logits, vocab] in place."""
+        if masks is not None and masks.bitmask.shape[0]:
+            ops.apply_token_bitmask(logits, masks.bitmask.to(logits.device))
+
+    @staticmethod
+    def advance(request: Request, tokens: list[int]) -> None:
+        """Accept committed tokens; they were sampled under the mask, so a refusal is a bug."""
+        if request.grammar is None:
+            return
+        taken = request.grammar.accept_tokens(tokens)
+        if taken != len(tokens):
+            raise RuntimeError(f"grammar refused committed token {tokens[taken]} of request {request.request_id}")
