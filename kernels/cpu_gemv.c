@@ -122,8 +122,42 @@ static inline void store1(const job_t *j, int m, int n, float v)
 }
 
 /* ------------------------------------------------------------------------- */
-/* Portable path: scalar fp32 accumulation (gcc vectorises it for the host).  */
+/* Portable path (no AVX-512, or another architecture).  16 independent lane   */
+/* sums per dot product: gcc vectorises that without -ffast-math (a single     */
+/* scalar sum would be an order-dependent reduction it must keep serial).      */
 /* ------------------------------------------------------------------------- */
+
+#define PG_LANES 16
+
+static float dot_f32(const float *w, const float *x, int K)
+{
+    float acc[PG_LANES] = {0};
+    int k = 0;
+    for (; k + PG_LANES <= K; k += PG_LANES)
+        for (int i = 0; i < PG_LANES; i++)
+            acc[i] += w[k + i] * x[k + i];
+    float s = 0.f;
+    for (; k < K; k++)
+        s += w[k] * x[k];
+    for (int i = 0; i < PG_LANES; i++)
+        s += acc[i];
+    return s;
+}
+
+static float dot_bf16w(const uint16_t *w, const float *x, int K)
+{
+    float acc[PG_LANES] = {0};
+    int k = 0;
+    for (; k + PG_LANES <= K; k += PG_LANES)
+        for (int i = 0; i < PG_LANES; i++)
+            acc[i] += bf16_to_f32(w[k + i]) * x[k + i];
+    float s = 0.f;
+    for (; k < K; k++)
+        s += bf16_to_f32(w[k]) * x[k];
+    for (int i = 0; i < PG_LANES; i++)
+        s += acc[i];
+    return s;
+}
 
 static void rows_portable(const job_t *j, int n0, int n1)
 {
@@ -132,17 +166,9 @@ static void rows_portable(const job_t *j, int n0, int n1)
     for (int n = n0; n < n1; n++) {
         for (int m = 0; m < M; m++) {
             const float *xr = x + (size_t)m * K;
-            float acc = 0.f;
-            if (j->wdt == DT_F32) {
-                const float *wr = (const float *)j->w + (size_t)n * K;
-                for (int k = 0; k < K; k++)
-                    acc += wr[k] * xr[k];
-            } else {
-                const uint16_t *wr = (const uint16_t *)j->w + (size_t)n * K;
-                for (int k = 0; k < K; k++)
-                    acc += bf16_to_f32(wr[k]) * xr[k];
-            }
-            store1(j, m, n, acc);
+            float v = j->wdt == DT_F32 ? dot_f32((const float *)j->w + (size_t)n * K, xr, K)
+                                       : dot_bf16w((const uint16_t *)j->w + (size_t)n * K, xr, K);
+            store1(j, m, n, v);
         }
     }
 }
@@ -492,7 +518,6 @@ typedef struct {
 
 static pool_t g_pool;
 static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t g_cfg_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_nthreads = 2;         /* caller + workers */
 static int g_started = 0;          /* workers running */
 static _Atomic int g_spin_us = 1000;  /* busy-wait after a job before yielding */
@@ -633,7 +658,6 @@ static int start_workers_locked(void)
 static void atfork_child(void)
 {
     pthread_mutex_init(&g_call_lock, NULL);
-    pthread_mutex_init(&g_cfg_lock, NULL);
     g_started = 0;
     atomic_store(&g_pool.sleepers, 0);
     atomic_store(&g_live, 0);
@@ -786,8 +810,16 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
         futex_wake_all(&g_pool.wake);
 
     work_chunks(gen, &j);
-    while (atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j.nchunks)
-        cpu_relax();
+    /* Wait for chunks still in a worker's hands.  Normally that is the tail of one chunk
+     * (microseconds); if the worker was preempted mid-chunk (an oversubscribed core),
+     * yield so that, should it share our core, it can finish. */
+    for (unsigned spins = 0;
+         atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j.nchunks; spins++) {
+        if (spins < 20000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
     pthread_mutex_unlock(&g_call_lock);
     return 0;
 }

@@ -105,32 +105,39 @@ def comparisons(records: list[Batch1Record], modes: dict, specs: list[ModeSpec],
                 "floor_tok_s": pm["floor_tok_s"],
                 "prescient_pct_of_floor": pm["pct_of_floor"], "hf_pct_of_floor": hm["pct_of_floor"],
             })
-    speculation = []
-    for s in specs:
-        if not s.speculative or s.name not in names or s.plain_name not in names:
-            continue
-        for kind in ("all",) + KINDS:
-            pick = (lambda r, m: r.mode == m and (kind == "all" or r.workload.kind == kind))
-            plain = [r for r in records if pick(r, s.plain_name)]
-            spec = [r for r in records if pick(r, s.name)]
-            if not plain or not spec:
-                continue
-            ps, ss = _summary(plain, slo), _summary(spec, slo)
-            speculation.append({
-                "mode": s.name, "baseline": s.plain_name, "workload": kind,
-                "plain_tok_s": ps["decode_tok_s"], "spec_tok_s": ss["decode_tok_s"],
-                "speedup": _ratio(ss["decode_tok_s"], ps["decode_tok_s"]),
-                "e2e_speedup": _ratio(sum(_e2e(plain, slo)), sum(_e2e(spec, slo))),
-                "mean_accepted_len": ss["accepted_len"]["mean"],
-                "plain_ttft_p50_s": ps["ttft_s"]["p50"], "spec_ttft_p50_s": ss["ttft_s"]["p50"],
-            })
+    speculation = [row for s in specs if s.speculative and s.name in names and s.plain_name in names
+                   for row in _speedups(records, s.name, s.plain_name, slo)]
+    grammar = [row for s in specs if s.grammar and s.name in names and s.unconstrained_name in names
+               for row in _speedups(records, s.name, s.unconstrained_name, slo)]
     agreement = []
     for s in specs:
-        if s.name in names and s.speculative and s.plain_name in names:
+        if s.name in names and s.speculative and not s.grammar and s.plain_name in names:
             agreement.append(_agreement(records, s.name, s.plain_name))
-        if s.engine == "prescient" and not s.speculative and ModeSpec("hf", s.dtype).name in names:
+        if s.engine == "prescient" and not s.speculative and not s.grammar and ModeSpec("hf", s.dtype).name in names:
             agreement.append(_agreement(records, s.name, ModeSpec("hf", s.dtype).name))
-    return {"issue2": issue2, "speculation": speculation, "agreement": [a for a in agreement if a]}
+    return {"issue2": issue2, "speculation": speculation, "grammar": grammar,
+            "agreement": [a for a in agreement if a]}
+
+
+def _speedups(records: list[Batch1Record], mode: str, baseline: str, slo: SLOConfig) -> list[dict]:
+    """`mode` over `baseline` on the same prompts, overall and per workload kind."""
+    rows = []
+    for kind in ("all",) + KINDS:
+        pick = (lambda r, m: r.mode == m and (kind == "all" or r.workload.kind == kind))
+        base = [r for r in records if pick(r, baseline)]
+        test = [r for r in records if pick(r, mode)]
+        if not base or not test:
+            continue
+        bs, ts = _summary(base, slo), _summary(test, slo)
+        rows.append({
+            "mode": mode, "baseline": baseline, "workload": kind,
+            "plain_tok_s": bs["decode_tok_s"], "spec_tok_s": ts["decode_tok_s"],
+            "speedup": _ratio(ts["decode_tok_s"], bs["decode_tok_s"]),
+            "e2e_speedup": _ratio(sum(_e2e(base, slo)), sum(_e2e(test, slo))),
+            "mean_accepted_len": ts["accepted_len"]["mean"],
+            "plain_ttft_p50_s": bs["ttft_s"]["p50"], "spec_ttft_p50_s": ts["ttft_s"]["p50"],
+        })
+    return rows
 
 
 def _e2e(records: list[Batch1Record], slo: SLOConfig) -> list[float]:

@@ -47,7 +47,8 @@ class HFRunner:
         self._num_runs = 0
 
     @torch.inference_mode()
-    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str) -> RunResult:
+    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str,
+            constraint: dict | None = None) -> RunResult:
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         trace = RequestTrace(request_id, time.perf_counter(), num_prompt_tokens=len(prompt_ids))
         kwargs = {"prompt_lookup_num_tokens": self.spec.prompt_lookup} if self.spec.prompt_lookup else {}

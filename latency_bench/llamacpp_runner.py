@@ -36,7 +36,8 @@ class LlamaCppRunner:
         self.weight_bytes = os.path.getsize(path)  # the file is the weights as llama.cpp streams them
         self.kv_bytes_per_token = kv_bytes_per_token(ctx.model_config, ctx.model(spec.dtype).dtype)
 
-    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str) -> RunResult:
+    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str,
+            constraint: dict | None = None) -> RunResult:
         self.llm.reset()
         trace = RequestTrace(request_id, time.perf_counter(), num_prompt_tokens=len(prompt_ids))
         output: list[int] = []

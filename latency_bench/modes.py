@@ -24,6 +24,7 @@ class ModeSpec:
     dtype: str  # "float32" | "bfloat16"
     speculate: str = "off"  # prescient: "off" | "ngram" | "draft"
     prompt_lookup: int | None = None  # hf: prompt_lookup_num_tokens
+    grammar: bool = False  # prescient: constrain each workload's output (workloads.CONSTRAINTS)
 
     @property
     def name(self) -> str:
@@ -32,6 +33,8 @@ class ModeSpec:
             name += f"-{self.speculate}"
         if self.prompt_lookup:
             name += f"-pld{self.prompt_lookup}"
+        if self.grammar:
+            name += "-grammar"
         return name
 
     @property
@@ -40,12 +43,17 @@ class ModeSpec:
         return ModeSpec(self.engine, self.dtype).name
 
     @property
+    def unconstrained_name(self) -> str:
+        """The same mode without the grammar: the baseline for the grammar's effect."""
+        return ModeSpec(self.engine, self.dtype, self.speculate, self.prompt_lookup).name
+
+    @property
     def speculative(self) -> bool:
         return self.speculate != "off" or bool(self.prompt_lookup)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "engine": self.engine, "dtype": self.dtype, "speculate": self.speculate,
-                "prompt_lookup_num_tokens": self.prompt_lookup}
+                "prompt_lookup_num_tokens": self.prompt_lookup, "grammar": self.grammar}
 
 
 @dataclass
@@ -61,7 +69,10 @@ class Runner(Protocol):
     weight_bytes: int  # bytes one forward reads from weights
     kv_bytes_per_token: int
 
-    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str) -> RunResult: ...
+    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str,
+            constraint: dict | None = None) -> RunResult:
+        """Greedy, batch 1. `constraint` (a JSON Schema) applies only to grammar modes."""
+        ...
 
     def stats(self) -> dict:
         """Mode-specific counters for the report (speculation stats, ...)."""
@@ -95,12 +106,13 @@ def register_runner(engine: str):
 
 def default_modes(dtypes: tuple[str, ...], spec_dtype: str, llamacpp: bool = True) -> list[ModeSpec]:
     """Plain prescient and transformers in every dtype (issue 2), speculation in `spec_dtype`
-    (issue 3): n-gram, draft, transformers prompt lookup; llama.cpp when installed."""
+    (issue 3): n-gram, draft, transformers prompt lookup; n-gram with the output grammar (issue 7);
+    llama.cpp when installed."""
     modes = []
     for dtype in dtypes:
         modes += [ModeSpec("prescient", dtype), ModeSpec("hf", dtype)]
     modes += [ModeSpec("prescient", spec_dtype, "ngram"), ModeSpec("prescient", spec_dtype, "draft"),
-              ModeSpec("hf", spec_dtype, prompt_lookup=10)]
+              ModeSpec("hf", spec_dtype, prompt_lookup=10), ModeSpec("prescient", spec_dtype, "ngram", grammar=True)]
     if llamacpp:
         modes.append(ModeSpec("llamacpp", spec_dtype))
     if spec_dtype not in dtypes:

@@ -1,4 +1,5 @@
-"""Batch-1 runs on an in-process prescient `Engine`: plain decoding or with a speculator.
+"""Batch-1 runs on an in-process prescient `Engine`: plain decoding or with a speculator, with or
+without the workload's output grammar.
 
 The request is stepped to completion on the calling thread; times are the engine's own stamps
 (arrival at `add_request`, one `token_times` stamp per committed step). The prefix cache is
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from prescient.grammar import spec_from_response_format
 from prescient.latency_bench.modes import ModeSpec, RunResult, Unavailable, decode_steps, register_runner
 from prescient.latency_bench.efficiency import kv_bytes_per_token, prescient_model_bytes
 from prescient.runtime.sampling_params import SamplingParams
@@ -25,10 +27,24 @@ class PrescientRunner:
         self.weight_bytes = prescient_model_bytes(self.engine.model)
         self.kv_bytes_per_token = kv_bytes_per_token(ctx.model_config, self.engine.model.dtype)
 
-    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str) -> RunResult:
+    def prepare(self, constraints: list[dict]) -> None:
+        """Compile the grammars before timing (the compiler caches them; a server that has seen a
+        schema once answers from the cache too)."""
+        if self.spec.grammar:
+            for schema in constraints:
+                self._submit(schema).result()
+
+    def _submit(self, schema: dict):
+        spec = spec_from_response_format({"type": "json_schema", "json_schema": {"schema": schema}})
+        return self.engine.grammar_compiler().submit(spec)
+
+    def run(self, prompt_ids: list[int], max_tokens: int, request_id: str,
+            constraint: dict | None = None) -> RunResult:
         self.engine.block_manager.reset_prefix_cache()
+        # each request gets its own matcher over the (cached) compiled grammar
+        grammar = self._submit(constraint) if self.spec.grammar and constraint is not None else None
         request = self.engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens),
-                                          request_id=request_id)
+                                          request_id=request_id, grammar=grammar)
         while request.finish_reason is None:
             self.engine.step()
         trace = RequestTrace.from_request(request)

@@ -37,7 +37,7 @@ MODE_SPEC = {
     "type": "object",
     "required": ["name", "engine", "dtype", "speculate", "prompt_lookup_num_tokens"],
     "properties": {"name": STR, "engine": STR, "dtype": STR, "speculate": STR,
-                   "prompt_lookup_num_tokens": {"type": ["integer", "null"]},
+                   "prompt_lookup_num_tokens": {"type": ["integer", "null"]}, "grammar": {"type": "boolean"},
                    "available": {"type": "boolean"}, "reason": {"type": ["string", "null"]}},
 }
 
@@ -101,7 +101,7 @@ REPORT_SCHEMA = {
                            "runs": {"type": "array", "items": {"$ref": "#/$defs/run"}}},
         },
         "comparisons": {
-            "type": "object", "required": ["issue2", "speculation", "agreement"],
+            "type": "object", "required": ["issue2", "speculation", "grammar", "agreement"],
             "properties": {
                 "issue2": {"type": "array", "items": {"type": "object", "required": [
                     "dtype", "prescient_tok_s", "hf_tok_s", "tok_s_ratio", "prescient_ttft_p50_s", "hf_ttft_p50_s",
@@ -109,6 +109,8 @@ REPORT_SCHEMA = {
                 "speculation": {"type": "array", "items": {"type": "object", "required": [
                     "mode", "baseline", "workload", "plain_tok_s", "spec_tok_s", "speedup", "e2e_speedup",
                     "mean_accepted_len"]}},
+                "grammar": {"type": "array", "items": {"type": "object", "required": [
+                    "mode", "baseline", "workload", "plain_tok_s", "spec_tok_s", "speedup", "e2e_speedup"]}},
                 "agreement": {"type": "array", "items": {"type": "object", "required": [
                     "mode", "reference", "identical", "mean_common_prefix"]}},
             },

@@ -25,6 +25,17 @@ SHARED_WORKLOADS = _HERE.parent.parent / "shared" / "workloads" / "workloads.jso
 BUNDLED_WORKLOADS = _HERE / "workloads.jsonl"
 
 
+# What a grammar mode constrains each kind's output to (JSON Schema), from what its prompt asks
+# for: a tool call {"name", "arguments"} over the declared tools, or the edited JSON array. Chat
+# answers are free text (unconstrained).
+CONSTRAINTS = {
+    "tool_call": {"type": "object", "properties": {
+        "name": {"type": "string", "enum": ["get_weather", "search_flights"]},
+        "arguments": {"type": "object"}}, "required": ["name", "arguments"]},
+    "long_edit": {"type": "array", "items": {"type": "object"}},
+}
+
+
 @dataclass(frozen=True)
 class Workload:
     index: int  # line number in the file (stable prompt id across reports)
@@ -35,6 +46,10 @@ class Workload:
     @property
     def name(self) -> str:
         return f"{self.kind}-{self.index}"
+
+    @property
+    def constraint(self) -> dict | None:
+        return CONSTRAINTS.get(self.kind)
 
 
 def default_workloads_path() -> Path:

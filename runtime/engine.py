@@ -216,8 +216,6 @@ class Engine:
         outputs = []
         for i, (seq, result) in enumerate(zip(seqs, results)):
             request = seq.request
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
             n_accepted = result.num_accepted_draft if result else 0
             request.num_computed_tokens += seq.num_new_tokens + n_accepted
             out = None
@@ -229,14 +227,17 @@ class Engine:
             self.scheduler.register_full_blocks(request)
             if out is None:
                 continue
+            outputs.append(out)
             if out.finished:
                 request.finished_time = now
                 self.requests.pop(request.request_id, None)
                 self._release(request)
-            elif request.grammar is not None and self.speculator is not None:
+                continue
+            if self.speculator is not None and len(request.output_token_ids) == len(result.tokens):
+                self.speculator.on_prefilled(request)
+            if request.grammar is not None and self.speculator is not None:
                 # room for the next forced span even when drafts are not paying
                 request.spec_budget = max(request.spec_budget, len(request.grammar.forced_tokens()))
-            outputs.append(out)
         return outputs
 
     # ---------------------------------------------------------------- convenience

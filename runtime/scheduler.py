@@ -12,6 +12,7 @@ became full in the prefix cache.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -137,6 +138,8 @@ class Scheduler:
             if not self._grow(request, num_new):
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.perf_counter()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seqs.append(ScheduledSeq(request, num_new, 0))

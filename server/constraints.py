@@ -34,7 +34,8 @@ def format_spec(fmt: dict | None, param: str) -> GrammarSpec | None:
         raise bad_request(str(err), param=param, code="invalid_response_format") from None
 
 
-def pick_spec(format_grammar: GrammarSpec | None, tool_grammar: GrammarSpec | None, format_param: str) -> GrammarSpec | None:
+def pick_spec(format_grammar: GrammarSpec | None, tool_grammar: GrammarSpec | None,
+              format_param: str) -> GrammarSpec | None:
     if format_grammar is not None and tool_grammar is not None:
         raise bad_request("a structured output format cannot be combined with tools unless tool_choice is "
                           "'none'", param=format_param, code="unsupported_combination")

@@ -225,13 +225,14 @@ class Generation:
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, default: int, max_model_len: int,
-                     param: str) -> int:
+                     param: str, prompt_param: str = "input") -> int:
     """The request's output budget: an explicit value must fit the context (400 naming the
     field); the default is cut to what fits."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise bad_request(f"the prompt has {num_prompt_tokens} tokens; the context is {max_model_len} "
-                          "(prompt + at least one generated token must fit)", param="input", code="context_length_exceeded")
+                          "(prompt + at least one generated token must fit)", param=prompt_param,
+                          code="context_length_exceeded")
     if max_tokens is None:
         return min(default, room)
     if max_tokens > room:

@@ -5,8 +5,8 @@ Per-request latencies are observed by the server from the engine's per-token tim
 at submission): TTFT = first token - submission, ITL = gap between consecutive tokens (0 for the
 tokens of one speculative step: they arrive together), TPOT = (last - first) / (tokens - 1),
 E2E = finish - submission. Buckets start at 1 ms. Engine state (running / waiting requests, KV
-usage, prefix-cache hit rate, pinned sessions) is read when scraped; the step time comes from
-`AsyncEngine.step_hooks`.
+usage, prefix-cache hit rate, pinned sessions, speculation acceptance, grammar mask time) is read
+from the engine's own counters when scraped; the step time comes from `AsyncEngine.step_hooks`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,18 @@ class EngineCollector:
         yield hits
         yield GaugeMetricFamily("prescient_pinned_sessions", "agent sessions whose KV is pinned between turns",
                                 value=len(e.sessions))
+        speculator = e.speculator
+        if speculator is not None:
+            spec = speculator.stats
+            for name, doc, value in (("draft_tokens", "draft tokens proposed and verified", spec.num_draft_tokens),
+                                     ("accepted_tokens", "draft tokens accepted", spec.num_accepted_tokens)):
+                family = CounterMetricFamily(f"prescient_spec_{name}", doc)
+                family.add_metric([], value)
+                yield family
+            yield GaugeMetricFamily("prescient_spec_acceptance_rate", "accepted / proposed draft tokens",
+                                    value=spec.acceptance_rate)
+            yield GaugeMetricFamily("prescient_spec_mean_accepted_length", "tokens per speculative step, bonus "
+                                    "included", value=spec.mean_accepted_length)
         grammar = e.grammar_step.stats
         mask = CounterMetricFamily("prescient_grammar_mask_seconds", "time spent filling and applying grammar masks")
         mask.add_metric([], grammar.mask_seconds)

@@ -10,6 +10,7 @@ which the SDK raises as an APIError.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 
@@ -45,6 +46,27 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+async def unless_disconnected(request: Request, work) -> Response:
+    """Await `work` (a non-streamed answer) unless the client hangs up first: then it is
+    cancelled, which aborts its generation and frees the KV, instead of generating for no one."""
+    task = asyncio.ensure_future(work)
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # "client closed request": nobody reads it
+    return task.result()
+
+
 def _refuse_penalties(req) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
@@ -75,7 +97,7 @@ async def chat_completions(request: Request) -> Response:
     spec = pick_spec(format_spec(req.response_format, "response_format"), setup.grammar, "response_format")
     max_tokens = check_max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
                                   ctx.config.default_max_tokens, ctx.max_model_len,
-                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages")
     params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
                           logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     matcher = await ctx.constraints.matcher(spec, "response_format" if req.response_format else "tools")
@@ -86,7 +108,7 @@ async def chat_completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse.SSEResponse(_chat_chunks(ctx, gen, rid, created, include_usage, req.logprobs))
-    return await _chat_json(ctx, gen, rid, created, req.logprobs)
+    return await unless_disconnected(request, _chat_json(ctx, gen, rid, created, req.logprobs))
 
 
 async def _chat_json(ctx: ServerContext, gen: Generation, rid: str, created: int, logprobs: bool) -> Response:
@@ -124,12 +146,11 @@ async def _chat_chunks(ctx: ServerContext, gen: Generation, rid: str, created: i
                 yield chunk(w.Delta(tool_calls=[w.ToolCallDelta(ev.index, ev.call_id, "function",
                                                                 w.FunctionDelta(name=ev.name, arguments=""))]))
             elif isinstance(ev, CallDelta):
-                yield chunk(w.Delta(tool_calls=[w.ToolCallDelta(ev.index, function=w.FunctionDelta(arguments=ev.text))]),
-                            tokens=ev.tokens)
+                call = w.ToolCallDelta(ev.index, function=w.FunctionDelta(arguments=ev.text))
+                yield chunk(w.Delta(tool_calls=[call]), tokens=ev.tokens)
             elif isinstance(ev, Finished):
                 if ev.reason == "error":
-                    yield sse.data(_encode(APIError(500, ev.error or "generation failed", code="server_error").body()))
-                    yield sse.DONE
+                    yield _error_chunk(ev.error)
                     return
                 yield chunk(w.Delta(), _finish_reason(gen, ev.reason), tokens=ev.tokens if len(ev.tokens) else None)
                 if include_usage:
@@ -156,7 +177,7 @@ async def completions(request: Request) -> Response:
     if not prompt_ids:
         raise bad_request("prompt is empty", param="prompt", code="empty_input")
     max_tokens = check_max_tokens(len(prompt_ids), req.max_tokens, ctx.config.default_completion_tokens,
-                                  ctx.max_model_len, "max_tokens")
+                                  ctx.max_model_len, "max_tokens", "prompt")
     params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
     gen = Generation(ctx.aengine, prompt_ids, params, metrics=ctx.metrics, prompt_param="prompt")
     gen.start()
@@ -164,6 +185,10 @@ async def completions(request: Request) -> Response:
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return sse.SSEResponse(_completion_chunks(ctx, gen, rid, created, include_usage, req.logprobs is not None))
+    return await unless_disconnected(request, _completion_json(ctx, gen, rid, created, req.logprobs is not None))
+
+
+async def _completion_json(ctx: ServerContext, gen: Generation, rid: str, created: int, logprobs: bool) -> Response:
     entries: list[dict] = []
     async with aclosing(gen.events()) as events:
         async for ev in events:
@@ -172,7 +197,7 @@ async def completions(request: Request) -> Response:
     done = gen.finished
     if done.reason == "error":
         raise APIError(500, done.error or "generation failed", code="server_error")
-    lp = w.completion_logprobs(entries, ctx.token_text, 0) if req.logprobs is not None else None
+    lp = w.completion_logprobs(entries, ctx.token_text, 0) if logprobs else None
     choice = w.CompletionChoice(0, gen.content, "length" if done.reason == "length" else "stop", lp)
     body = w.Completion(rid, created, ctx.model_name, [choice], _TEXT, usage=w.usage(done.usage))
     return Response(_encode(body), media_type="application/json")
@@ -180,24 +205,30 @@ async def completions(request: Request) -> Response:
 
 async def _completion_chunks(ctx: ServerContext, gen: Generation, rid: str, created: int, include_usage: bool,
                              logprobs: bool):
+    def chunk(choices: list, **extra) -> bytes:
+        return sse.data(_encode(w.Completion(rid, created, ctx.model_name, choices, _TEXT, **extra)))
+
     offset = 0
     async with aclosing(gen.events()) as events:
         async for ev in events:
             if isinstance(ev, TextDelta):
                 lp = w.completion_logprobs(ev.tokens.logprobs, ctx.token_text, offset) if logprobs else None
                 offset += len(ev.text)
-                yield sse.data(_encode(w.Completion(rid, created, ctx.model_name, [w.CompletionChoice(0, ev.text, None, lp)], _TEXT,
-                                                    token_times=ev.tokens.times, token_sources=ev.tokens.sources)))
+                yield chunk([w.CompletionChoice(0, ev.text, None, lp)], token_times=ev.tokens.times,
+                            token_sources=ev.tokens.sources)
             elif isinstance(ev, Finished):
                 if ev.reason == "error":
-                    yield sse.data(_encode(APIError(500, ev.error or "generation failed", code="server_error").body()))
-                    yield sse.DONE
+                    yield _error_chunk(ev.error)
                     return
-                finish = "length" if ev.reason == "length" else "stop"
-                yield sse.data(_encode(w.Completion(rid, created, ctx.model_name, [w.CompletionChoice(0, "", finish)], _TEXT)))
+                yield chunk([w.CompletionChoice(0, "", "length" if ev.reason == "length" else "stop")])
                 if include_usage:
-                    yield sse.data(_encode(w.Completion(rid, created, ctx.model_name, [], _TEXT, usage=w.usage(ev.usage))))
+                    yield chunk([], usage=w.usage(ev.usage))
     yield sse.DONE
+
+
+def _error_chunk(message: str | None) -> bytes:
+    """An engine failure mid-stream: an error chunk (the SDK raises it), then the end."""
+    return sse.data(_encode(APIError(500, message or "generation failed", code="server_error").body())) + sse.DONE
 
 
 # ---------------------------------------------------------------- models, health, metrics

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from prescient.server import sse
 from prescient.server.errors import APIError
-from prescient.server.openai_http import read_body
+from prescient.server.openai_http import read_body, unless_disconnected
 from prescient.server.protocol import ResponseCreateParams, decode
 from prescient.server.responses import ResponseRun
 
@@ -31,6 +31,10 @@ async def create_response(request: Request) -> Response:
     await run.prepare()
     if params.stream:
         return sse.SSEResponse(_stream(run))
+    return await unless_disconnected(request, _whole(run))
+
+
+async def _whole(run: ResponseRun) -> Response:
     async with aclosing(run.events()) as events:
         async for _ in events:
             pass

@@ -2,11 +2,11 @@
 
 Each request's drafts are judged one depth at a time; the controller keeps an EMA estimate of
 `acceptance_rate` = P(the next offered draft is accepted), from the outcomes it observes. With
-k draft tokens the expected output of a step is E(k) = 1 + a + a^2 + ... + a^k (a chain's
-expectation under an i.i.d. acceptance model, as in Leviathan et al. Sec. 3.5), so the j-th
-draft token adds a^j. A forward over T tokens costs `verify_cost(T)` (relative to a 1-token
-step; measured by the engine, piecewise linear between measured points). The plan maximises
-the batch's expected tokens per unit cost:
+k draft tokens the expected output of a step is E(k) = 1 + a + a^2 + ... + a^k (a chain under
+an i.i.d. acceptance model: (1 - a^(k+1)) / (1 - a) in Leviathan et al. 2023), so the j-th
+draft token adds a^j. A forward over T tokens costs `verify_cost(T)` relative to a 1-token step
+(measured by the engine; piecewise linear between measured points). The plan maximises the
+batch's expected tokens per unit cost:
 
     max over m of (num_requests + sum of the m largest marginal gains) / verify_cost(T0 + m)
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from prescient.speculative.verify import RECOVERED, VerifyOutcome
 
@@ -55,24 +55,26 @@ class AdaptiveConfig:
 
 class CostModel:
     """verify_cost(num_tokens): piecewise linear through a measured table, extended past its
-    ends with the slope of the nearest segment (a flat 1.0 for a one-point table)."""
+    ends with the slope of the nearest segment (a flat line for a one-point table)."""
 
     def __init__(self, table: Mapping[int, float]) -> None:
         points = sorted((int(k), float(v)) for k, v in table.items())
         if not points or points[0][0] < 1 or any(v <= 0 for _, v in points):
             raise ValueError(f"verify_cost needs token counts >= 1 with positive costs, got {dict(table)}")
-        self.points = points
+        if len(points) == 1:
+            points.append((points[0][0] + 1, points[0][1]))
+        self._num_tokens = np.array([k for k, _ in points], dtype=np.float64)
+        self._costs = np.array([v for _, v in points], dtype=np.float64)
 
     def __call__(self, num_tokens: int) -> float:
-        points = self.points
-        if len(points) == 1:
-            return points[0][1]
-        # The segment containing num_tokens, or the first/last one to extrapolate from.
-        i = 1
-        while i < len(points) - 1 and num_tokens > points[i][0]:
-            i += 1
-        (x0, y0), (x1, y1) = points[i - 1], points[i]
-        return max(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-9)
+        return float(self.many(np.array([num_tokens]))[0])
+
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:  # [n] -> [n] float64
+        xs, ys = self._num_tokens, self._costs
+        # right end of the segment holding each count; the first / last segment outside the table
+        right = np.clip(np.searchsorted(xs, num_tokens), 1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
+        return np.maximum(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-9)
 
 
 @dataclass
@@ -100,7 +102,8 @@ class AdaptiveSpeculation:
         return min(stats.accepted / stats.judged, 1.0)
 
     def mean_accepted(self, request_id: str) -> float:
-        """EMA of the accepted draft length per speculative step (for metrics)."""
+        """EMA of the accepted draft length per speculative step (for metrics; starts from
+        the prior)."""
         return self._get(request_id).accepted
 
     def plan(self, request_ids: Sequence[str], num_base_tokens: int | None = None) -> list[int]:
@@ -112,17 +115,17 @@ class AdaptiveSpeculation:
         num_base = len(request_ids) if num_base_tokens is None else num_base_tokens
         budgets = [0] * len(request_ids)
         if request_ids and cfg.max_draft_tokens > 0:
-            rates = torch.tensor([self.acceptance_rate(r) for r in request_ids], dtype=torch.float64)
-            depth = torch.arange(1, cfg.max_draft_tokens + 1, dtype=torch.float64)
-            gains = rates[:, None] ** depth  # [num_requests, max_draft_tokens]: a^j of draft j
-            order = gains.flatten().argsort(descending=True, stable=True)
-            value = len(request_ids) + torch.cat([torch.zeros(1, dtype=torch.float64),
-                                                  gains.flatten()[order].cumsum(0)])
-            cost = torch.tensor([self.verify_cost(num_base + m) for m in range(len(value))],
-                                dtype=torch.float64)
-            best_m = int((value / cost).argmax())  # first maximum: fewer drafts on ties
+            # numpy, not torch: a few dozen small arrays per step, where per-op overhead rules.
+            rates = np.array([self.acceptance_rate(r) for r in request_ids])
+            gains = rates[:, None] ** np.arange(1, cfg.max_draft_tokens + 1)  # [num_requests, max_draft_tokens]
+            # Descending and stable: equal gains keep request-major, depth-ascending order, so
+            # every request's chosen drafts are its first ones.
+            order = np.argsort(-gains.ravel(), kind="stable")
+            value = len(request_ids) + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
+            cost = self.verify_cost.many(num_base + np.arange(len(value)))
+            best_m = int(np.argmax(value / cost))  # the first maximum: fewer drafts on ties
             chosen = order[:best_m] // cfg.max_draft_tokens
-            budgets = torch.bincount(chosen, minlength=len(request_ids)).tolist()
+            budgets = np.bincount(chosen, minlength=len(request_ids)).tolist()
         for i, request_id in enumerate(request_ids):
             stats = self._get(request_id)
             if budgets[i] == 0:

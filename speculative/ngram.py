@@ -9,14 +9,18 @@ often continue an earlier occurrence of the sequence's current suffix. Each step
 2. each site proposes the tokens that followed it; sites are weighted by match length
    (longer = more specific context) and merged into a trie, so where continuations diverge the
    draft branches;
-3. the `max_draft_tokens` heaviest trie nodes form the `DraftTree` (a best-first selection in
-   the spirit of EAGLE-2's dynamic trees: keep the nodes most likely to be reached).
+3. the `max_draft_tokens` best trie nodes (weight x depth_decay^depth) form the `DraftTree`: a
+   best-first selection in the spirit of EAGLE-2's dynamic trees, keeping the nodes most likely
+   to be reached.
 
 Cost per step must stay in microseconds, so nothing is rescanned: each sequence keeps a
 zlib-style hash-chain index per n-gram length in a ladder (e.g. 8, 4, 2 tokens): `head[hash]` =
 latest end position of that n-gram, `prev[e]` = the previous end with the same hash. Appending a
 token adds one entry per level; a lookup walks a few chain links (most recent first) and measures
 each candidate's true match length by comparing tokens (which also rejects hash collisions).
+Entries are appended in order, so an index can also be rolled back (`truncate`): a session's
+next turn, whose prompt repeats the previous turn, takes over that turn's index instead of
+indexing its whole prompt again.
 """
 
 from __future__ import annotations
@@ -37,12 +41,17 @@ class NgramConfig:
     max_match: int = 8  # longest suffix compared (longer contexts rarely disagree)
     max_sites: int = 8  # continuations merged into one tree
     max_chain: int = 16  # chain links walked per ladder level (bounds the lookup cost)
+    # Node score = site weight x depth_decay^depth: lower favours second guesses for the next
+    # tokens (branches) over depth along the best guess.
+    depth_decay: float = 0.9
     max_session_tokens: int = 32768  # history kept per session; oldest turns dropped first
     max_sessions: int = 256  # least recently used sessions dropped beyond this
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match <= self.max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {self.min_match}, {self.max_match}")
+        if not 0 < self.depth_decay <= 1:
+            raise ValueError(f"depth_decay must be in (0, 1], got {self.depth_decay}")
         for name in ("max_sites", "max_chain", "max_session_tokens", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -89,6 +98,20 @@ class SequenceIndex:
                 append(get(key, -1))
                 head[key] = end
                 end += 1
+
+    def truncate(self, length: int) -> None:
+        """Forget the tokens past `length`. Entries were appended in order, so undoing them
+        newest first restores every chain head exactly."""
+        tokens = self.tokens
+        for n, head, prev in zip(self.levels, self._heads, self._prevs):
+            for end in range(len(tokens), max(length, n - 1), -1):
+                key = hash(tuple(tokens[end - n : end]))
+                before = prev.pop()
+                if before == -1:
+                    del head[key]
+                else:
+                    head[key] = before
+        del tokens[length:]
 
     def _append_end(self, end: int) -> None:
         tokens = self.tokens
@@ -178,8 +201,8 @@ class NgramProposer:
         index = state.index
         done = len(index)
         if done > len(token_ids) or (done and token_ids[done - 1] != index.tokens[-1]):
-            index = state.index = self._new_index()  # history was rewritten: start over
-            done = 0
+            done = _common_prefix(index.tokens, token_ids)  # history was rewritten: roll back
+            index.truncate(done)
         if done < len(token_ids):
             index.extend(token_ids[done:])
         return index
@@ -189,12 +212,15 @@ class NgramProposer:
 
     def _adopt_or_new(self, session_id: str | None, token_ids: Sequence[int]) -> SequenceIndex:
         # An agent's next turn usually re-sends the previous turn (prompt + answer) as the start
-        # of its prompt: then take over that turn's index and only index the new tokens.
+        # of its prompt, give or take a re-rendered end of turn: then take over that turn's
+        # index, rolled back to the shared prefix, and only index the new tokens.
         history = self._sessions.get(session_id) if session_id is not None else None
         if history:
-            last = history[-1]
-            if len(last) <= len(token_ids) and list(token_ids[: len(last)]) == last.tokens:
-                return history.pop()
+            shared = _common_prefix(history[-1].tokens, token_ids)
+            if shared > 0 and 2 * shared >= len(history[-1]):
+                index = history.pop()
+                index.truncate(shared)
+                return index
         return self._new_index()
 
     def _propose_one(self, ctx: ProposalContext) -> DraftTree | None:
@@ -217,9 +243,25 @@ class NgramProposer:
             del sites[cfg.max_sites :]
         if not sites:
             return None
+        # A site's weight doubles with every matched token: a longer shared context is a much
+        # more specific predictor (measured on agent-style copy and tool-call traces).
         paths = [(2.0**length, _continuation(sources[rank].tokens, end, budget, rank == 0))
                  for length, rank, end in sites]
-        return _best_first_tree(suffix[-1], paths, budget)
+        return _best_first_tree(suffix[-1], paths, budget, cfg.depth_decay)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix, by binary search over C-speed slice compares."""
+    lo, hi = 0, min(len(a), len(b))
+    if list(a[:hi]) == list(b[:hi]):
+        return hi
+    while lo + 1 < hi:  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _continuation(tokens: list[int], end: int, length: int, is_own: bool) -> list[int]:
@@ -233,12 +275,14 @@ def _continuation(tokens: list[int], end: int, length: int, is_own: bool) -> lis
     return out
 
 
-def _best_first_tree(root_token: int, paths: list[tuple[float, list[int]]], budget: int) -> DraftTree:
-    """Merge weighted paths into a trie and keep the `budget` heaviest nodes below the root.
+def _best_first_tree(root_token: int, paths: list[tuple[float, list[int]]], budget: int,
+                     depth_decay: float) -> DraftTree:
+    """Merge weighted paths into a trie and keep the `budget` best nodes below the root.
 
-    A node's weight is the total weight of the sites passing through it, so it never exceeds its
-    parent's: taking nodes heaviest first (shallower first on ties) keeps every kept node's
-    parent, and orders siblings heaviest first (the verifier tries them in that order)."""
+    A node's score is the total weight of the sites passing through it times depth_decay^depth
+    (a rough chance of being reached: even the right site's text drifts), so it never exceeds
+    its parent's: taking nodes best first (shallower first on ties) keeps every kept node's
+    parent, and orders siblings best first (the verifier tries them in that order)."""
     merged: dict[tuple[int, ...], float] = {}  # sites that continue alike count once, heavier
     for weight, path in paths:
         key = tuple(path)
@@ -264,7 +308,7 @@ def _best_first_tree(root_token: int, paths: list[tuple[float, list[int]]], budg
             kids.append([])
             kids[node].append(child)
             node = child
-    heap = [(-weights[c], depths[c], c) for c in kids[0]]
+    heap = [(-weights[c] * depth_decay ** depths[c], depths[c], c) for c in kids[0]]
     heapq.heapify(heap)
     new_index, out_tokens, out_parents = {0: 0}, [root_token], [-1]
     while heap and len(out_tokens) <= budget:
@@ -273,7 +317,7 @@ def _best_first_tree(root_token: int, paths: list[tuple[float, list[int]]], budg
         out_tokens.append(tokens[node])
         out_parents.append(new_index[parents[node]])
         for c in kids[node]:
-            heapq.heappush(heap, (-weights[c], depths[c], c))
+            heapq.heappush(heap, (-weights[c] * depth_decay ** depths[c], depths[c], c))
     return DraftTree(out_tokens, out_parents)
 
 

@@ -106,11 +106,16 @@ class Speculator:
             as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=logits.device)  # noqa: E731
             for k_cache, v_cache in kv_caches:
                 ops.kv_copy(k_cache, v_cache, as_long(src_slots), as_long(dst_slots))
-        budgets = self.adaptive.plan([r.request_id for r in requests])
+        num_base = sum(seq.num_new_tokens for seq in seqs)  # what the next step carries without drafts
+        budgets = self.adaptive.plan([r.request_id for r in requests], num_base)
         for request, budget in zip(requests, budgets):
             request.spec_budget = budget if request.params.speculate else 0
         self.stats.verify_seconds += time.perf_counter() - t0
         return results
+
+    def on_prefilled(self, request: Request) -> None:
+        """Index the prompt now rather than in the first decode step."""
+        self.proposer.on_tokens_appended(request.request_id, request.session_id, request.all_token_ids)
 
     def release(self, request: Request) -> None:
         self.proposer.on_request_finished(request.request_id)
@@ -143,9 +148,43 @@ class Speculator:
         request.num_accepted_tokens += outcome.num_accepted
 
 
+def measure_verify_cost(model, block_size: int, sizes=(1, 2, 4, 8, 16, 32), context: int = 256,
+                        repeats: int = 3) -> dict[int, float]:
+    """Forward time of T new tokens after `context` cached ones, relative to T = 1 (best of
+    `repeats`), on a scratch KV cache: the cost model the adaptive planner sizes drafts with."""
+    from prescient.runtime.batch import build_forward_batch
+    from prescient.runtime.request import Request
+    from prescient.runtime.sampling_params import SamplingParams
+    from prescient.runtime.scheduler import ScheduledSeq
+
+    num_blocks = -(-(context + max(sizes)) // block_size)
+    kv = model.allocate_kv_cache(num_blocks, block_size)
+    timings = {}
+    for t in sizes:
+        req = Request("calibrate", [1] * (context + t), SamplingParams(), (), 0.0)
+        req.block_ids = list(range(num_blocks))
+        req.num_computed_tokens = context
+        batch = build_forward_batch([ScheduledSeq(req, t, 0)], [None], block_size, model.device)
+        batch.logits_indices = torch.arange(t, device=model.device)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.forward(batch, kv)
+            best = min(best, time.perf_counter() - t0)
+        timings[t] = best
+    base = timings[sizes[0]]
+    # costs never decrease with more tokens (timing noise must not make 8 look cheaper than 4)
+    table, running = {}, 1.0
+    for t in sizes:
+        running = max(running, timings[t] / base)
+        table[t] = running
+    return table
+
+
 def make_speculator(engine, method: str, draft_model_path: str | None = None, proposer_config=None,
-                    adaptive_config: AdaptiveConfig | None = None) -> Speculator | None:
-    """A speculator for `engine` by proposer name ("ngram", "draft"); "off" -> None."""
+                    adaptive_config: AdaptiveConfig | None = None, calibrate: bool = True) -> Speculator | None:
+    """A speculator for `engine` by proposer name ("ngram", "draft"); "off" -> None. With
+    `calibrate`, the verify cost table is measured on the engine's model at start-up."""
     from prescient.speculative.proposer import make_proposer
 
     if method == "off":
@@ -155,4 +194,7 @@ def make_speculator(engine, method: str, draft_model_path: str | None = None, pr
 
         proposer_config = draft_config_for(engine, draft_model_path)
     proposer = make_proposer(method, proposer_config)
-    return Speculator(proposer, engine.block_manager.block_size, AdaptiveSpeculation(adaptive_config))
+    adaptive = AdaptiveSpeculation(adaptive_config)
+    if calibrate and adaptive_config is None:
+        adaptive.set_verify_cost(measure_verify_cost(engine.model, engine.block_manager.block_size))
+    return Speculator(proposer, engine.block_manager.block_size, adaptive)

@@ -16,7 +16,7 @@ draft: the emitted tokens follow the target distribution that `target_probs_from
 (temperature, top-k, top-p, min-p), the same one plain decoding samples from. The walks
 themselves are kernel ops (`prescient.kernels.ops.greedy_verify` / `rejection_sample`); this
 module prepares their inputs (padding, per-request distributions and random draws) and turns
-their outputs into per-request `VerifyOutcome`s.
+their outputs into per-request `VerifyOutcome`s (`verify`) or batch tensors (`verify_packed`).
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def verify(
     flat_draft_probs = None
     if draft_probs is not None and any(d is not None for d in draft_probs):
         # One-hot rows for the deterministic drafts of the batch: the same rule (see below).
-        flat_draft_probs = torch.zeros(target_logits.shape, dtype=torch.float32)
-        flat_tokens = torch.tensor([t for tree in trees for t in tree.tokens])
-        flat_draft_probs[torch.arange(len(flat_tokens)), flat_tokens] = 1.0
+        device = target_logits.device
+        flat_draft_probs = torch.zeros(target_logits.shape, dtype=torch.float32, device=device)
+        flat_tokens = torch.tensor([t for tree in trees for t in tree.tokens], device=device)
+        flat_draft_probs[torch.arange(len(flat_tokens), device=device), flat_tokens] = 1.0
         start = 0
         for tree, probs in zip(trees, draft_probs):
             if probs is not None:
@@ -124,19 +125,22 @@ def verify_packed(
     generators: Sequence[torch.Generator | None],
     draft_probs: torch.Tensor | None = None,  # [sum(num_nodes), vocab] or None = one-hot drafts
 ) -> BatchVerdict:
-    """`verify` on trees already in the kernel layout (`pack_trees`), results as tensors: for
-    callers that keep a whole batch in tensors. Rows of draft_probs for deterministic drafts
-    must be one-hot on the node's token (which judges them exactly as a None would)."""
+    """`verify` on trees already in the kernel layout (`pack_trees`), results as tensors (on
+    target_logits' device): for callers that keep a whole batch in tensors. Rows of draft_probs
+    for deterministic drafts must be one-hot on the node's token (which judges them exactly as
+    a None would)."""
+    device = target_logits.device
+    draft_tokens, parents, num_nodes = draft_tokens.to(device), parents.to(device), num_nodes.to(device)
     num_seqs, max_nodes = draft_tokens.shape
     if target_logits.shape[0] != int(num_nodes.sum()):
         raise ValueError(f"target_logits has {target_logits.shape[0]} rows for {int(num_nodes.sum())} tree nodes")
     if not (len(params) == len(generators) == num_seqs):
         raise ValueError("params and generators must have one entry per request")
     rows, cols = _node_index(num_nodes)
-    accept_len = torch.zeros(num_seqs, dtype=torch.int64)
-    accepted_nodes = torch.full((num_seqs, max_nodes), -1, dtype=torch.int64)
-    next_token = torch.zeros(num_seqs, dtype=torch.int64)
-    is_greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool)
+    accept_len = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    accepted_nodes = torch.full((num_seqs, max_nodes), -1, dtype=torch.int64, device=device)
+    next_token = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    is_greedy = torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device)
     greedy, sampled = is_greedy.nonzero()[:, 0], (~is_greedy).nonzero()[:, 0]
     if len(greedy):
         # The same argmax plain greedy decoding takes (target_probs_from_logits is one-hot on it).
@@ -172,25 +176,29 @@ def _rejection_sample(
     draft_probs: torch.Tensor | None,  # [sum(num_nodes), vocab]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_seqs, max_nodes = draft_tokens.shape
-    vocab = target_logits.shape[1]
-    position = torch.full((num_seqs,), -1, dtype=torch.int64)  # batch row -> row among the sampled
-    position[sampled] = torch.arange(len(sampled))
+    vocab, device = target_logits.shape[1], target_logits.device
+    # batch row -> row among the sampled ones
+    position = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)
+    position[sampled] = torch.arange(len(sampled), device=device)
     sub_rows = position[rows]  # [sum(num_nodes)], -1 for the nodes of greedy requests
-    target_probs = torch.zeros(len(sampled), max_nodes, vocab)  # [num_sampled, max_nodes, vocab]
+    target_probs = torch.zeros(len(sampled), max_nodes, vocab, device=device)  # [num_sampled, max_nodes, vocab]
     # One target_probs_from_logits call per distinct SamplingParams (agents mostly share them).
     by_params: dict[SamplingParams, list[int]] = {}
     for seq in sampled.tolist():
         by_params.setdefault(params[seq], []).append(seq)
     for request_params, seqs in by_params.items():
-        pick = sub_rows >= 0 if len(by_params) == 1 else torch.isin(rows, torch.tensor(seqs))
+        pick = sub_rows >= 0 if len(by_params) == 1 else torch.isin(rows, torch.tensor(seqs, device=device))
         target_probs[sub_rows[pick], cols[pick]] = target_probs_from_logits(target_logits[pick], request_params)
     packed_draft_probs = None
     if draft_probs is not None:
         pick = sub_rows >= 0
-        packed_draft_probs = torch.zeros(len(sampled), max_nodes, vocab)  # [num_sampled, max_nodes, vocab]
+        # [num_sampled, max_nodes, vocab]
+        packed_draft_probs = torch.zeros(len(sampled), max_nodes, vocab, device=device)
         packed_draft_probs[sub_rows[pick], cols[pick]] = draft_probs[pick].float()
     sub_num_nodes = num_nodes[sampled]
+    # Drawn on the CPU from each request's CPU generator (the engine's), then moved.
     uniform, recovery_noise = _random_draws(sampled.tolist(), sub_num_nodes.tolist(), generators, max_nodes, vocab)
+    uniform, recovery_noise = uniform.to(device), recovery_noise.to(device)
     # Recursive rejection sampling over the tree: SpecInfer's multi-step speculative sampling
     # (Miao et al. 2024, Alg. 2) generalising Leviathan et al. 2023 (Alg. 1, Thm. 1) from a chain
     # to siblings: child c with token t is accepted with prob min(1, target(t) / draft_c(t)); on
@@ -230,6 +238,7 @@ def _random_draws(
 
 def _node_index(num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch row, node index) of every flat node row, each [sum(num_nodes)] int64."""
-    rows = torch.repeat_interleave(torch.arange(len(num_nodes)), num_nodes)
+    device = num_nodes.device
+    rows = torch.repeat_interleave(torch.arange(len(num_nodes), device=device), num_nodes)
     starts = num_nodes.cumsum(0) - num_nodes
-    return rows, torch.arange(len(rows)) - starts[rows]
+    return rows, torch.arange(len(rows), device=device) - starts[rows]

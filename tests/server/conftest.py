@@ -64,8 +64,13 @@ def make_tiny_server(tiny_model_dir):
     """A tiny server with its own engine and config, stopped after the test."""
     servers = []
 
-    def make(send_buffer: int | None = None, **config) -> LiveServer:
-        server = LiveServer(tiny_engine(tiny_model_dir), ServerConfig(model_name="tiny", **config), send_buffer)
+    def make(send_buffer: int | None = None, speculate: str | None = None, **config) -> LiveServer:
+        engine = tiny_engine(tiny_model_dir)
+        if speculate is not None:
+            from prescient.speculative.speculator import make_speculator
+
+            engine.speculator = make_speculator(engine, speculate)
+        server = LiveServer(engine, ServerConfig(model_name="tiny", **config), send_buffer)
         servers.append(server)
         return server
 

@@ -97,3 +97,17 @@ def test_metrics(tiny):
                  "prescient_grammar_compile_seconds_count", "prescient_engine_step_seconds_count",
                  "prescient_pinned_sessions", "prescient_open_connections"):
         metric(text, name)
+
+
+def test_speculation_metrics(make_tiny_server):
+    server = make_tiny_server(speculate="ngram")
+    # A repetitive prompt gives the n-gram proposer something to copy.
+    body = chat(max_tokens=40, messages=[{"role": "user", "content": "a b c d a b c d a b c d a b c d"}])
+    assert request(server, "POST", "/v1/chat/completions", body)[0] == 200
+    text = request(server, "GET", "/metrics")[1].decode()
+    drafted = metric(text, "prescient_spec_draft_tokens_total")
+    accepted = metric(text, "prescient_spec_accepted_tokens_total")
+    assert 0 <= accepted <= drafted
+    rate = metric(text, "prescient_spec_acceptance_rate")
+    assert rate == (accepted / drafted if drafted else 0.0)
+    metric(text, "prescient_spec_mean_accepted_length")

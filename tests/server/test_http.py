@@ -106,8 +106,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", chat(model="gpt-4o"), 404, "model", "model_not_found"),
     ("/v1/chat/completions", chat(n=2), 400, "n", None),
     ("/v1/chat/completions", chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
-    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400, "input",
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400, "messages",
      "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT}, 400, "prompt", "context_length_exceeded"),
     ("/v1/chat/completions", chat(max_tokens=TINY_CONTEXT), 400, "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "not": {"required": ["a"]}}}}), 400, "response_format",
@@ -154,7 +155,7 @@ def test_refusals_leave_the_server_serving(tiny, client):
 
 def test_sse_disconnect_frees_the_request(tiny):
     baseline = tiny.wait_until(lambda s: s["requests"] == 0)
-    body = json.dumps(chat(max_tokens=800, stream=True, messages=[{"role": "user", "content": "go on"}])).encode()
+    body = json.dumps(chat(max_tokens=900, stream=True, messages=[{"role": "user", "content": "go on"}])).encode()
     sock = socket.create_connection(("127.0.0.1", tiny.port))
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -163,5 +164,23 @@ def test_sse_disconnect_frees_the_request(tiny):
         seen += sock.recv(65536)
     assert tiny.engine_state()["requests"] == 1
     sock.close()
-    state = tiny.wait_until(lambda s: s["requests"] == 0 and s["free"] == baseline["free"])
+    # 2 s: well before the 800-900 tokens could have been generated (~5 ms each)
+    state = tiny.wait_until(lambda s: s["requests"] == 0 and s["free"] == baseline["free"], timeout=2)
+    assert state["requests"] == 0 and state["free"] == baseline["free"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", chat(max_tokens=900, messages=[{"role": "user", "content": "go on"}])),
+    ("/v1/responses", {"model": "tiny", "input": "go on", "max_output_tokens": 900, "store": False}),
+])
+def test_non_streamed_request_is_aborted_when_the_client_hangs_up(tiny, path, body):
+    baseline = tiny.wait_until(lambda s: s["requests"] == 0)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", tiny.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 f"content-length: {len(data)}\r\n\r\n".encode() + data)
+    assert tiny.wait_until(lambda s: s["requests"] == 1)["requests"] == 1
+    sock.close()
+    # 2 s: well before the 800-900 tokens could have been generated (~5 ms each)
+    state = tiny.wait_until(lambda s: s["requests"] == 0 and s["free"] == baseline["free"], timeout=2)
     assert state["requests"] == 0 and state["free"] == baseline["free"]

@@ -35,7 +35,7 @@ INSTRUCTIONS = ("You are a travel assistant. " + " ".join(
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServeProcess("--api-key", KEY)
+    proc = ServeProcess("--api-key", KEY, "--speculate", "off")
     yield proc
     assert proc.interrupt() == 0, proc.output
 

@@ -26,6 +26,10 @@ CASES = [
     ("budget_truncates", [1, 2, 3, 4, 5, 6, 1, 2, 3], 2, None, ([3, 4, 5], [-1, 0, 1])),
     # 7 1 2 matches 3 tokens at the older site, 8 1 2 only 2 at the newer: longest wins
     ("longest_match_first", [7, 1, 2, 9, 10, 8, 1, 2, 5, 6, 7, 1, 2], 2, None, ([2, 9, 10], [-1, 0, 1])),
+    # the shorter match gets a branch only when depth is discounted steeply
+    ("depth_over_branches", [7, 1, 2, 9, 10, 8, 1, 2, 5, 6, 7, 1, 2], 3, None, ([2, 9, 10, 8], [-1, 0, 1, 2])),
+    ("steep_decay_branches", [7, 1, 2, 9, 10, 8, 1, 2, 5, 6, 7, 1, 2], 3, NgramConfig(depth_decay=0.5),
+     ([2, 9, 5, 10], [-1, 0, 0, 1])),
     # two sites matching 2 tokens: the newer continuation is the first child, then breadth
     ("equal_sites_branch", [5, 1, 2, 3, 6, 1, 2, 4, 7, 1, 2], 4, None,
      ([2, 4, 3, 7, 6], [-1, 0, 0, 1, 2])),
@@ -96,6 +100,36 @@ def test_next_turn_adopts_previous_turn_index():
     assert proposer._sessions["s"] == []  # taken over, not duplicated
 
 
+def test_next_turn_adopts_a_mostly_shared_previous_turn():
+    proposer = NgramProposer()
+    turn1 = [1, 2, 3, 4, 5, 6, 7, 8, 99]  # ends with a token the next prompt renders differently
+    propose(turn1, 2, session_id="s", proposer=proposer, request_id="t1")
+    index = proposer._requests["t1"].index
+    proposer.on_request_finished("t1")
+    turn2 = turn1[:-1] + [98, 1, 2]
+    assert propose(turn2, 2, session_id="s", proposer=proposer, request_id="t2") == DraftTree.chain(2, [3, 4])
+    assert proposer._requests["t2"].index is index and index.tokens == turn2
+    proposer.on_request_finished("t2")
+    # an unrelated prompt in the same session builds its own index and leaves the history be
+    propose([50, 51, 52], 2, session_id="s", proposer=proposer, request_id="t3")
+    assert proposer._requests["t3"].index is not index and proposer._sessions["s"] == [index]
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5, 150, 299, 300])
+def test_truncate_restores_the_shorter_index_exactly(keep):
+    rng = random.Random(keep)
+    tokens = [rng.randrange(5) for _ in range(300)]
+    levels = NgramConfig().levels
+    grown, direct = SequenceIndex(levels, 8), SequenceIndex(levels, 8)
+    grown.extend(tokens[:100])
+    for t in tokens[100:]:
+        grown.extend([t])
+    grown.truncate(keep)
+    direct.extend(tokens[:keep])
+    assert grown.tokens == direct.tokens
+    assert grown._heads == direct._heads and grown._prevs == direct._prevs
+
+
 def test_session_history_is_bounded():
     proposer = NgramProposer(NgramConfig(max_session_tokens=10, max_sessions=2))
     for turn in range(4):
@@ -157,6 +191,8 @@ def test_registry_and_protocol():
         make_proposer("nope")
     with pytest.raises(ValueError):
         NgramConfig(min_match=4, max_match=2)
+    with pytest.raises(ValueError):
+        NgramConfig(depth_decay=0.0)
     assert NgramConfig().levels == (8, 4, 2) and NgramConfig(min_match=1, max_match=6).levels == (6, 3, 1)
 
 
