@@ -55,7 +55,7 @@
 #define PG_KEEP(v) __asm__("" : "+v"(v))
 #endif
 
-#define PG_VERSION 1
+#define PG_VERSION 2
 #define PG_MAX_M 16        /* rows of x handled in registers; more -> caller uses GEMM */
 #define PG_MAX_THREADS 16
 #ifndef PG_CHUNKS_PER_THREAD
@@ -520,8 +520,9 @@ static pool_t g_pool;
 static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
 static int g_nthreads = 2;         /* caller + workers */
 static int g_started = 0;          /* workers running */
-static _Atomic int g_spin_us = 1000;  /* busy-wait after a job before yielding */
-static _Atomic int g_yield_us = 4000; /* then sched_yield() this long before sleeping */
+static _Atomic int g_spin_us = 300;   /* busy-wait after a job before yielding: covers the
+                                          gaps between the linears of a decode step */
+static _Atomic int g_yield_us = 3000;  /* then sched_yield() this long before sleeping */
 static _Atomic int g_quit = 0;
 static _Atomic int g_live = 0;        /* workers that have not exited */
 static int g_solo_bytes = 48 * 1024;  /* below this many weight bytes, no worker */
@@ -549,12 +550,16 @@ static inline uint64_t now_ns(void)
 #define TK_NCH(t) ((int)(((t) >> 16) & 0xffffu))
 #define TK_NEXT(t) ((int)((t) & 0xffffu))
 
-static void work_chunks(uint32_t gen, const job_t *j)
+/* Diagnostics (pg_stats): pooled calls, chunks run by workers, total chunks. */
+static _Atomic uint64_t g_stat_calls, g_stat_worker_chunks, g_stat_chunks;
+
+static int work_chunks(uint32_t gen, const job_t *j)
 {
+    int ran = 0;
     uint64_t t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
     for (;;) {
         if (TK_GEN(t) != gen || TK_NEXT(t) >= TK_NCH(t))
-            return;
+            return ran;
         if (!atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + 1,
                                                    memory_order_acq_rel, memory_order_acquire))
             continue;
@@ -562,6 +567,7 @@ static void work_chunks(uint32_t gen, const job_t *j)
         int n0 = c * j->chunk_rows;
         int n1 = n0 + j->chunk_rows < j->N ? n0 + j->chunk_rows : j->N;
         run_rows(j, n0, n1);
+        ran++;
         atomic_fetch_add_explicit(&g_pool.done_chunks, 1, memory_order_release);
         t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
     }
@@ -626,7 +632,9 @@ static void *worker_main(void *arg)
         if (TK_NEXT(t) >= TK_NCH(t))
             continue;          /* the caller already took every chunk */
         job_t j = g_pool.job;  /* validated by the ticket CAS in work_chunks */
-        work_chunks(TK_GEN(t), &j);
+        int ran = work_chunks(TK_GEN(t), &j);
+        if (ran)
+            atomic_fetch_add_explicit(&g_stat_worker_chunks, (uint64_t)ran, memory_order_relaxed);
     }
 }
 
@@ -693,6 +701,15 @@ void pg_set_spin_us(int spin_us, int yield_us)
 {
     atomic_store(&g_spin_us, spin_us < 0 ? 0 : spin_us);
     atomic_store(&g_yield_us, yield_us < 0 ? 0 : yield_us);
+}
+
+/* out[0] = calls that used the pool, out[1] = chunks their workers ran, out[2] = all chunks.
+ * out[1] / out[2] near (nthreads-1)/nthreads means the workers keep up. */
+void pg_stats(uint64_t out[3])
+{
+    out[0] = atomic_load(&g_stat_calls);
+    out[1] = atomic_load(&g_stat_worker_chunks);
+    out[2] = atomic_load(&g_stat_chunks);
 }
 
 void pg_set_solo_bytes(int b) { g_solo_bytes = b < 0 ? 0 : b; }
@@ -809,6 +826,8 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     if (atomic_load_explicit(&g_pool.sleepers, memory_order_seq_cst) > 0)
         futex_wake_all(&g_pool.wake);
 
+    atomic_fetch_add_explicit(&g_stat_calls, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&g_stat_chunks, (uint64_t)j.nchunks, memory_order_relaxed);
     work_chunks(gen, &j);
     /* Wait for chunks still in a worker's hands.  Normally that is the tail of one chunk
      * (microseconds); if the worker was preempted mid-chunk (an oversubscribed core),
@@ -822,4 +841,17 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     }
     pthread_mutex_unlock(&g_call_lock);
     return 0;
+}
+
+/* The same with the weight's fixed arguments in a descriptor built once per weight:
+ * through ctypes every argument costs ~70 ns, and a decode step makes ~200 calls. */
+typedef struct {
+    const void *w;
+    const float *bias;
+    int32_t wdt, N, K;
+} pg_weight_t;
+
+int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
+{
+    return pg_linear(d->w, d->wdt, d->bias, x, xdt, y, M, d->N, d->K);
 }

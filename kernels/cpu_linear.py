@@ -13,12 +13,27 @@ Public API::
 
     lin = pack_weight(w, bias=None, dtype=None)   # once per weight, at model load
     y = lin(x)                                    # x [..., in] fp32/bf16 -> y [..., out], x.dtype
+    y = lin(x, out=buf)                           # same, into a preallocated buffer (~1 us less)
     available()                                   # True when the C kernel is in use
     kernel_info()                                 # ISA, threads, .so path, or why not
+    set_num_threads(n), set_spin(spin_us, yield_us)
 
 The weight keeps torch's [out, in] row-major layout (no copy when it is already contiguous and
 of the requested dtype), so M > 16 calls (prefill) use the same tensor with ``F.linear`` and a
 tied LM head can share the embedding table.
+
+Numerics: fp32 accumulation.  bf16 weights on AVX512_BF16 multiply bf16 activations (an fp32
+x is rounded to bf16 once per call, as F.linear on a bf16 weight would); elsewhere x stays
+fp32.  A bf16 output is rounded to nearest even from the fp32 sum.
+
+Threads: the kernel runs its own pool (caller + 1 worker by default), independent of torch's
+intra-op threads.  On a 2-core machine use ``torch.set_num_threads(1)`` next to it: torch's
+OpenMP worker would otherwise compete for the core the pool's worker spins on.  Calls may come
+from any thread; the pool serves one call at a time and a concurrent caller runs on its own
+thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel,
+``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
+``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
+build cache.
 """
 
 from __future__ import annotations
@@ -49,7 +64,14 @@ _ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx512_bf16"}
 
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
-_fn = None  # pg_linear, bound once
+_fn = None  # pg_linear_w, bound once
+_C_VERSION = 2
+
+
+class _WeightDesc(ctypes.Structure):
+    """Mirror of pg_weight_t in cpu_gemv.c: a weight's fixed call arguments, built once."""
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("wdt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32)]
 _tried = False
 _why_not: Optional[str] = None
 _so_path: Optional[str] = None
@@ -118,6 +140,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.pg_linear.argtypes = [vp, ci, vp, vp, ci, vp, ci, ci, ci]
     lib.pg_linear.restype = ci
+    lib.pg_linear_w.argtypes = [vp, vp, vp, ci, ci]
+    lib.pg_linear_w.restype = ci
     for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
@@ -127,11 +151,14 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_num_threads.restype = ci
     lib.pg_set_spin_us.argtypes = [ci, ci]
     lib.pg_set_spin_us.restype = None
+    lib.pg_stats.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+    lib.pg_stats.restype = None
     lib.pg_set_solo_bytes.argtypes = [ci]
     lib.pg_set_solo_bytes.restype = None
-    if lib.pg_max_m() != MAX_M:
-        raise RuntimeError(f"cpu_gemv.so MAX_M {lib.pg_max_m()} != {MAX_M}")
-    _lib, _fn = lib, lib.pg_linear
+    if lib.pg_version() != _C_VERSION or lib.pg_max_m() != MAX_M:
+        raise RuntimeError(f"cpu_gemv.so version {lib.pg_version()}/MAX_M {lib.pg_max_m()}, "
+                           f"expected {_C_VERSION}/{MAX_M}")
+    _lib, _fn = lib, lib.pg_linear_w
 
 
 def _apply_env(lib: ctypes.CDLL) -> None:
@@ -141,7 +168,7 @@ def _apply_env(lib: ctypes.CDLL) -> None:
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
     if spin:
         parts = [int(p) for p in spin.split(",")]
-        lib.pg_set_spin_us(parts[0], parts[1] if len(parts) > 1 else 4000)
+        lib.pg_set_spin_us(parts[0], parts[1] if len(parts) > 1 else 3000)
 
 
 def _load() -> None:
@@ -191,12 +218,19 @@ def available() -> bool:
 
 
 def kernel_info() -> dict:
-    """What is in use: {'available', 'isa', 'threads', 'so', 'reason'}."""
+    """What is in use: {'available', 'isa', 'threads', 'so', 'reason'} and pool counters:
+    'pool_calls' (calls split over the pool) and 'worker_share' (fraction of their row chunks
+    the worker threads ran: about 0.5 with 2 threads when the worker keeps up, near 0 when it
+    rarely gets a core, e.g. on an oversubscribed machine)."""
     ok = available()
     info = {"available": ok, "so": _so_path, "reason": _why_not}
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
         info["threads"] = _lib.pg_num_threads()
+        st = (ctypes.c_uint64 * 3)()
+        _lib.pg_stats(st)
+        info["pool_calls"] = st[0]
+        info["worker_share"] = st[1] / st[2] if st[2] else None
     return info
 
 
@@ -205,7 +239,7 @@ def set_num_threads(n: int) -> int:
     return _lib.pg_set_num_threads(int(n)) if available() else 1
 
 
-def set_spin(spin_us: int, yield_us: int = 4000) -> None:
+def set_spin(spin_us: int, yield_us: int = 3000) -> None:
     """After a call, pool workers busy-wait ``spin_us`` (fastest wake-up), then sched_yield()
     for ``yield_us`` (cheap for other threads on the core), then sleep on a futex."""
     if available():
@@ -232,7 +266,7 @@ class PackedLinear:
     the C kernel (fp32 accumulation), larger M, other devices/dtypes or autograd use F.linear."""
 
     __slots__ = ("weight", "bias", "in_features", "out_features", "dtype",
-                 "_wptr", "_wdt", "_bias32", "_bptr")
+                 "_bias32", "_desc", "_dptr")
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         if weight.dim() != 2:
@@ -250,9 +284,12 @@ class PackedLinear:
         # The kernel adds the bias in fp32 after fp32 accumulation; it is the weight-dtype
         # bias (what F.linear would use) widened, so kernel and fallback agree.
         self._bias32 = None if self.bias is None else self.bias.to(torch.float32).contiguous()
-        self._wptr = self.weight.data_ptr()
-        self._wdt = _DT[self.dtype]
-        self._bptr = None if self._bias32 is None else self._bias32.data_ptr()
+        # The C side reads weight/bias through raw pointers; self.weight and self._bias32
+        # keep that memory alive for as long as this object (and its descriptor) lives.
+        self._desc = _WeightDesc(self.weight.data_ptr(),
+                                 None if self._bias32 is None else self._bias32.data_ptr(),
+                                 _DT[self.dtype], self.out_features, self.in_features)
+        self._dptr = ctypes.addressof(self._desc)
 
     def __repr__(self) -> str:
         return (f"PackedLinear(in={self.in_features}, out={self.out_features}, "
@@ -289,7 +326,7 @@ class PackedLinear:
             out = x.new_empty(shape)
         elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous():
             raise ValueError("out must be contiguous, of x's dtype, with M*out_features elements")
-        rc = _fn(self._wptr, self._wdt, self._bptr, x.data_ptr(), xdt, out.data_ptr(), M, N, K)
+        rc = _fn(self._dptr, x.data_ptr(), out.data_ptr(), M, xdt)
         if rc:
             raise RuntimeError(f"pg_linear failed with code {rc}")
         return out

@@ -53,9 +53,16 @@ def resolve_matcher(request: Request):
     return g
 
 
+def _bit(token: int) -> int:
+    """The int32 word value with bit `token % 32` set (bit 31 is the sign bit)."""
+    b = 1 << (token % 32)
+    return b - (1 << 32) if b >= 1 << 31 else b
+
+
 class GrammarStep:
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, stop_token_ids: tuple[int, ...] = ()):
         self.vocab_size = vocab_size  # the model's logits width
+        self.stop_token_ids = stop_token_ids
         self.num_words = (vocab_size + 31) // 32
         self.stats = GrammarStats()
 
@@ -105,6 +112,12 @@ class GrammarStep:
                 blocks.append(self._widen(row))
             self.stats.num_masked_rows += blocks[-1].shape[0]
         bitmask = torch.cat(blocks) if blocks else torch.empty(0, self.num_words, dtype=torch.int32)
+        # A row that allows nothing (the node after a stop token: its successors are cut at
+        # commit) would turn into NaN probabilities; let it allow the stop tokens instead.
+        dead = (bitmask == 0).all(dim=1)
+        if dead.any():
+            for token in self.stop_token_ids:
+                bitmask[dead, token // 32] |= _bit(token)
         dt = time.perf_counter() - t0
         self.stats.mask_seconds += dt
         self.stats.mask_seconds_per_row.append(dt / max(1, bitmask.shape[0]))
@@ -128,9 +141,14 @@ class GrammarStep:
 
     @staticmethod
     def advance(request: Request, tokens: list[int]) -> None:
-        """Accept committed tokens; they were sampled under the mask, so a refusal is a bug."""
-        if request.grammar is None:
+        """Accept committed tokens up to the one that completes the grammar (a stop token; what
+        a step emits after it is cut by the commit). They were sampled under the mask, so a
+        refusal before that is a bug."""
+        matcher = request.grammar
+        if matcher is None:
             return
-        taken = request.grammar.accept_tokens(tokens)
-        if taken != len(tokens):
-            raise RuntimeError(f"grammar refused committed token {tokens[taken]} of request {request.request_id}")
+        for token in tokens:
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"grammar refused committed token {token} of request {request.request_id}")
+            if matcher.is_terminated():
+                return

@@ -60,7 +60,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
-        self.grammar_step = GrammarStep(model.config.vocab_size)
+        self.grammar_step = GrammarStep(model.config.vocab_size, self.eos_token_ids)
         self._grammar_compiler = None
         self._ids = itertools.count()
         self.num_steps = 0

@@ -78,6 +78,8 @@ class LlamaModel:
         return draft
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # torch's fused kernel: one op instead of six
+            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         # Normalise in float32 (as the reference does for half types), scale in the model dtype.
         xf = x.float() if x.dtype != torch.float64 else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
@@ -90,14 +92,15 @@ class LlamaModel:
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         h = self.embed[batch.input_ids]  # [num_tokens, hidden]
+        cos, sin = self.rope.tables(batch.positions)
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self._rms_norm(h, layer.attn_norm)
             qkv = layer.qkv(x)  # [num_tokens, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].view(-1, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            # one RoPE pass over the q and k heads together
+            qk = self.rope.apply(qkv[:, :q_size + kv_size].view(-1, num_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, q_size + kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            q = self.rope.apply(q, batch.positions)
-            k = self.rope.apply(k, batch.positions)
             ops.store_kv(k_cache, v_cache, k, v, batch.slot_mapping)
             attn = ops.tree_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens,
                                       batch.cu_seqlens_q, batch.mask_bits, self.scale)

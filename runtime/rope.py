@@ -56,10 +56,14 @@ class Rope:
         self.cos = (emb.cos() * scale).to(dtype)  # [max_pos, head_dim]
         self.sin = (emb.sin() * scale).to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, num_heads, head_dim], positions: [num_tokens] -> rotated x."""
-        cos = self.cos[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] -> (cos, sin) [num_tokens, 1, head_dim], gathered once per
+        forward and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, num_heads, head_dim] (q and k heads together) -> rotated copy."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return torch.addcmul(x * cos, rotated, sin)

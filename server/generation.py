@@ -119,6 +119,7 @@ class Generation:
         self.t_submit = 0.0
         self.ttft: float | None = None
         self.output_ids: list[int] = []
+        self.num_cached_tokens = 0
         self.content = ""  # text outside tool calls
         self.calls: list[tuple[str, ToolCall]] = []  # (call_id, call)
         self.finished: Finished | None = None
@@ -167,6 +168,8 @@ class Generation:
         return events
 
     def _take_tokens(self, out: RequestOutput) -> None:
+        if out.num_prompt_tokens:  # a real step output (an error output carries no counts)
+            self.num_cached_tokens = out.num_cached_tokens
         self.output_ids.extend(out.new_token_ids)
         times = [t - self.t_submit for t in out.token_times]
         if times and self.ttft is None:
@@ -218,6 +221,10 @@ class Generation:
         u = self.finished.usage
         self.metrics.observe_finish(self.finished.reason, time.perf_counter() - self.t_submit, tpot,
                                     u.prompt_tokens, u.cached_tokens)
+
+    def usage_so_far(self) -> Usage:
+        """For a generation stopped early (its engine request aborted, so no final output)."""
+        return Usage(len(self.prompt_ids), self.num_cached_tokens, len(self.output_ids))
 
     @property
     def complete_calls(self) -> list[tuple[str, ToolCall]]:

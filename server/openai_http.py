@@ -24,9 +24,9 @@ from prescient.server.chat import messages_from_chat, split_system
 from prescient.server.constraints import format_spec, pick_spec
 from prescient.server.context import ServerContext
 from prescient.server.errors import APIError, bad_request
-from prescient.server.metrics import CONTENT_TYPE
 from prescient.server.generation import (CallDelta, CallStart, Finished, Generation, TextDelta, check_max_tokens,
                                          new_id)
+from prescient.server.metrics import CONTENT_TYPE
 from prescient.server.protocol import ChatCompletionRequest, CompletionRequest, decode
 from prescient.server.tools import FunctionTool, tool_setup
 

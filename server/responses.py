@@ -26,7 +26,7 @@ import time
 from contextlib import aclosing
 
 from prescient.server import responses_wire as w
-from prescient.server.chat import messages_from_items, split_system
+from prescient.server.chat import Rendered, messages_from_items, split_system
 from prescient.server.constraints import format_spec, pick_spec
 from prescient.server.errors import bad_request
 from prescient.server.generation import (CallDelta, CallEnd, CallStart, Finished, Generation, TextDelta, Tokens,
@@ -57,7 +57,7 @@ class ResponseRun:
         self.generate = params.generate is not False
         self.gen: Generation | None = None
         self._messages: list[dict] = []
-        self._rendered = None
+        self._rendered: Rendered | None = None
         self._session_id: str | None = None
         self._message: w.OutputMessage | None = None  # the open text item
         self._calls: dict[int, w.FunctionCallItem] = {}  # open function_call items by call index
@@ -207,11 +207,11 @@ class ResponseRun:
             events += self._close_call(call_index, "incomplete")
         r = self.response
         r.completed_at = int(time.time())
-        if done is not None:
-            u = done.usage
-            r.usage = w.ResponseUsage(u.prompt_tokens, w.InputTokensDetails(u.cached_tokens),
-                                      u.output_tokens if self.generate else 0, w.OutputTokensDetails(),
-                                      u.prompt_tokens + (u.output_tokens if self.generate else 0))
+        u = done.usage if done is not None else self.gen.usage_so_far() if self.gen is not None else None
+        if u is not None:
+            output_tokens = u.output_tokens if self.generate else 0  # warming: the sampled token is dropped
+            r.usage = w.ResponseUsage(u.prompt_tokens, w.InputTokensDetails(u.cached_tokens), output_tokens,
+                                      w.OutputTokensDetails(), u.prompt_tokens + output_tokens)
         tokens = done.tokens if done is not None and self.generate else Tokens()
         ttft = self.gen.ttft if self.gen is not None and self.generate else None
         extra = dict(**_timing(tokens), ttft_s=None if ttft is None else round(ttft, 6))
@@ -238,7 +238,7 @@ class ResponseRun:
         if self.generate:
             ids, text = self.ctx.renderer.model_output(self.gen.output_ids)
             messages.append({"role": "assistant", "content": text})
-            rendered = type(rendered)(rendered.text + text, rendered.token_ids + tuple(ids))
+            rendered = Rendered(rendered.text + text, rendered.token_ids + tuple(ids))
         self.ctx.store.put(Conversation(self.id, self._session_id, tuple(messages), rendered))
 
 

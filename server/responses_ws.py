@@ -10,7 +10,8 @@ apart by item ids and `stream_id`.
 Flow control: events go through a bounded per-connection outbox drained by one writer task.
 The engine and the response tasks never wait on the socket: when a slow reader lets the outbox
 fill up, the response that overflowed it is stopped (its KV freed) and ends with an `error`
-event (`code: "slow_consumer"`), and every other connection keeps streaming.
+event (`code: "slow_consumer"`), and every other connection keeps streaming. A client that keeps
+sending frames while reading nothing is disconnected (1008) once even error events do not fit.
 
 Cancel stops generation within one engine step (the abort reaches the engine thread before its
 next step) and ends the response with `response.incomplete`, `response.status: "cancelled"`.
@@ -20,9 +21,8 @@ A disconnect cancels every response of the connection and frees their KV the sam
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 from collections import deque
-from contextlib import aclosing
 from dataclasses import dataclass
 
 import msgspec
@@ -49,9 +49,11 @@ class Outbox:
         return len(self._items)
 
     def put(self, data: str, force: bool = False) -> bool:
-        """Queue `data`; False (nothing queued) if it would pass the limit. `force` passes it
-        anyway: for the one error event that reports an overflow."""
-        if not force and self._items and self._bytes + len(data) > self.limit_bytes:
+        """Queue `data`; False (nothing queued) if it would pass the limit. `force` (the events
+        that end a response or answer a bad frame) may use up to twice the limit, so a client that
+        floods the socket with frames and reads nothing cannot grow it without bound."""
+        limit = 2 * self.limit_bytes if force else self.limit_bytes
+        if self._items and self._bytes + len(data) > limit:
             return False
         self._items.append(data)
         self._bytes += len(data)
@@ -85,8 +87,9 @@ class ResponsesConnection:
         self.ctx = ctx
         self.config = ctx.config
         self.outbox = Outbox(ctx.config.ws_buffer_bytes)
-        self._seq = itertools.count()
+        self._next_seq = 0
         self.active: dict[str, _Active] = {}
+        self.flooded = False  # set when even an error event no longer fits: the connection is dropped
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write())
@@ -97,6 +100,11 @@ class ResponsesConnection:
                     break
                 frame = message.get("text")
                 self.on_frame(frame if frame is not None else message.get("bytes") or b"")
+                if self.flooded:
+                    # The socket is backed up, so the close frame may never be written: bounded.
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.ws.close(code=1008, reason="the client does not read"), 1.0)
+                    break
         finally:
             tasks = [a.task for a in self.active.values() if a.task is not None]
             for task in tasks:
@@ -114,13 +122,15 @@ class ResponsesConnection:
 
     def send(self, events: list[w.Event], force: bool = False) -> bool:
         for event in events:
-            event.sequence_number = next(self._seq)
+            event.sequence_number = self._next_seq  # consumed only by an event that is queued: no gaps
             if not self.outbox.put(_encode(event).decode(), force):
                 return False
+            self._next_seq += 1
         return True
 
     def send_error(self, err: APIError, stream_id: str | None = None) -> None:
-        self.send([w.error_event(err, stream_id)], force=True)
+        if not self.send([w.error_event(err, stream_id)], force=True):
+            self.flooded = True
 
     # ---------------------------------------------------------------- client frames
 
@@ -169,7 +179,7 @@ class ResponsesConnection:
             await run.prepare()
             active.started = True
             self.send(run.opening(), force=True)
-            async with aclosing(run.events()) as events:
+            async with contextlib.aclosing(run.events()) as events:
                 async for event in events:
                     if not self.send([event]):
                         raise _Overflow

@@ -35,6 +35,7 @@ import torch
 from prescient.kernels.reference import pack_bits
 from prescient.runtime.batch import ForwardBatch
 from prescient.runtime.kv_cache import BlockManager
+from prescient.runtime.loader import ModelLoadError, load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.speculative.draft_tree_expand import DynamicTree
 from prescient.speculative.proposer import ProposalContext, register_proposer
@@ -144,12 +145,12 @@ class DraftModelProposer:
             if budget < 1 or not ctx.token_ids:
                 continue
             tree = DynamicTree(int(ctx.token_ids[-1]), budget, self.config.max_depth, self.config.top_k)
-            kv = self._reserve(ctx, tree)
+            kv = self._reserve(ctx.request_id, len(ctx.token_ids), tree.top_k, tree.max_depth)
             if kv is not None:
                 work.append((i, ctx, kv, tree))
         if not work:
             return results
-        root_logits = self._catch_up([(ctx, kv) for _, ctx, kv, _ in work])  # [len(work), vocab]
+        root_logits = self._catch_up([(ctx.token_ids, kv) for _, ctx, kv, _ in work])  # [len(work), vocab]
         top_tokens, top_logprobs = self._top_k(root_logits)
         for r, (_, _, _, tree) in enumerate(work):
             tree.expand([0], top_tokens[r:r + 1], top_logprobs[r:r + 1])
@@ -159,7 +160,13 @@ class DraftModelProposer:
         return results
 
     def on_tokens_appended(self, request_id: str, session_id: str | None, token_ids: Sequence[int]) -> None:
-        """Nothing to do: propose() catches up from context.token_ids in one batched forward."""
+        """Bring the draft's KV up to `token_ids` now (after prefill: the draft's own pass over
+        the prompt leaves the first decode step). Optional: propose() catches up by itself."""
+        config = self.config
+        kv = self._reserve(request_id, len(token_ids), min(config.top_k, config.max_draft_tokens),
+                           min(config.max_depth, config.max_draft_tokens))
+        if kv is not None and len(token_ids) > 1:
+            self._catch_up([(token_ids, kv)], want_logits=False)
 
     def on_request_finished(self, request_id: str) -> None:
         kv = self._requests.pop(request_id, None)
@@ -175,23 +182,22 @@ class DraftModelProposer:
 
     # ---------------------------------------------------------------- KV bookkeeping
 
-    def _reserve(self, ctx: ProposalContext, tree: DynamicTree) -> _RequestKV | None:
-        """The request's KV state with blocks for its context plus this step's tree rows, or None
-        (no proposal this step) when it does not fit."""
-        num_tokens = len(ctx.token_ids)
+    def _reserve(self, request_id: str, num_tokens: int, top_k: int, max_depth: int) -> _RequestKV | None:
+        """The request's KV state with blocks for its context plus one tree's rows, or None (no
+        proposal this step) when it does not fit."""
         # A depth forward holds the paths to at most top_k frontier nodes, plus the greedy one
         # when it ranks below them (a chain's only node is the greedy one), each at most
         # max_depth - 1 deep (the last depth is never forwarded).
-        max_rows = (tree.top_k + (tree.top_k > 1)) * (tree.max_depth - 1)
+        max_rows = (top_k + (top_k > 1)) * (max_depth - 1)
         needed = num_tokens + max_rows
         # RoPE tables end at max_position_embeddings; the deepest row sits at num_tokens - 2 + max_depth.
-        if needed > self.max_context_len or num_tokens + tree.max_depth > self.model.config.max_position_embeddings:
+        if needed > self.max_context_len or num_tokens + max_depth > self.model.config.max_position_embeddings:
             # Over capacity: drop its KV rather than grow without bound; it decodes plainly.
-            self.on_request_finished(ctx.request_id)
+            self.on_request_finished(request_id)
             return None
-        kv = self._requests.get(ctx.request_id)
+        kv = self._requests.get(request_id)
         if kv is None:
-            kv = self._requests[ctx.request_id] = _RequestKV()
+            kv = self._requests[request_id] = _RequestKV()
         missing = -(-needed // self.block_manager.block_size) - len(kv.block_ids)
         if missing > 0:
             if not self.block_manager.can_allocate(missing):
@@ -199,12 +205,13 @@ class DraftModelProposer:
             kv.block_ids += self.block_manager.allocate(missing)
         return kv
 
-    def _catch_up(self, requests: list[tuple[ProposalContext, _RequestKV]]) -> torch.Tensor:
-        """Compute the tokens each request's KV lacks, in as few causal forwards as
-        max_batched_tokens allows. -> the root's logits [len(requests), vocab]."""
+    def _catch_up(self, requests: list[tuple[Sequence[int], _RequestKV]],
+                  want_logits: bool = True) -> torch.Tensor | None:
+        """Compute the tokens (of each (token_ids, kv)) that the KV lacks, in as few causal
+        forwards as max_batched_tokens allows. -> the last token's logits [len(requests), vocab]."""
         pending = []  # [request index, next position, end]
-        for i, (ctx, kv) in enumerate(requests):
-            pending.append([i, _common_prefix(kv, ctx.token_ids), len(ctx.token_ids)])
+        for i, (token_ids, kv) in enumerate(requests):
+            pending.append([i, _common_prefix(kv, token_ids), len(token_ids)])
         root_logits: list[torch.Tensor | None] = [None] * len(requests)
         while pending:
             room = self.config.max_batched_tokens
@@ -216,8 +223,8 @@ class DraftModelProposer:
                     break
                 room -= take
                 self.num_catch_up_tokens += take
-                ids = [int(t) for t in requests[i][0].token_ids[start:start + take]]
-                done = start + take == end
+                ids = [int(t) for t in requests[i][0][start:start + take]]
+                done = start + take == end and want_logits
                 seqs.append(_Rows(requests[i][1], ids, list(range(start, start + take)), start, None,
                                   [take - 1] if done else []))
                 if done:
@@ -226,10 +233,10 @@ class DraftModelProposer:
             for i, logits in zip(finishing, self._forward(seqs)):
                 root_logits[i] = logits
             pending = [item for item in pending if item[1] < item[2]]
-        for ctx, kv in requests:
-            kv.token_ids = list(ctx.token_ids)
+        for token_ids, kv in requests:
+            kv.token_ids = list(token_ids)
             kv.num_committed = len(kv.token_ids)
-        return torch.stack(root_logits)  # type: ignore[arg-type]
+        return torch.stack(root_logits) if want_logits else None  # type: ignore[arg-type]
 
     # ---------------------------------------------------------------- tree expansion
 
@@ -314,6 +321,30 @@ class DraftModelProposer:
         )
         self.num_forwards += 1
         return self.model.forward(batch, self.kv_caches)
+
+
+def draft_config_for(engine, draft_model_path: str | None = None, **overrides) -> DraftModelConfig:
+    """The config `--speculate draft [--draft-model PATH]` runs with: the checkpoint at PATH,
+    loaded like the target (same dtype and device), or without one the target's early-exit
+    draft. A draft must share the target's tokenizer: ids are compared, not text."""
+    target = engine.model
+    if draft_model_path is None:
+        return DraftModelConfig(target_model=target, **overrides)
+    ckpt = load_checkpoint(draft_model_path)
+    if engine.tokenizer is not None:
+        from prescient.runtime.tokenizer import Tokenizer
+
+        draft_vocab = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file).hf
+        target_vocab = engine.tokenizer.hf
+        ids = list(range(min(len(draft_vocab), len(target_vocab))))
+        same = sum(a == b for a, b in zip(draft_vocab.convert_ids_to_tokens(ids),
+                                          target_vocab.convert_ids_to_tokens(ids)))
+        # Allow a few special tokens to differ (chat markers named differently); not the vocabulary.
+        if same < 0.99 * max(len(draft_vocab), len(target_vocab)):
+            raise ModelLoadError(f"draft model {draft_model_path} does not share the target's tokenizer "
+                                 f"({same} of {len(target_vocab)} token ids agree)")
+    draft = LlamaModel(ckpt.config, ckpt.weights, dtype=target.dtype, device=target.device)
+    return DraftModelConfig(draft_model=draft, target_model=target, **overrides)
 
 
 @register_proposer("draft")

@@ -291,3 +291,31 @@ def test_build_is_cached(tmp_path):
     mtime = os.stat(so).st_mtime_ns
     second = _run_py(code, env)
     assert second.stdout.strip() == so and os.stat(so).st_mtime_ns == mtime
+
+
+def test_builds_and_runs_without_march_native(tmp_path):
+    """The AVX-512 kernels use per-function target attributes and run-time CPUID dispatch,
+    so a generic build (the fallback when -march=native is rejected) is complete too."""
+    import ctypes
+
+    cc = cpu_linear._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "generic.so"
+    flags = [f for f in cpu_linear._flag_sets()[-1] if "march" not in f]
+    cpu_linear._compile(cc, flags, so)
+    lib = ctypes.CDLL(str(so))
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    lib.pg_linear.argtypes = [vp, ci, vp, vp, ci, vp, ci, ci, ci]
+    lib.pg_set_isa_cap.argtypes = [ci]
+    g = torch.Generator().manual_seed(9)
+    for cap in (0, 1, 2):
+        used = lib.pg_set_isa_cap(cap)
+        for wdt, code in ((torch.float32, 0), (torch.bfloat16, 1)):
+            w = torch.randn(131, 45, generator=g).to(wdt)
+            x = torch.randn(5, 45, generator=g)
+            y = torch.empty(5, 131)
+            assert lib.pg_linear(w.data_ptr(), code, None, x.data_ptr(), 0, y.data_ptr(),
+                                 5, 131, 45) == 0
+            xround = torch.bfloat16 if (code == 1 and used == 2) else None
+            _check(y, x, w, xround=xround)

@@ -184,3 +184,14 @@ def test_non_streamed_request_is_aborted_when_the_client_hangs_up(tiny, path, bo
     # 2 s: well before the 800-900 tokens could have been generated (~5 ms each)
     state = tiny.wait_until(lambda s: s["requests"] == 0 and s["free"] == baseline["free"], timeout=2)
     assert state["requests"] == 0 and state["free"] == baseline["free"]
+
+
+def test_responses_over_http(client):
+    r = client.responses.create(model="tiny", input="Hi", max_output_tokens=5, temperature=0)
+    assert r.status == "incomplete" and r.usage.output_tokens == 5 and r.output_text
+    events = list(client.responses.create(model="tiny", input="Hi", max_output_tokens=5, temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
+    follow = client.responses.create(model="tiny", input="More", previous_response_id=r.id, max_output_tokens=2)
+    assert follow.previous_response_id == r.id
+    assert follow.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + 5 - 16

@@ -46,10 +46,10 @@ def test_outbox_is_bounded_in_bytes():
         assert not box.put("y")
         assert await box.get() == "x" * 20
         assert box.put("a" * 6) and not box.put("b" * 6) and box.put("c" * 4)
-        assert box.put("overflow error", force=True)
+        assert box.put("overflow", force=True) and not box.put("x" * 3, force=True)  # forced: up to 2x
         return [await box.get() for _ in range(3)], len(box)
 
-    assert asyncio.run(go()) == (["a" * 6, "c" * 4, "overflow error"], 0)
+    assert asyncio.run(go()) == (["a" * 6, "c" * 4, "overflow"], 0)
 
 
 def test_response_store_expires_and_evicts():

@@ -6,16 +6,21 @@ Plus hand-built EAGLE-2 expansion cases with known answers."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from prescient.runtime.config import CacheConfig, SchedulerConfig
+from prescient.runtime.engine import Engine, EngineConfig
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.draft_model import DraftModelConfig, DraftModelProposer
+from prescient.speculative.draft_model import DraftModelConfig, DraftModelProposer, draft_config_for
+from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from prescient.speculative.draft_tree_expand import DynamicTree
 from prescient.speculative.proposer import PROPOSERS, ProposalContext, Proposer
+from prescient.speculative.speculator import Speculator
 from prescient.speculative.tree import DraftTree
 from prescient.speculative.verify import verify
 from tests.conftest import make_tiny_checkpoint
@@ -105,6 +110,18 @@ def test_separate_draft_model_chains_its_own_greedy_continuation(target, tmp_pat
         tokens = tokens + list(tree.tokens[1:3]) + [5]
     with pytest.raises(ValueError):
         DraftModelConfig(draft_model=small, early_exit_layers=2)
+
+
+def test_draft_config_for_the_cli(target, tmp_path):
+    """`--speculate draft` without a path: the early-exit draft; with one: that checkpoint,
+    loaded in the target's dtype."""
+    engine = SimpleNamespace(model=target, tokenizer=None)
+    early = DraftModelProposer(draft_config_for(engine))
+    assert early.model.layers == target.layers[:max(1, target.num_layers // 4)]
+    path = make_tiny_checkpoint(tmp_path / "draft", seed=2, num_hidden_layers=1)
+    config = draft_config_for(engine, str(path), max_depth=3)
+    assert config.draft_model.dtype == torch.float64 and config.draft_model.num_layers == 1
+    assert config.max_depth == 3 and config.target_model is target
 
 
 def test_budget_and_empty_proposals(target):
@@ -261,6 +278,18 @@ def test_held_kv_is_valid_causal_kv(target, seed):
         [ctx(extended, 16)])
 
 
+def test_prompt_caught_up_after_prefill(target):
+    """on_tokens_appended after prefill runs the draft over the prompt, so the first propose only
+    computes the new token; the proposal is the same."""
+    draft = proposer(target, 2)
+    prompt = random_tokens(37, 15)
+    draft.on_tokens_appended("r", None, prompt)
+    assert draft.num_catch_up_tokens == 37
+    tokens = prompt + [9]
+    assert draft.propose([ctx(tokens)]) == proposer(target, 2).propose([ctx(tokens)])
+    assert draft.num_catch_up_tokens == 38
+
+
 def test_kv_follows_a_rewritten_context(target):
     """A context that diverges early (or shrinks) is recomputed from the divergence point."""
     draft = proposer(target, 2)
@@ -310,3 +339,36 @@ def test_over_capacity_gets_no_proposal_and_frees_its_blocks(target):
     draft.on_request_finished("p0")
     draft.on_request_finished("p1")
     assert draft.num_free_blocks == draft.block_manager.num_blocks
+
+
+# ---------------------------------------------------------------- in the engine
+
+
+def engine_with(model, draft: DraftModelProposer | None) -> Engine:
+    config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=64),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    engine = Engine(model, None, config, eos_token_ids=(2,))
+    if draft is not None:
+        # Always speculate (prior 1.0, flat verify cost) so that every step carries a tree.
+        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=8, prior_acceptance=1.0,
+                                                      verify_cost={1: 1.0, 64: 1.0}))
+        engine.speculator = Speculator(draft, 8, adaptive)
+    return engine
+
+
+@pytest.mark.parametrize("layers,top_k", [(3, 1), (2, 1), (2, 3)])
+def test_engine_greedy_with_draft_equals_plain(target, layers, top_k):
+    """Through Engine.step (batching, chunked prefill, KV moves of accepted tree paths): greedy
+    output with the draft proposer equals plain greedy decoding token for token, and every draft
+    block is free afterwards."""
+    prompts = [random_tokens(n, 30 + n) for n in (4, 21, 45)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = engine_with(target, None).generate(prompts, params)
+    draft = proposer(target, layers, top_k=top_k, max_draft_tokens=8, num_blocks=64)
+    engine = engine_with(target, draft)
+    assert engine.generate(prompts, params) == plain
+    assert engine.speculator.stats.num_draft_tokens > 0
+    if layers == target.num_layers:  # the target drafting for itself: every chain is accepted
+        assert engine.speculator.stats.acceptance_rate == 1.0
+    assert draft.num_free_blocks == draft.block_manager.num_blocks
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
