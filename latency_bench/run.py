@@ -42,9 +42,12 @@ def _bar(cfg: BenchConfig, total: int, desc: str):
     return tqdm(total=total, desc=desc, disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True, leave=True)
 
 
+_T0 = time.perf_counter()
+
+
 def _log(cfg: BenchConfig, msg: str) -> None:
     if cfg.progress:
-        print(f"[bench] {msg}", file=sys.stderr, flush=True)
+        print(f"[bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
@@ -87,6 +90,7 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     model_cfg = ctx.model_config
 
     # ------------------------------------------------------------ batch 1
+    _log(cfg, "batch-1 phase")
     bar = _bar(cfg, cfg.reps * len(selected) * len(runners), "batch-1 runs")
     records = run_batch1(runners, selected, ctx.tokenizer, cfg.reps, bar)
     bar.close()
@@ -103,6 +107,7 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
                                           seed=cfg.seed))
 
     # ------------------------------------------------------------ concurrency
+    _log(cfg, "concurrency")
     short = [chat_prompt_ids(ctx.tokenizer, w) for w in all_workloads if w.kind in ("chat", "tool_call")]
     conc_dtypes = cfg.dtypes if not cfg.quick else (cfg.spec_dtype,)
     concurrency = []
@@ -113,7 +118,9 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
         bar.close()
 
     # ------------------------------------------------------------ load
+    _log(cfg, "load phases")
     load = _load_phases(cfg, ctx, all_workloads, selected, modes, notes)
+    _log(cfg, "report")
 
     # ------------------------------------------------------------ report
     machine["load_avg_end"] = list(os.getloadavg())

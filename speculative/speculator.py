@@ -115,7 +115,8 @@ class Speculator:
 
     def on_prefilled(self, request: Request) -> None:
         """Index the prompt now rather than in the first decode step."""
-        self.proposer.on_tokens_appended(request.request_id, request.session_id, request.all_token_ids)
+        if request.params.speculate:
+            self.proposer.on_tokens_appended(request.request_id, request.session_id, request.all_token_ids)
 
     def release(self, request: Request) -> None:
         self.proposer.on_request_finished(request.request_id)
@@ -149,7 +150,7 @@ class Speculator:
 
 
 def measure_verify_cost(model, block_size: int, sizes=(1, 2, 4, 8, 16, 32), context: int = 256,
-                        repeats: int = 3) -> dict[int, float]:
+                        repeats: int = 3, return_seconds: bool = False):
     """Forward time of T new tokens after `context` cached ones, relative to T = 1 (best of
     `repeats`), on a scratch KV cache: the cost model the adaptive planner sizes drafts with."""
     from prescient.runtime.batch import build_forward_batch
@@ -178,7 +179,13 @@ def measure_verify_cost(model, block_size: int, sizes=(1, 2, 4, 8, 16, 32), cont
     for t in sizes:
         running = max(running, timings[t] / base)
         table[t] = running
-    return table
+    return (table, base) if return_seconds else table
+
+
+def _forward_seconds(model, block_size: int) -> float:
+    """Best-of-3 time of a 1-token forward after 256 cached tokens."""
+    table_and_time = measure_verify_cost(model, block_size, sizes=(1,), repeats=3, return_seconds=True)
+    return table_and_time[1]
 
 
 def make_speculator(engine, method: str, draft_model_path: str | None = None, proposer_config=None,
@@ -196,5 +203,14 @@ def make_speculator(engine, method: str, draft_model_path: str | None = None, pr
     proposer = make_proposer(method, proposer_config)
     adaptive = AdaptiveSpeculation(adaptive_config)
     if calibrate and adaptive_config is None:
-        adaptive.set_verify_cost(measure_verify_cost(engine.model, engine.block_manager.block_size))
+        table = measure_verify_cost(engine.model, engine.block_manager.block_size)
+        if method == "draft":
+            # A draft model's own forwards are no longer free: each draft token costs about one
+            # draft forward (chain drafting), measured relative to a target step.
+            cfg = proposer_config
+            draft = cfg.draft_model or cfg.target_model.early_exit(cfg.early_exit_layers or max(1, cfg.target_model.num_layers // 4))
+            target_s = _forward_seconds(engine.model, engine.block_manager.block_size)
+            draft_ratio = _forward_seconds(draft, engine.block_manager.block_size) / target_s
+            table = {t: c + (t - 1) * draft_ratio for t, c in table.items()}
+        adaptive.set_verify_cost(table)
     return Speculator(proposer, engine.block_manager.block_size, adaptive)
