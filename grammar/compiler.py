@@ -7,8 +7,9 @@ mask. The time limit runs from submission: a request whose grammar is not ready 
 with GrammarError (xgrammar cannot cancel a compile, so it finishes in the background and its
 result still lands in the cache; a repeat of the same spec waits on that same compile).
 
-Every JSON schema that reaches xgrammar, including tool argument schemas, passes
-`check_schema` first, so nothing is silently weakened.
+Every JSON schema that reaches xgrammar, tool argument schemas included, passes `check_schema`
+first (nothing is silently weakened), then has its declared objects closed (closed_objects.py)
+and, if it has a `pattern`, is compiled as EBNF (pattern.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from prescient.grammar.closed_objects import close_declared_objects
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.matcher import Matcher
 from prescient.grammar.pattern import (
@@ -50,6 +52,9 @@ class CompilerConfig:
     # and a small model cannot loop on whitespace. True allows any whitespace between tokens.
     any_whitespace: bool = False
     max_whitespace: int | None = None  # with any_whitespace: cap on one whitespace run
+    # Objects that declare properties get additionalProperties: false when unset (see
+    # closed_objects.py): ~50x faster compiles, and the model writes only declared keys.
+    close_declared_objects: bool = True
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1:
@@ -149,17 +154,20 @@ class GrammarCompiler:
         return CompiledGrammar(spec, handle, self.tokenizer, time.perf_counter() - start)
 
     def _json_options(self) -> dict:
-        # strict_mode=False keeps JSON Schema's meaning: undeclared keys are allowed unless
-        # the schema says additionalProperties: false.
+        # strict_mode=False keeps JSON Schema's meaning (undeclared keys allowed unless the
+        # schema says otherwise); closing declared objects is done on the schema instead.
         return dict(any_whitespace=self.config.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=self.config.max_whitespace)
 
-    def _json_schema(self, source: str) -> xgr.CompiledGrammar:
-        schema = json.loads(source)
+    def _checked(self, schema: object) -> object:
         check_schema(schema)
+        return close_declared_objects(schema) if self.config.close_declared_objects else schema
+
+    def _json_schema(self, source: str) -> xgr.CompiledGrammar:
+        schema = self._checked(json.loads(source))
         if has_pattern(schema):  # see pattern.py: xgrammar's own pattern FSM over-accepts
             return self._xgr.compile_grammar(schema_ebnf_with_patterns(schema, self._schema_ebnf))
-        return self._xgr.compile_json_schema(source, **self._json_options())
+        return self._xgr.compile_json_schema(json.dumps(schema), **self._json_options())
 
     def _json_object(self, source: str) -> xgr.CompiledGrammar:
         return self._xgr.compile_json_schema('{"type": "object"}', **self._json_options())
@@ -175,7 +183,7 @@ class GrammarCompiler:
         return self._xgr.compile_structural_tag(tool_call_structural_tag(source, self._args_ebnf))
 
     def _args_ebnf(self, schema: object) -> str:
-        check_schema(schema)
+        schema = self._checked(schema)
         if has_pattern(schema):
             return schema_ebnf_with_patterns(schema, self._schema_ebnf)
         return self._schema_ebnf(json.dumps(schema))

@@ -44,7 +44,9 @@ _NOT_SCHEMA_KEYS = frozenset({"enum", "const", "default", "examples", "example"}
 
 
 def has_pattern(schema: Any) -> bool:
-    return bool(_collect_patterns(schema, []))
+    patterns: list[str] = []
+    _collect_patterns(schema, patterns)
+    return bool(patterns)
 
 
 def schema_ebnf_with_patterns(schema: Any, to_ebnf: Callable[[str], str]) -> str:

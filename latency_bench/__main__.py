@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=None, help="turns per agent session")
     p.add_argument("--tool-latency", type=float, default=None, help="simulated tool latency, seconds")
     p.add_argument("--agent-max-tokens", type=int, default=None, help="max_tokens of each agent turn")
-    p.add_argument("--rate", type=float, default=None, help="open-loop rate, req/s (default: measured batch-1 capacity)")
+    p.add_argument("--rate", type=float, default=None, help="open-loop rate, req/s (default: 2x the measured batch-1 capacity)")
     p.add_argument("--open-requests", type=int, default=None)
     p.add_argument("--arrival", choices=["poisson", "gamma"], default=None)
     p.add_argument("--arrival-cv", type=float, default=None, help="gamma arrivals' coefficient of variation")

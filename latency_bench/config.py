@@ -43,7 +43,8 @@ class BenchConfig:
     agent_turns: int = 3
     tool_latency_s: float = 0.2
     agent_max_tokens: int = 64
-    open_rate: float | None = None  # req/s; None: 1x the measured batch-1 capacity of the mode
+    open_rate: float | None = None  # req/s; None: open_rate_factor x the mode's measured batch-1 capacity
+    open_rate_factor: float = 2.0  # twice what one-at-a-time serving could keep up with: batching must
     open_requests: int = 6
     arrival: str = "poisson"
     arrival_cv: float = 1.0

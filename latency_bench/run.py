@@ -177,7 +177,7 @@ def _load_phases(cfg: BenchConfig, ctx, all_workloads, selected, modes: dict, no
                                     "engine": client.engine_stats()})
         client.close()
 
-        rate = cfg.open_rate or capacity
+        rate = cfg.open_rate or cfg.open_rate_factor * capacity
         client, tracker = factory()
         bar = _bar(cfg, cfg.open_requests, f"open loop {name} @ {rate:.2f} req/s")
         info = run_open_loop(client, selected, rate, cfg.open_requests, f"open-{name}", cfg.arrival, cfg.arrival_cv,

@@ -82,13 +82,15 @@ def test_batch_fill_matches_single_fill(toy_compiler, toy_tokenizer):
     matchers[1].accept_tokens(toy_tokenizer.encode('{"a": 1'))
     matchers[2].accept_tokens(toy_tokenizer.encode("{"))
     vocab_size = toy_tokenizer.vocab_size
-    batch = allocate_bitmask(4, vocab_size)
-    BatchMaskFiller(max_threads=2).fill(matchers, batch, rows=[3, 0, 2])
     single = allocate_bitmask(1, vocab_size)
-    for matcher, row in zip(matchers, [3, 0, 2]):
-        matcher.fill_bitmask(single, 0)
-        assert torch.equal(batch[row], single[0])
-    assert allowed(batch, 1, vocab_size) == set(range(vocab_size))
+    for min_rows_for_threads in (1, 128):  # xgrammar's thread pool, then the plain loop
+        batch = allocate_bitmask(4, vocab_size)
+        filler = BatchMaskFiller(max_threads=2, min_rows_for_threads=min_rows_for_threads)
+        filler.fill(matchers, batch, rows=[3, 0, 2])
+        for matcher, row in zip(matchers, [3, 0, 2]):
+            matcher.fill_bitmask(single, 0)
+            assert torch.equal(batch[row], single[0])
+        assert allowed(batch, 1, vocab_size) == set(range(vocab_size))
 
 
 FIXED_KEYS = {
@@ -109,8 +111,11 @@ def test_forced_span_is_canonical_minus_its_last_token(real_compiler, real_token
     assert matcher.num_tokens == 0  # asking does not advance the matcher
     assert matcher.accept_tokens(forced) == len(forced)
     # After the string value, the next key is forced up to its value.
-    matcher.accept_tokens(real_tokenizer.encode(' "Paris"'))
+    value = real_tokenizer.encode(' "Paris"')
+    matcher.accept_tokens(value)
     assert real_tokenizer.encode(', "unit": "')[:-1] == matcher.forced_tokens()
+    matcher.rollback(len(value) + len(forced))  # the cached span follows the state back
+    assert matcher.forced_tokens() == forced
 
 
 def test_no_forced_tokens_at_a_choice_or_after_termination(toy_compiler, toy_tokenizer):

@@ -83,10 +83,16 @@ def test_auto(toy_compiler, toy_tokenizer, text, ok):
     assert accepts(toy_compiler, toy_tokenizer, "auto", text) == ok
 
 
-def test_arguments_follow_json_schema_semantics(toy_compiler, toy_tokenizer):
-    """`add` does not set additionalProperties, so an undeclared key is valid, exactly as on
-    the response_format path."""
-    assert accepts(toy_compiler, toy_tokenizer, "required", call("add", {"a": 1, "b": 2, "c": 3}))
+def test_arguments_get_the_response_format_treatment(toy_compiler, toy_tokenizer):
+    """Same checks and closing as response_format: `add` declares a and b, so "c" is out;
+    a tool that opts in to extra keys gets them."""
+    assert not accepts(toy_compiler, toy_tokenizer, "required",
+                       call("add", {"a": 1, "b": 2, "c": 3}))
+    tools = tools_from_request([{"type": "function", "function": {"name": "kv", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}},
+        "additionalProperties": True}}}])
+    grammar = toy_compiler.compile(spec_from_tool_choice(tools, "required"))
+    assert accepts_text(grammar.matcher(), toy_tokenizer, call("kv", {"a": 1, "b": [2]}))
 
 
 def test_real_tokenizer_auto_call(real_compiler, real_tokenizer):

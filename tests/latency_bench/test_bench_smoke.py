@@ -19,10 +19,29 @@ ARGS = ["--quick", "--dtypes", "float32", "--spec-dtype", "float32", "--prompts-
         "--kv-cache-gb", "0.02", "--verify-context", "32", "--no-progress"]
 
 
+def short_workloads(path):
+    """One prompt per kind, shortened (a 3-item document to edit, one declared tool) so that
+    prefill stays small: this test checks the report's shape, not the workloads' figures."""
+    doc = json.dumps([{"sku": f"SKU-{i}", "qty": i} for i in range(3)])
+    tool = json.dumps({"name": "get_weather", "parameters": {"city": "string"}})
+    rows = [
+        {"workload": "chat", "max_tokens": 8, "messages": [{"role": "user", "content": "What is a hash table?"}]},
+        {"workload": "tool_call", "max_tokens": 8, "messages": [
+            {"role": "system", "content": f"Reply with a JSON tool call. Tools: {tool}"},
+            {"role": "user", "content": "Weather in Paris?"}]},
+        {"workload": "long_edit", "max_tokens": 8, "messages": [
+            {"role": "user", "content": doc + "\n\nReturn the array with every qty increased by 1."}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 @pytest.fixture(scope="module")
 def report_dir(tiny_chat_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    assert main(["bench", *ARGS, "--model", str(tiny_chat_model_dir), "--out", str(out)]) == 0
+    workloads = short_workloads(out / "workloads.jsonl")
+    assert main(["bench", *ARGS, "--model", str(tiny_chat_model_dir), "--workloads", str(workloads),
+                 "--out", str(out)]) == 0
     return out
 
 

