@@ -177,11 +177,12 @@ static void rows_portable(const job_t *j, int n0, int n1)
 /* ------------------------------------------------------------------------- */
 /* AVX-512 kernels                                                            */
 /*                                                                            */
-/* Tile: NR = 4 weight rows x MR <= 4 input rows = 16 zmm accumulators.  Each */
-/* 64-byte weight chunk is loaded once and used MR times; the x chunks come   */
-/* from L1 (x is at most 16 x K).  Four rows also give four independent       */
-/* accumulator chains at M = 1.  The epilogue reduces acc[m][0..3] to one     */
-/* __m128 = y[m, n..n+3], four contiguous outputs stored in one go.           */
+/* Tile: NR weight rows x MR input rows, MR * NR <= 16 zmm accumulators (see */
+/* PG_ROWS_DRIVER for the shapes).  Each 64-byte weight chunk is loaded once  */
+/* and used MR times; the x chunks come from L1 (x is at most 16 x K).  Four  */
+/* rows give four independent accumulator chains at M = 1.  The epilogue     */
+/* reduces four accumulators at a time into one __m128 (for NR = 4 that is    */
+/* y[m, n..n+3], four contiguous outputs stored in one go).                   */
 /* ------------------------------------------------------------------------- */
 
 #pragma GCC push_options
@@ -243,44 +244,81 @@ static inline __attribute__((always_inline)) void store_col4(const job_t *j, int
     }
 }
 
-/* Epilogue for a tile: NR == 4 -> one store_row4 per input row; NR == 1 -> one store_col4. */
-static inline __attribute__((always_inline))
-void emit_tile(const job_t *j, __m512 acc[4][4], int n, int m0, const int MR, const int NR)
+/* y[m, n..n+1] = s[0..1] and y[m + 1, n..n+1] = s[2..3] (second row only if m2). */
+static inline __attribute__((always_inline)) void store_2x2(const job_t *j, int m, int n, __m128 s, int m2)
 {
+    if (j->bias) {
+        __m128 b = _mm_castpd_ps(_mm_load1_pd((const double *)(j->bias + n)));
+        s = _mm_add_ps(s, b);
+    }
+    size_t off = (size_t)m * j->N + n;
+    if (j->ydt == DT_F32) {
+        _mm_storel_pi((__m64 *)((float *)j->y + off), s);
+        if (m2)
+            _mm_storeh_pi((__m64 *)((float *)j->y + off + j->N), s);
+    } else {
+        __m128i h = bf16x4_rne(s);
+        uint32_t lo = (uint32_t)_mm_cvtsi128_si32(h), hi = (uint32_t)_mm_extract_epi32(h, 1);
+        memcpy((uint16_t *)j->y + off, &lo, 4);
+        if (m2)
+            memcpy((uint16_t *)j->y + off + j->N, &hi, 4);
+    }
+}
+
+/* Epilogue: reduce acc[m][r] (sums for y[m0 + m, n + r]) four at a time and store.
+ * NR == 4: one contiguous y[m, n..n+3] per input row; NR == 2: 2x2 blocks; NR == 1:
+ * four inputs of one row. */
+static inline __attribute__((always_inline))
+void emit_tile(const job_t *j, __m512 acc[8][4], int n, int m0, const int MR, const int NR)
+{
+    const __m512 z = _mm512_setzero_ps();
     if (NR == 4) {
         for (int m = 0; m < MR; m++)
             store_row4(j, m0 + m, n, hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    } else if (NR == 2) {
+        for (int m = 0; m < MR; m += 2) {
+            const int two = m + 1 < MR;
+            store_2x2(j, m0 + m, n, hsum4(acc[m][0], acc[m][1], two ? acc[m + 1][0] : z,
+                                          two ? acc[m + 1][1] : z), two);
+        }
     } else {
-        __m512 z = _mm512_setzero_ps();
-        store_col4(j, m0, MR, n, hsum4(acc[0][0], MR > 1 ? acc[1][0] : z,
-                                       MR > 2 ? acc[2][0] : z, MR > 3 ? acc[3][0] : z));
+        for (int m = 0; m < MR; m += 4)
+            store_col4(j, m0 + m, MR - m < 4 ? MR - m : 4, n,
+                       hsum4(acc[m][0], m + 1 < MR ? acc[m + 1][0] : z,
+                             m + 2 < MR ? acc[m + 2][0] : z, m + 3 < MR ? acc[m + 3][0] : z));
     }
 }
 
 /* Software prefetch PG_PF_BYTES ahead in the weight stream.  A tile's NR rows are
- * contiguous, so "row r, column k, plus PF bytes" walks the next tiles' lines once each;
- * only the first input block of a tile prefetches (later blocks re-read the same rows). */
-#define PG_PREFETCH(ptr, pf)                                                            \
+ * contiguous, so "row r, column k, plus PF bytes" walks the next tiles' lines once each.
+ * With B = ceil(M/4) input blocks over the same tile, block b prefetches on the steps
+ * s = b (mod B): every line is still prefetched once, and the prefetches are spread over
+ * the whole time spent on the tile (all in the first block would leave DRAM idle for the
+ * rest).  `pf` is the counter: prefetch when it hits 0, then reload it with B. */
+#define PG_PF_STEP(pf, B, ...)                                                          \
     do {                                                                                \
-        if (PG_PF_BYTES && (pf))                                                        \
-            _mm_prefetch((const char *)(ptr) + PG_PF_BYTES, _MM_HINT_T0);               \
+        if (PG_PF_BYTES && (B) > 0 && (pf)-- == 0) {                                    \
+            __VA_ARGS__;                                                                \
+            (pf) = (B) - 1;                                                             \
+        }                                                                               \
     } while (0)
+#define PG_PREFETCH(ptr) _mm_prefetch((const char *)(ptr) + PG_PF_BYTES, _MM_HINT_T0)
 
 /* fp32 weights, fp32 x: 16 floats (one cache line) per step. */
 static inline __attribute__((always_inline))
 void tile_f32(const job_t *j, const float *w, const float *x, int n, int m0,
-              const int MR, const int NR, int pf)
+              const int MR, const int NR, int pf, int pfB)
 {
     const int K = j->K;
-    __m512 acc[4][4];
+    __m512 acc[8][4];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < NR; r++)
             acc[m][r] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 16 <= K; k += 16) {
         __m512 wv[4];
+        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH(w + (size_t)r * K + k));
         for (int r = 0; r < NR; r++) {
-            PG_PREFETCH(w + (size_t)r * K + k, pf);
             wv[r] = _mm512_loadu_ps(w + (size_t)r * K + k);
             PG_KEEP(wv[r]);
         }
@@ -313,19 +351,19 @@ static inline __attribute__((always_inline)) __m512 bf16x16_to_f32(const uint16_
 
 static inline __attribute__((always_inline))
 void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0,
-                const int MR, const int NR, int pf)
+                const int MR, const int NR, int pf, int pfB)
 {
     const int K = j->K;
-    __m512 acc[4][4];
+    __m512 acc[8][4];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < NR; r++)
             acc[m][r] = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) {
         __mmask16 mk = (K - k >= 16) ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1u);
         __m512 wv[4];
+        if (k & 16)  /* one prefetch per 64-byte line: every other 32-byte step */
+            PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH(w + (size_t)r * K + k));
         for (int r = 0; r < NR; r++) {
-            if (k & 16)  /* one prefetch per 64-byte line: every other 32-byte step */
-                PG_PREFETCH(w + (size_t)r * K + k, pf);
             wv[r] = bf16x16_to_f32(w + (size_t)r * K + k, mk);
             PG_KEEP(wv[r]);
         }
@@ -338,46 +376,63 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
     emit_tile(j, acc, n, m0, MR, NR);
 }
 
-/* Run the tile kernel `TILE` over rows [n0, n1) for all M.  For M > 4 the inputs go in
- * blocks of 4 over the same 4 weight rows, which the first block has pulled into L1, so
- * DRAM still sees each weight byte once and loads per dot-product step stay at 0.5. */
-#define PG_ROWS_DRIVER(NAME, TILE, WT, XT)                                               \
+/* Run the tile kernel `TILE` over rows [n0, n1) for all M.  Each weight chunk is loaded
+ * once per tile and used for MR input rows while in a register, with at most 16 accumulators
+ * (MR x NR): 4 weight rows x M for M <= 4; then either (PAIRS) 2 rows x M in one pass for
+ * M <= 8, or 4 rows with the inputs in blocks of 4, the later blocks re-reading the tile from
+ * L1 (DRAM still sees each weight byte once).  Measured: pairs win for fp32 at M = 5..8
+ * (~15% in cache, more from DRAM), blocks for vdpbf16ps; one-row tiles x 16 inputs were
+ * 2x slower than blocks, so M > 8 always uses blocks. */
+#define PG_ROWS_DRIVER(NAME, TILE, WT, XT, PAIRS)                                        \
     static void NAME(const job_t *j, int n0, int n1)                                     \
     {                                                                                    \
         const int K = j->K, M = j->M;                                                    \
         const WT *W = (const WT *)j->w;                                                  \
         const XT *X = (const XT *)j->xk;                                                 \
         int n = n0;                                                                      \
-        for (; n + 4 <= n1; n += 4) {                                                    \
-            const WT *w = W + (size_t)n * K;                                             \
-            for (int m0 = 0; m0 < M; m0 += 4) {                                          \
-                const XT *x = X + (size_t)m0 * K;                                        \
-                const int pf = m0 == 0;                                                  \
-                switch (M - m0) {                                                        \
-                case 1: TILE(j, w, x, n, m0, 1, 4, pf); break;                           \
-                case 2: TILE(j, w, x, n, m0, 2, 4, pf); break;                           \
-                case 3: TILE(j, w, x, n, m0, 3, 4, pf); break;                           \
-                default: TILE(j, w, x, n, m0, 4, 4, pf); break;                          \
+        if (!(PAIRS) || M <= 4 || M > 8) {                                               \
+            const int B = (M + 3) / 4; /* input blocks per tile: prefetch spread */      \
+            for (; n + 4 <= n1; n += 4) {                                                \
+                const WT *w = W + (size_t)n * K;                                         \
+                for (int m0 = 0; m0 < M; m0 += 4) {                                      \
+                    const XT *x = X + (size_t)m0 * K;                                    \
+                    const int pf = m0 / 4;                                               \
+                    switch (M - m0) {                                                    \
+                    case 1: TILE(j, w, x, n, m0, 1, 4, pf, B); break;                    \
+                    case 2: TILE(j, w, x, n, m0, 2, 4, pf, B); break;                    \
+                    case 3: TILE(j, w, x, n, m0, 3, 4, pf, B); break;                    \
+                    default: TILE(j, w, x, n, m0, 4, 4, pf, B); break;                   \
+                    }                                                                    \
+                }                                                                        \
+            }                                                                            \
+        } else {                                                                         \
+            for (; n + 2 <= n1; n += 2) {                                                \
+                const WT *w = W + (size_t)n * K;                                         \
+                switch (M) {                                                             \
+                case 5: TILE(j, w, X, n, 0, 5, 2, 0, 1); break;                          \
+                case 6: TILE(j, w, X, n, 0, 6, 2, 0, 1); break;                          \
+                case 7: TILE(j, w, X, n, 0, 7, 2, 0, 1); break;                          \
+                default: TILE(j, w, X, n, 0, 8, 2, 0, 1); break;                         \
                 }                                                                        \
             }                                                                            \
         }                                                                                \
-        /* Leftover rows (N not a multiple of 4): one weight row at a time. */           \
+        /* Rows left over by the wider tiles: one weight row, inputs in blocks of 4. */  \
         for (; n < n1; n++) {                                                            \
             const WT *w = W + (size_t)n * K;                                             \
             for (int m0 = 0; m0 < M; m0 += 4) {                                          \
                 const XT *x = X + (size_t)m0 * K;                                        \
                 switch (M - m0) {                                                        \
-                case 1: TILE(j, w, x, n, m0, 1, 1, 0); break;                            \
-                case 2: TILE(j, w, x, n, m0, 2, 1, 0); break;                            \
-                case 3: TILE(j, w, x, n, m0, 3, 1, 0); break;                            \
-                default: TILE(j, w, x, n, m0, 4, 1, 0); break;                           \
+                case 1: TILE(j, w, x, n, m0, 1, 1, 0, 0); break;                         \
+                case 2: TILE(j, w, x, n, m0, 2, 1, 0, 0); break;                         \
+                case 3: TILE(j, w, x, n, m0, 3, 1, 0, 0); break;                         \
+                default: TILE(j, w, x, n, m0, 4, 1, 0, 0); break;                        \
                 }                                                                        \
             }                                                                            \
         }                                                                                \
     }
 
-PG_ROWS_DRIVER(rows_avx512_f32, tile_f32, float, float)
-PG_ROWS_DRIVER(rows_avx512_bf16w, tile_bf16w, uint16_t, float)
+PG_ROWS_DRIVER(rows_avx512_f32, tile_f32, float, float, 1)
+PG_ROWS_DRIVER(rows_avx512_bf16w, tile_bf16w, uint16_t, float, 1)
 
 #pragma GCC pop_options
 
@@ -388,18 +443,18 @@ PG_ROWS_DRIVER(rows_avx512_bf16w, tile_bf16w, uint16_t, float)
 
 static inline __attribute__((always_inline))
 void tile_bf16(const job_t *j, const uint16_t *w, const uint16_t *x, int n, int m0,
-               const int MR, const int NR, int pf)
+               const int MR, const int NR, int pf, int pfB)
 {
     const int K = j->K;
-    __m512 acc[4][4];
+    __m512 acc[8][4];
     for (int m = 0; m < MR; m++)
         for (int r = 0; r < NR; r++)
             acc[m][r] = _mm512_setzero_ps();
     int k = 0;
     for (; k + 32 <= K; k += 32) {
         __m512bh wv[4];
+        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH(w + (size_t)r * K + k));
         for (int r = 0; r < NR; r++) {
-            PG_PREFETCH(w + (size_t)r * K + k, pf);
             wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (size_t)r * K + k));
             PG_KEEP(wv[r]);
         }
@@ -424,7 +479,7 @@ void tile_bf16(const job_t *j, const uint16_t *w, const uint16_t *x, int n, int 
     emit_tile(j, acc, n, m0, MR, NR);
 }
 
-PG_ROWS_DRIVER(rows_avx512_bf16, tile_bf16, uint16_t, uint16_t)
+PG_ROWS_DRIVER(rows_avx512_bf16, tile_bf16, uint16_t, uint16_t, 0)
 
 /* fp32 -> bf16 (RNE) for the activations, once per call. */
 static void cvt_f32_to_bf16_avx512bf16(const float *src, uint16_t *dst, size_t n)

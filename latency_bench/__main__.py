@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tpot-slo-ms", type=float, default=None)
     p.add_argument("--e2e-slo-s", type=float, default=None)
     p.add_argument("--server", default=None, help="base URL of a running `prescient serve` for the load phases")
+    p.add_argument("--max-foreign-cpu", type=float, default=None, help="retry a batch-1 run when other "
+                   "processes used more than this share of the CPUs during it (0.2)")
+    p.add_argument("--retries", type=int, default=None, help="most retries of a disturbed batch-1 run (2)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--verify-context", type=int, default=None)
@@ -94,6 +97,7 @@ def config_from_args(args: argparse.Namespace):
         "open_rate": args.rate, "open_requests": args.open_requests, "arrival": args.arrival,
         "arrival_cv": args.arrival_cv, "sweep": args.sweep,
         "load_speculate": split(args.load_speculate) if args.load_speculate is not None else None,
+        "max_foreign_cpu": args.max_foreign_cpu, "contention_retries": args.retries,
         "kv_cache_gb": args.kv_cache_gb, "threads": args.threads, "verify_context": args.verify_context,
         "bandwidth_bytes": args.bandwidth_mb * (1 << 20) if args.bandwidth_mb else None, "gemm_n": args.gemm_n,
     }

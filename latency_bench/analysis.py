@@ -34,7 +34,7 @@ def run_rows(records: list[Batch1Record], slo: SLOConfig) -> list[dict]:
             "num_prompt_tokens": r.num_prompt_tokens, "num_output_tokens": m.num_output_tokens,
             "queue_s": m.queue_s, "ttft_s": m.ttft_s, "tpot_s": m.tpot_s, "e2e_s": m.e2e_s,
             "decode_tok_s": m.decode_tok_s, "mean_accepted_len": m.mean_accepted_len, "itl_p99_s": m.itl_p99_s,
-            "met_all": m.met_all,
+            "met_all": m.met_all, "foreign_cpu": r.foreign_cpu, "attempts": r.attempts,
             "emission_offsets_s": [round(x - t.arrival_time, 6) for x in t.emission_times],
             "emission_tokens": list(t.emission_tokens),
         })
@@ -60,6 +60,8 @@ def mode_sections(records: list[Batch1Record], runners: dict, model_cfg, bandwid
             "weight_bytes": runner.weight_bytes,
             "floor_tok_s": floor,
             "decode_tok_s": summary["decode_tok_s"],
+            # robust to one disturbed run: the median of the runs' own decode rates
+            "decode_tok_s_median_run": _median([m.decode_tok_s for m in metrics]),
             "pct_of_floor": 100 * summary["decode_tok_s"] / floor if summary["decode_tok_s"] else None,
             "bandwidth_util": eff["bandwidth_util"],
             "mfu": eff["mfu"],
@@ -67,6 +69,8 @@ def mode_sections(records: list[Batch1Record], runners: dict, model_cfg, bandwid
             "by_workload": {k: _summary([r for r in recs if r.workload.kind == k], slo)
                             for k in KINDS if any(r.workload.kind == k for r in recs)},
             "stats": runner.stats(),
+            "foreign_cpu_mean": _mean([r.foreign_cpu for r in recs]),
+            "retried_runs": sum(r.attempts > 1 for r in recs),
         }
     return out
 
@@ -142,6 +146,19 @@ def _speedups(records: list[Batch1Record], mode: str, baseline: str, slo: SLOCon
 
 def _e2e(records: list[Batch1Record], slo: SLOConfig) -> list[float]:
     return [request_metrics(r.result.trace, slo).e2e_s or 0.0 for r in records]
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def _ratio(a, b):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from prescient.latency_bench.contention import CpuMeter
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.slo import RequestTrace, request_metrics, summarize
 
@@ -43,11 +44,14 @@ def measure_concurrency(engine, prompts: list[list[int]], num_concurrent: int, m
     _drive(engine, batch[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), True, "warm")
     arms = {"batch1": [], "concurrent": []}
     traces = {"batch1": [], "concurrent": []}
+    foreign = {"batch1": [], "concurrent": []}
     for rep in range(reps):
         order = ["batch1", "concurrent"] if rep % 2 == 0 else ["concurrent", "batch1"]
         for arm in order:
-            wall, tokens, tr = _drive(engine, batch, params, arm == "concurrent", f"{arm}-r{rep}")
+            with CpuMeter() as meter:
+                wall, tokens, tr = _drive(engine, batch, params, arm == "concurrent", f"{arm}-r{rep}")
             arms[arm].append((wall, tokens))
+            foreign[arm].append(meter.foreign_share)
             traces[arm].extend(tr)
             if progress is not None:
                 progress.update(1)
@@ -57,7 +61,9 @@ def measure_concurrency(engine, prompts: list[list[int]], num_concurrent: int, m
         wall = sum(w for w, _ in runs)
         tokens = sum(t for _, t in runs)
         metrics = [request_metrics(t, slo) for t in traces[arm]]
+        shares = [f for f in foreign[arm] if f is not None]
         out[arm] = {"tok_s": tokens / wall, "wall_s": wall, "output_tokens": tokens,
+                    "foreign_cpu": sum(shares) / len(shares) if shares else None,
                     "latency": summarize(metrics, slo, duration_s=wall)}
     out["ratio"] = out["concurrent"]["tok_s"] / out["batch1"]["tok_s"]
     return out

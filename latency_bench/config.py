@@ -28,9 +28,11 @@ class BenchConfig:
     prompts_per_kind: int | None = 2
     reps: int = 1
     max_tokens_cap: int | None = None
+    max_foreign_cpu: float = 0.2  # retry a batch-1 run when other processes took more of the CPUs
+    contention_retries: int = 2
     # verify cost
     verify_ks: tuple[int, ...] = (1, 2, 4, 8, 11, 16)
-    verify_context: int = 512
+    verify_context: int = 1024  # about a long_edit prompt plus its answer
     verify_reps: int = 7
     # N concurrent vs batch 1 (issue 2)
     num_concurrent: int = 16

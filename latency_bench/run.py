@@ -92,7 +92,8 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     # ------------------------------------------------------------ batch 1
     _log(cfg, "batch-1 phase")
     bar = _bar(cfg, cfg.reps * len(selected) * len(runners), "batch-1 runs")
-    records = run_batch1(runners, selected, ctx.tokenizer, cfg.reps, bar)
+    records = run_batch1(runners, selected, ctx.tokenizer, cfg.reps, bar, max_foreign=cfg.max_foreign_cpu,
+                         retries=cfg.contention_retries)
     bar.close()
     modes = analysis.mode_sections(records, runners, model_cfg, machine["dram_read_bytes_s"],
                                    machine["gemm_peak_flops"], cfg.slo)
@@ -238,6 +239,9 @@ def _standard_notes(cfg: BenchConfig, specs, runners) -> list[str]:
         notes.append("transformers loads the GGUF once (dequantized to dense weights by from_pretrained); its "
                      "other dtype is that model cast with .to(dtype), the weights a second load would give.")
     notes.append("Queue time is first_scheduled_time - arrival_time as the engine stamps them.")
+    notes.append(f"Contention: a batch-1 run during which other processes used more than "
+                 f"{cfg.max_foreign_cpu:.0%} of the CPUs was retried (up to {cfg.contention_retries} times) and "
+                 "the least disturbed attempt kept; 'foreign CPU' is that share for the kept runs.")
     notes.append("TTFT includes tokenized-prompt prefill from a cold prefix cache in batch-1 runs; "
                  "load phases keep the prefix cache on, as a server would.")
     return notes

@@ -44,23 +44,24 @@ MODE_SPEC = {
 MODE_RESULT = {
     "type": "object",
     "required": ["spec", "weight_bytes", "floor_tok_s", "decode_tok_s", "pct_of_floor", "bandwidth_util", "mfu",
-                 "summary", "by_workload", "stats"],
+                 "summary", "by_workload", "stats", "foreign_cpu_mean", "retried_runs"],
     "properties": {
         "spec": {"$ref": "#/$defs/mode_spec"}, "weight_bytes": INT, "floor_tok_s": NUM, "decode_tok_s": NUM,
         "pct_of_floor": NUM, "bandwidth_util": NUM, "mfu": NUM, "summary": {"$ref": "#/$defs/summary"},
         "by_workload": {"type": "object", "additionalProperties": {"$ref": "#/$defs/summary"}},
-        "stats": {"type": "object"},
+        "stats": {"type": "object"}, "foreign_cpu_mean": NUM, "retried_runs": INT, "decode_tok_s_median_run": NUM,
     },
 }
 
 RUN = {
     "type": "object",
     "required": ["mode", "workload", "prompt", "rep", "num_prompt_tokens", "num_output_tokens", "ttft_s", "tpot_s",
-                 "e2e_s", "decode_tok_s", "mean_accepted_len", "met_all", "emission_offsets_s", "emission_tokens"],
+                 "e2e_s", "decode_tok_s", "mean_accepted_len", "met_all", "foreign_cpu", "attempts",
+                 "emission_offsets_s", "emission_tokens"],
     "properties": {
         "mode": STR, "workload": STR, "prompt": STR, "rep": INT, "num_prompt_tokens": INT, "num_output_tokens": INT,
         "queue_s": NUM, "ttft_s": NUM, "tpot_s": NUM, "e2e_s": NUM, "decode_tok_s": NUM, "mean_accepted_len": NUM,
-        "itl_p99_s": NUM, "met_all": {"type": "boolean"},
+        "itl_p99_s": NUM, "met_all": {"type": "boolean"}, "foreign_cpu": NUM, "attempts": INT,
         "emission_offsets_s": {"type": "array", "items": {"type": "number"}},
         "emission_tokens": {"type": "array", "items": INT},
     },

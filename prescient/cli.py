@@ -22,6 +22,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA tensors run the Triton kernels)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +71,7 @@ def build_engine(args):
         cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gb * (1 << 30))),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
     )
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, config=config)
+    engine = Engine.from_pretrained(args.model, dtype=args.dtype, config=config, device=getattr(args, "device", "cpu"))
     _attach_speculator(engine, args)
     return engine
 

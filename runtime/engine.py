@@ -67,7 +67,7 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, dtype: str = "float32", config: EngineConfig | None = None,
-                        **kwargs) -> "Engine":
+                        device: str = "cpu", **kwargs) -> "Engine":
         from prescient.runtime.loader import load_checkpoint
 
         if dtype not in DTYPES:
@@ -76,7 +76,7 @@ class Engine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         ckpt = load_checkpoint(path)
-        model = LlamaModel(ckpt.config, ckpt.weights, dtype=DTYPES[dtype])
+        model = LlamaModel(ckpt.config, ckpt.weights, dtype=DTYPES[dtype], device=device)
         tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file, ckpt.eos_token_ids)
         return cls(model, tokenizer, config, **kwargs)
 
@@ -204,7 +204,7 @@ class Engine:
                 token = int(row_logits.argmax(-1))
             else:
                 probs = target_probs_from_logits(row_logits, params)
-                noise = exponential_noise(tuple(probs.shape), seq.request.generator)
+                noise = exponential_noise(tuple(probs.shape), seq.request.generator).to(probs.device)
                 token = int(sample_from_probs(probs, noise))
             results.append(SeqResult(tokens=[token], sources=[SOURCE_TARGET], num_accepted_draft=0,
                                      logits=row_logits if params.logprobs is not None else None))

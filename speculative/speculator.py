@@ -171,6 +171,8 @@ def measure_verify_cost(model, block_size: int, sizes=(1, 2, 4, 8, 16, 32), cont
         for _ in range(repeats):
             t0 = time.perf_counter()
             model.forward(batch, kv)
+            if model.device.type == "cuda":  # time the kernels, not their launch
+                torch.cuda.synchronize(model.device)
             best = min(best, time.perf_counter() - t0)
         timings[t] = best
     base = timings[sizes[0]]

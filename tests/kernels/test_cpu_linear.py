@@ -124,7 +124,7 @@ def test_lm_head_shape():
 @pytest.mark.parametrize("wdt", DTYPES, ids=["w32", "wbf16"])
 def test_bias(wdt):
     g = torch.Generator().manual_seed(2)
-    for N, K, M in [(577, 33, 3), (1024, 576, 1), (7, 9, 16)]:
+    for N, K, M in [(577, 33, 3), (1024, 576, 1), (7, 9, 16), (301, 40, 7), (64, 64, 6)]:
         w = torch.randn(N, K, generator=g).to(wdt)
         b = torch.randn(N, generator=g)
         x = torch.randn(M, K, generator=g).to(wdt)
