@@ -199,7 +199,12 @@ def _load() -> None:
                 try:
                     if not so.exists():
                         _compile(cc, flags, so)
-                    _bind(ctypes.CDLL(str(so)))
+                    try:
+                        lib = ctypes.CDLL(str(so))
+                    except OSError:  # a damaged cache entry: rebuild it once
+                        _compile(cc, flags, so)
+                        lib = ctypes.CDLL(str(so))
+                    _bind(lib)
                     _so_path = str(so)
                     _apply_env(_lib)
                     return

@@ -319,3 +319,20 @@ def test_builds_and_runs_without_march_native(tmp_path):
                                  5, 131, 45) == 0
             xround = torch.bfloat16 if (code == 1 and used == 2) else None
             _check(y, x, w, xround=xround)
+
+
+def test_damaged_cache_entry_is_rebuilt(tmp_path):
+    code = """
+        from prescient.kernels import cpu_linear
+        print(cpu_linear.kernel_info()["so"])
+    """
+    env = {"PRESCIENT_CACHE_DIR": str(tmp_path)}
+    first = _run_py(code, env)
+    so = first.stdout.strip()
+    if so == "None":
+        pytest.skip("no working C compiler")
+    with open(so, "wb") as f:
+        f.write(b"not an ELF file")
+    second = _run_py(code + "    assert cpu_linear.available()\n", env)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.strip() == so
