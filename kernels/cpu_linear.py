@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -62,19 +63,20 @@ _SRC = Path(__file__).with_name("cpu_gemv.c")
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx512_bf16"}
 
+_C_VERSION = 2  # must match PG_VERSION in cpu_gemv.c
+
 _lock = threading.Lock()
 _lib: Optional[ctypes.CDLL] = None
 _fn = None  # pg_linear_w, bound once
-_C_VERSION = 2
+_tried = False
+_why_not: Optional[str] = None
+_so_path: Optional[str] = None
 
 
 class _WeightDesc(ctypes.Structure):
     """Mirror of pg_weight_t in cpu_gemv.c: a weight's fixed call arguments, built once."""
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("wdt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32)]
-_tried = False
-_why_not: Optional[str] = None
-_so_path: Optional[str] = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,6 +135,19 @@ def _compile(cc: str, flags: list[str], so: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _touch_and_prune(so: Path, max_idle_days: float = 7.0) -> None:
+    """Mark `so` as used now (mtime) and delete sibling builds unused for `max_idle_days`:
+    every edit of the C source or change of compiler/CPU makes a new cache entry."""
+    try:
+        os.utime(so)
+        cutoff = time.time() - max_idle_days * 86400
+        for old in so.parent.glob("cpu_gemv-*.so"):
+            if old != so and old.stat().st_mtime < cutoff:
+                old.unlink()
+    except OSError:
+        pass  # a read-only or shared cache: never fatal
 
 
 def _bind(lib: ctypes.CDLL) -> None:
@@ -206,6 +221,7 @@ def _load() -> None:
                         lib = ctypes.CDLL(str(so))
                     _bind(lib)
                     _so_path = str(so)
+                    _touch_and_prune(so)
                     _apply_env(_lib)
                     return
                 except Exception as e:  # noqa: BLE001 - any failure means "try next / fall back"
@@ -268,7 +284,8 @@ def _set_solo_bytes(n: int) -> None:
 class PackedLinear:
     """A weight ready for the small-M kernel.  ``__call__(x)``: x [..., in_features] fp32 or
     bf16 on CPU -> y [..., out_features] of x's dtype; M = prod(x.shape[:-1]).  M <= 16 runs
-    the C kernel (fp32 accumulation), larger M, other devices/dtypes or autograd use F.linear."""
+    the C kernel (fp32 accumulation), larger M, other devices/dtypes or autograd use F.linear.
+    Inference only: the weight is held detached (a gradient reaches x, never the weight)."""
 
     __slots__ = ("weight", "bias", "in_features", "out_features", "dtype",
                  "_bias32", "_desc", "_dptr")

@@ -288,9 +288,9 @@ def test_build_is_cached(tmp_path):
         pytest.skip("no working C compiler")
     so = first.stdout.strip()
     assert so.startswith(str(tmp_path)) and os.path.exists(so)
-    mtime = os.stat(so).st_mtime_ns
+    inode = os.stat(so).st_ino  # a rebuild would os.replace() it with a new file
     second = _run_py(code, env)
-    assert second.stdout.strip() == so and os.stat(so).st_mtime_ns == mtime
+    assert second.stdout.strip() == so and os.stat(so).st_ino == inode
 
 
 def test_builds_and_runs_without_march_native(tmp_path):
@@ -336,3 +336,14 @@ def test_damaged_cache_entry_is_rebuilt(tmp_path):
     second = _run_py(code + "    assert cpu_linear.available()\n", env)
     assert second.returncode == 0, second.stderr
     assert second.stdout.strip() == so
+
+
+def test_cache_prunes_builds_unused_for_a_week(tmp_path):
+    cur, stale, recent = (tmp_path / f"cpu_gemv-{n}.so" for n in ("cur", "stale", "recent"))
+    for p in (cur, stale, recent):
+        p.write_bytes(b"")
+    week_ago = os.stat(cur).st_mtime - 8 * 86400
+    os.utime(stale, (week_ago, week_ago))
+    os.utime(cur, (week_ago, week_ago))  # in use now: touched, never pruned
+    cpu_linear._touch_and_prune(cur)
+    assert cur.exists() and recent.exists() and not stale.exists()
