@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=None, help="most retries of a disturbed batch-1 run (2)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--prescient-threads", type=int, default=None, help="torch intra-op threads while prescient "
+                   "computes (batch-1, verify-cost and concurrency phases); default: as --threads")
     p.add_argument("--verify-context", type=int, default=None)
     p.add_argument("--bandwidth-mb", type=int, default=None, help="buffer for the read-bandwidth measure (1024)")
     p.add_argument("--gemm-n", type=int, default=None, help="matrix size of the GEMM peak measure (2048)")
@@ -98,7 +100,7 @@ def config_from_args(args: argparse.Namespace):
         "arrival_cv": args.arrival_cv, "sweep": args.sweep,
         "load_speculate": split(args.load_speculate) if args.load_speculate is not None else None,
         "max_foreign_cpu": args.max_foreign_cpu, "contention_retries": args.retries,
-        "kv_cache_gb": args.kv_cache_gb, "threads": args.threads, "verify_context": args.verify_context,
+        "kv_cache_gb": args.kv_cache_gb, "threads": args.threads, "prescient_threads": args.prescient_threads, "verify_context": args.verify_context,
         "bandwidth_bytes": args.bandwidth_mb * (1 << 20) if args.bandwidth_mb else None, "gemm_n": args.gemm_n,
     }
     cfg = dataclasses.replace(base, **{k: v for k, v in over.items() if v is not None})

@@ -29,7 +29,7 @@ class BenchConfig:
     reps: int = 1
     max_tokens_cap: int | None = None
     max_foreign_cpu: float = 0.2  # retry a batch-1 run when other processes took more of the CPUs
-    contention_retries: int = 2
+    contention_retries: int = 1
     # verify cost
     verify_ks: tuple[int, ...] = (1, 2, 4, 8, 11, 16)
     verify_context: int = 1024  # about a long_edit prompt plus its answer
@@ -60,7 +60,8 @@ class BenchConfig:
     max_num_batched_tokens: int = 512
     bandwidth_bytes: int = 1 << 30
     gemm_n: int = 2048
-    threads: int | None = None
+    threads: int | None = None  # torch intra-op threads for the whole run
+    prescient_threads: int | None = None  # torch intra-op threads while prescient computes (None: as set)
     slo: SLOConfig = CPU_INTERACTIVE
     server: str | None = None  # URL of a running `prescient serve` for the client load phases
     progress: bool = True
@@ -70,5 +71,5 @@ class BenchConfig:
 
 QUICK = BenchConfig()
 FULL = replace(QUICK, quick=False, prompts_per_kind=None, reps=2, verify_reps=11, concurrent_max_tokens=64,
-               concurrent_reps=2, load_speculate=("off", "ngram", "draft"), num_agents=4, sessions_per_agent=2,
+               concurrent_reps=2, contention_retries=2, load_speculate=("off", "ngram", "draft"), num_agents=4, sessions_per_agent=2,
                agent_turns=4, agent_max_tokens=96, open_requests=16, sweep=True)

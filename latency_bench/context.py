@@ -11,6 +11,7 @@ The transformers peer loads the same GGUF with `from_pretrained(dir, gguf_file=.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import os
@@ -31,6 +32,23 @@ class EngineKnobs:
     max_num_batched_tokens: int = 512
     kv_cache_gb: float = 0.5
     draft_model: str | None = None
+    torch_threads: int | None = None  # torch intra-op threads while prescient runs (None: as set)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch intra-op threads = n inside the block (the calling thread's setting; restored after).
+    Each engine can then run with its best setting in one process: prescient's C GEMV kernel has
+    its own worker threads, transformers relies on torch's."""
+    if not n:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class BenchContext:

@@ -25,7 +25,7 @@ from prescient.latency_bench.agent_loop import AgentLoadConfig, run_agents
 from prescient.latency_bench.batch1 import chat_prompt_ids, run_batch1
 from prescient.latency_bench.concurrency import measure_concurrency
 from prescient.latency_bench.config import BenchConfig
-from prescient.latency_bench.context import DTYPES, BenchContext, EngineKnobs
+from prescient.latency_bench.context import DTYPES, BenchContext, EngineKnobs, torch_threads
 from prescient.latency_bench.efficiency import machine_info, matmul_params, measure_gemm_flops, measure_read_bandwidth
 from prescient.latency_bench.markdown import render
 from prescient.latency_bench.modes import RUNNERS, ModeSpec, Unavailable, default_modes
@@ -68,7 +68,7 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     machine["gemm_peak_flops"] = {d: measure_gemm_flops(DTYPES[d], cfg.gemm_n) for d in needed}
 
     ctx = BenchContext(cfg.model, EngineKnobs(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_gb,
-                                              cfg.draft_model))
+                                              cfg.draft_model, cfg.prescient_threads))
     ctx.llamacpp_model = cfg.llamacpp_model
     all_workloads, wmeta = load_workloads(cfg.workloads)
     selected = select(all_workloads, cfg.prompts_per_kind, cfg.max_tokens_cap)
@@ -104,8 +104,9 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     verify = []
     for dtype in verify_dtypes:
         _log(cfg, f"verify cost, {dtype}")
-        verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps,
-                                          seed=cfg.seed))
+        with torch_threads(cfg.prescient_threads):
+            verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps,
+                                              seed=cfg.seed))
 
     # ------------------------------------------------------------ concurrency
     _log(cfg, "concurrency")
@@ -114,8 +115,9 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     concurrency = []
     for dtype in conc_dtypes:
         bar = _bar(cfg, 2 * cfg.concurrent_reps, f"{cfg.num_concurrent} concurrent vs batch 1, {dtype}")
-        concurrency.append(measure_concurrency(ctx.engine(dtype, "off"), short, cfg.num_concurrent,
-                                               cfg.concurrent_max_tokens, cfg.concurrent_reps, cfg.slo, bar))
+        with torch_threads(cfg.prescient_threads):
+            concurrency.append(measure_concurrency(ctx.engine(dtype, "off"), short, cfg.num_concurrent,
+                                                   cfg.concurrent_max_tokens, cfg.concurrent_reps, cfg.slo, bar))
         bar.close()
 
     # ------------------------------------------------------------ load
@@ -238,6 +240,10 @@ def _standard_notes(cfg: BenchConfig, specs, runners) -> list[str]:
     if any(s.engine == "hf" for s in specs) and len({s.dtype for s in specs if s.engine == "hf"}) > 1:
         notes.append("transformers loads the GGUF once (dequantized to dense weights by from_pretrained); its "
                      "other dtype is that model cast with .to(dtype), the weights a second load would give.")
+    if cfg.prescient_threads:
+        notes.append(f"prescient ran with {cfg.prescient_threads} torch intra-op thread(s) in the batch-1, verify-cost "
+                     "and concurrency phases (its C GEMV kernel keeps its own threads); transformers with "
+                     f"{torch.get_num_threads()}. The load phases run on the engine thread with torch's setting.")
     notes.append("Queue time is first_scheduled_time - arrival_time as the engine stamps them.")
     notes.append(f"Contention: a batch-1 run during which other processes used more than "
                  f"{cfg.max_foreign_cpu:.0%} of the CPUs was retried (up to {cfg.contention_retries} times) and "

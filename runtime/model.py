@@ -65,6 +65,11 @@ class LlamaModel:
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
         self.scale = config.head_dim ** -0.5
+        # The packed GEMV kernel runs its own 2-thread pool; torch's OpenMP workers would fight it
+        # for the second core, so forwards small enough for that kernel (decode, draft trees)
+        # run torch's own ops on one thread, and larger ones (prefill) get torch's threads back.
+        self._packed = self.lm_head.packed is not None
+        self._torch_threads = torch.get_num_threads()
 
     def early_exit(self, num_layers: int) -> "LlamaModel":
         """A model made of this one's first `num_layers` layers, final norm and LM head, sharing
@@ -89,6 +94,8 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """-> logits [num_logits, vocab] float32 (float64 for a float64 model)."""
         cfg = self.config
+        if self._packed:
+            torch.set_num_threads(1 if batch.num_tokens <= 16 else self._torch_threads)
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         h = self.embed[batch.input_ids]  # [num_tokens, hidden]
