@@ -70,6 +70,6 @@ class BenchConfig:
 
 
 QUICK = BenchConfig()
-FULL = replace(QUICK, quick=False, prompts_per_kind=None, reps=2, verify_reps=11, concurrent_max_tokens=64,
-               concurrent_reps=2, contention_retries=2, load_speculate=("off", "ngram", "draft"), num_agents=4, sessions_per_agent=2,
-               agent_turns=4, agent_max_tokens=96, open_requests=16, sweep=True)
+FULL = replace(QUICK, quick=False, prompts_per_kind=None, reps=2, contention_retries=2, verify_reps=11,
+               concurrent_max_tokens=64, concurrent_reps=2, load_speculate=("off", "ngram", "draft"), num_agents=4,
+               sessions_per_agent=2, agent_turns=4, agent_max_tokens=96, open_requests=16, sweep=True)

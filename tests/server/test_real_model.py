@@ -35,10 +35,8 @@ INSTRUCTIONS = ("You are a travel assistant. " + " ".join(
 
 @pytest.fixture(scope="module")
 def server():
-    # Speculation off: with the n-gram speculator, a tool call that ends in a forced stop token
-    # fails in the engine ("grammar refused committed token 0": Engine._commit advances the
-    # matcher over the bonus token sampled after the stop). Reported to the engine owners; the
-    # server paths under test here are the same either way.
+    # Default flags (n-gram speculation on): tool calls end in a grammar-forced stop token that
+    # is verified as a draft, the path that once failed in the engine.
     proc = ServeProcess("--api-key", KEY)
     yield proc
     assert proc.interrupt() == 0, proc.output
