@@ -1,0 +1,52 @@
+"""Quick check, outside the full report: batch-1 greedy decode tok/s of the default model and
+the n-gram speculation speedup per workload kind, plain and speculative interleaved per prompt.
+
+    .venv/bin/python -m prescient.latency_bench.spec_check [--dtype bfloat16]
+
+Prints the measured verify-cost table, per-kind decode tok/s (tokens after the first / time
+after the first), the speedup, and the mean accepted length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from prescient.latency_bench.workloads import load_workloads
+from prescient.runtime.engine import Engine
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.speculative.speculator import make_speculator
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    plain = Engine.from_pretrained(dtype=args.dtype)
+    spec = Engine(plain.model, plain.tokenizer, dataclasses.replace(plain.config))
+    spec.speculator = make_speculator(spec, "ngram")
+    cost = spec.speculator.adaptive.verify_cost
+    print("verify cost:", {t: round(cost(t), 2) for t in (1, 2, 4, 8, 16, 32)}, flush=True)
+    totals: dict[tuple[str, str], list[float]] = {}
+    workloads, _ = load_workloads()
+    for w in workloads:
+        ids = plain.tokenizer.apply_chat_template(list(w.messages))
+        kind = w.kind
+        for engine, name in ((plain, "plain"), (spec, "ngram")):
+            r = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=w.max_tokens))
+            while engine.has_unfinished_requests():
+                engine.step()
+            acc = totals.setdefault((kind, name), [0, 0.0])
+            acc[0] += len(r.output_token_ids) - 1
+            acc[1] += r.finished_time - r.first_token_time
+    for kind in sorted({k for k, _ in totals}):
+        rate = {name: totals[(kind, name)][0] / totals[(kind, name)][1] for name in ("plain", "ngram")}
+        print(f"{kind}: plain {rate['plain']:.1f} tok/s, ngram {rate['ngram']:.1f} tok/s, "
+              f"speedup {rate['ngram'] / rate['plain']:.2f}x", flush=True)
+    stats = spec.speculator.stats
+    print(f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
