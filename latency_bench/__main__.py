@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default bfloat16)")
     p.add_argument("--modes", default=None, help="comma-separated mode names to keep, e.g. "
                    "prescient-bf16,prescient-bf16-ngram,hf-bf16 (default: all)")
-    p.add_argument("--draft-model", default=None, help="draft model for the draft mode (default: early-exit self-draft)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for the draft mode (default: early-exit self-draft)")
     p.add_argument("--llamacpp-model", default=None, help="GGUF for the llama.cpp peer (default: --model)")
     p.add_argument("--prompts-per-kind", type=int, default=None, help="prompts per workload kind (0 = all)")
     p.add_argument("--reps", type=int, default=None, help="repetitions of the batch-1 phase")
@@ -41,11 +42,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=None, help="turns per agent session")
     p.add_argument("--tool-latency", type=float, default=None, help="simulated tool latency, seconds")
     p.add_argument("--agent-max-tokens", type=int, default=None, help="max_tokens of each agent turn")
-    p.add_argument("--rate", type=float, default=None, help="open-loop rate, req/s (default: 2x the measured batch-1 capacity)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="open-loop rate, req/s (default: 2x the measured batch-1 capacity)")
     p.add_argument("--open-requests", type=int, default=None)
     p.add_argument("--arrival", choices=["poisson", "gamma"], default=None)
     p.add_argument("--arrival-cv", type=float, default=None, help="gamma arrivals' coefficient of variation")
     p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None, help="run the rate sweep")
+    p.add_argument("--sweep-requests", type=int, default=None, help="requests per swept rate (16)")
     p.add_argument("--load-speculate", default=None, help="comma-separated speculation settings for the load "
                    "phases (off,ngram,draft); empty string = no load phases")
     p.add_argument("--slo", choices=sorted(PRESETS), default="cpu-interactive", help="SLO preset")
@@ -60,8 +63,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--retries", type=int, default=None, help="most retries of a disturbed batch-1 run (2)")
     p.add_argument("--kv-cache-gb", type=float, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--prescient-threads", type=int, default=None, help="torch intra-op threads while prescient "
-                   "computes (batch-1, verify-cost and concurrency phases); default: as --threads")
     p.add_argument("--verify-context", type=int, default=None)
     p.add_argument("--bandwidth-mb", type=int, default=None, help="buffer for the read-bandwidth measure (1024)")
     p.add_argument("--gemm-n", type=int, default=None, help="matrix size of the GEMM peak measure (2048)")
@@ -97,10 +98,10 @@ def config_from_args(args: argparse.Namespace):
         "sessions_per_agent": args.sessions_per_agent, "agent_turns": args.turns, "tool_latency_s": args.tool_latency,
         "agent_max_tokens": args.agent_max_tokens,
         "open_rate": args.rate, "open_requests": args.open_requests, "arrival": args.arrival,
-        "arrival_cv": args.arrival_cv, "sweep": args.sweep,
+        "arrival_cv": args.arrival_cv, "sweep": args.sweep, "sweep_requests": args.sweep_requests,
         "load_speculate": split(args.load_speculate) if args.load_speculate is not None else None,
         "max_foreign_cpu": args.max_foreign_cpu, "contention_retries": args.retries,
-        "kv_cache_gb": args.kv_cache_gb, "threads": args.threads, "prescient_threads": args.prescient_threads, "verify_context": args.verify_context,
+        "kv_cache_gb": args.kv_cache_gb, "threads": args.threads, "verify_context": args.verify_context,
         "bandwidth_bytes": args.bandwidth_mb * (1 << 20) if args.bandwidth_mb else None, "gemm_n": args.gemm_n,
     }
     cfg = dataclasses.replace(base, **{k: v for k, v in over.items() if v is not None})

@@ -5,7 +5,9 @@ bandwidth-bound CPU N streams should cost little more than one. Both arms run th
 requests (short prompts cycled from the workloads, `max_tokens` fixed and EOS ignored so both
 arms generate exactly the same number of tokens) on one plain engine; the arms alternate within
 each repetition. The prefix cache is cleared at the start of each arm and left on within it, so
-both arms get the same reuse of shared system prompts. Aggregate tok/s = output tokens / wall time from first submission to last
+both arms get the same reuse of shared system prompts. Two ratios: aggregate (prefill included)
+and decode only (batch 1: each stream's rate after its first token; N at once: the steady state
+while all N are decoding). Aggregate tok/s = output tokens / wall time from first submission to last
 finish, prefill included.
 """
 
@@ -66,4 +68,30 @@ def measure_concurrency(engine, prompts: list[list[int]], num_concurrent: int, m
                     "foreign_cpu": sum(shares) / len(shares) if shares else None,
                     "latency": summarize(metrics, slo, duration_s=wall)}
     out["ratio"] = out["concurrent"]["tok_s"] / out["batch1"]["tok_s"]
+    out["batch1"]["decode_tok_s"] = _stream_decode_rate(traces["batch1"])
+    out["concurrent"]["decode_tok_s"] = _steady_decode_rate(traces["concurrent"], num_concurrent)
+    b, c = out["batch1"]["decode_tok_s"], out["concurrent"]["decode_tok_s"]
+    out["decode_ratio"] = c / b if b and c else None
     return out
+
+
+def _stream_decode_rate(traces: list) -> float | None:
+    """Batch 1: tokens after the first over the time from first to last token, all requests."""
+    tokens = sum(t.num_output_tokens - t.emission_tokens[0] for t in traces if t.emission_times)
+    seconds = sum(t.emission_times[-1] - t.emission_times[0] for t in traces if t.emission_times)
+    return tokens / seconds if seconds else None
+
+
+def _steady_decode_rate(traces: list, group: int) -> float | None:
+    """N at once: tokens per second while all N of a repetition were decoding (from the last one's
+    first token to the first one's last token), so prefill is left out as in the batch-1 rate."""
+    tokens = seconds = 0.0
+    for i in range(0, len(traces), group):
+        rep = [t for t in traces[i:i + group] if t.emission_times]
+        start = max(t.emission_times[0] for t in rep)
+        end = min(t.emission_times[-1] for t in rep)
+        if end <= start:
+            continue
+        seconds += end - start
+        tokens += sum(n for t in rep for ts, n in zip(t.emission_times, t.emission_tokens) if start < ts <= end)
+    return tokens / seconds if seconds else None

@@ -61,7 +61,6 @@ class BenchConfig:
     bandwidth_bytes: int = 1 << 30
     gemm_n: int = 2048
     threads: int | None = None  # torch intra-op threads for the whole run
-    prescient_threads: int | None = None  # torch intra-op threads while prescient computes (None: as set)
     slo: SLOConfig = CPU_INTERACTIVE
     server: str | None = None  # URL of a running `prescient serve` for the client load phases
     progress: bool = True

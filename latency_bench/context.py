@@ -32,14 +32,12 @@ class EngineKnobs:
     max_num_batched_tokens: int = 512
     kv_cache_gb: float = 0.5
     draft_model: str | None = None
-    torch_threads: int | None = None  # torch intra-op threads while prescient runs (None: as set)
 
 
 @contextlib.contextmanager
 def torch_threads(n: int | None):
-    """torch intra-op threads = n inside the block (the calling thread's setting; restored after).
-    Each engine can then run with its best setting in one process: prescient's C GEMV kernel has
-    its own worker threads, transformers relies on torch's."""
+    """torch intra-op threads = n inside the block (restored after), so a measurement runs on the
+    thread count it is meant to, whatever the last prescient forward left set."""
     if not n:
         yield
         return
@@ -57,6 +55,10 @@ class BenchContext:
 
         self.model_path = resolve_model_path(model_path)
         self.knobs = knobs
+        # torch's thread count before any prescient forward: LlamaModel.forward switches torch to
+        # one thread for decode-sized batches (its GEMV kernel has its own pool) and leaves it so,
+        # which must not leak into the transformers runs or the bandwidth probe
+        self.default_threads = torch.get_num_threads()
         self._ckpt = None
         self._tokenizer = None
         self._models: dict[str, object] = {}

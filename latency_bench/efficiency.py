@@ -31,6 +31,34 @@ def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5) -> float:
     return num_bytes / best
 
 
+class BandwidthProbe:
+    """Read bandwidth sampled several times in a run. Another process streaming memory or holding
+    a core during a sample lowers it (on 2 cores, one thread's bandwidth is about half of two's),
+    so each sample is metered (contention.py) and the figure used is the median of the samples
+    taken while other processes used at most `max_foreign` of the CPUs (of all when none was)."""
+
+    def __init__(self, num_bytes: int = 1 << 30, max_foreign: float = 0.2, threads: int | None = None):
+        self.num_bytes = num_bytes
+        self.max_foreign = max_foreign
+        self.threads = threads or torch.get_num_threads()  # every sample on the same thread count
+        self.samples: list[dict] = []
+
+    def sample(self, label: str) -> None:
+        from prescient.latency_bench.contention import CpuMeter
+        from prescient.latency_bench.context import torch_threads
+
+        with CpuMeter() as meter, torch_threads(self.threads):
+            value = measure_read_bandwidth(self.num_bytes)
+        self.samples.append({"at": label, "bytes_s": value, "foreign_cpu": meter.foreign_share})
+
+    def value(self) -> float:
+        clean = [s["bytes_s"] for s in self.samples
+                 if s["foreign_cpu"] is not None and s["foreign_cpu"] <= self.max_foreign]
+        values = sorted(clean or [s["bytes_s"] for s in self.samples])
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def measure_gemm_flops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
     """FLOP/s of an n x n x n torch.mm in `dtype` (best of `reps`): the 'peak' MFU divides by."""
     a = torch.randn(n, n).to(dtype)

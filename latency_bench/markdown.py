@@ -33,7 +33,9 @@ def render(report: dict) -> str:
         f"{', '.join(f'{x:.1f}' for x in m.get('load_avg_start', []))} / "
         f"{', '.join(f'{x:.1f}' for x in m.get('load_avg_end', []))} "
         "(a shared machine: modes are interleaved, compare ratios rather than absolute figures).",
-        f"Measured here: DRAM read bandwidth {m['dram_read_bytes_s'] / 1e9:.1f} GB/s (torch.sum over 1 GiB); "
+        f"Measured here: DRAM read bandwidth {m['dram_read_bytes_s'] / 1e9:.1f} GB/s (torch.sum over 1 GiB, "
+        f"{m['torch_threads']} threads; median of the undisturbed samples "
+        + ", ".join(f"{x['bytes_s'] / 1e9:.0f}" for x in m.get("dram_read_samples", [])) + " GB/s); "
         "GEMM peak " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in m["gemm_peak_flops"].items())
         + " (torch.mm 2048³, the 'peak' of MFU).",
         f"Model: {report['model']['name']} ({report['model']['path']}). Workloads: {report['workloads']['path']} "
@@ -64,11 +66,16 @@ def render(report: dict) -> str:
     if report["concurrency"]:
         lines += ["## Concurrent requests vs batch 1 (plain decoding, same requests)", ""]
         lines += _table(["dtype", "requests", "max_tokens", "batch-1 tok/s", "concurrent tok/s", "ratio",
+                         "batch-1 decode tok/s", "concurrent decode tok/s", "decode ratio",
                          "concurrent TTFT p50 ms", "concurrent ITL p99 ms"],
                         [[c["dtype"], str(c["num_concurrent"]), str(c["max_tokens"]), _f(c["batch1"]["tok_s"]),
                           _f(c["concurrent"]["tok_s"]), _f(c["ratio"], 2, suffix="x"),
+                          _f(c["batch1"]["decode_tok_s"]), _f(c["concurrent"]["decode_tok_s"]),
+                          _f(c["decode_ratio"], 2, suffix="x"),
                           _ms(c["concurrent"]["latency"]["ttft_s"]["p50"], 0),
                           _ms(c["concurrent"]["latency"]["itl_token_s"]["p99"], 1)] for c in report["concurrency"]])
+        lines += ["tok/s = all output tokens / wall time, prefill included; decode tok/s leaves prefill out "
+                  "(batch 1: each stream after its first token; concurrent: while all requests are decoding).", ""]
 
     if cmp["speculation"]:
         lines += ["## Speculation speedup over plain decoding (batch 1, greedy)", ""]
@@ -136,7 +143,8 @@ def render(report: dict) -> str:
     if load["closed_loop"] or load["open_loop"]:
         lines += [f"## Load ({load['client']})", ""]
     if load["closed_loop"]:
-        lines += ["Closed loop: concurrent agents, multi-turn tool-calling sessions (same session id across turns).", ""]
+        lines += ["Closed loop: concurrent agents, multi-turn tool-calling sessions (same session id across "
+                  "turns).", ""]
         lines += _table(["mode", "agents", "turns", "tool latency s", "tasks", "CPU-s per task", "task latency p50 s",
                          "TTFT p50", "TTFT p99", "ITL/token p99", "accepted len", "SLO met", "goodput req/s"],
                         [[c["mode"], str(c["agents"]["num_agents"]), str(c["agents"]["turns"]),

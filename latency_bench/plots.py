@@ -90,8 +90,10 @@ def plot_all(report: dict, out: Path) -> list[str]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for m in sorted({p["mode"] for p in report["load"]["sweep"]}):
             pts = sorted((p for p in report["load"]["sweep"] if p["mode"] == m), key=lambda p: p["rate_rps"])
-            ax.plot([p["rate_rps"] for p in pts], [p["goodput_rps"] or 0 for p in pts], "o-", label=f"{m} goodput")
-            ax.plot([p["rate_rps"] for p in pts], [p["throughput_rps"] or 0 for p in pts], ":", label=f"{m} throughput")
+            (line,) = ax.plot([p["rate_rps"] for p in pts], [p["goodput_rps"] or 0 for p in pts], "o-",
+                              label=f"{m} goodput")
+            ax.plot([p["rate_rps"] for p in pts], [p["throughput_rps"] or 0 for p in pts], ":",
+                    color=line.get_color(), label=f"{m} throughput")
         ax.set(xlabel="offered rate (req/s)", ylabel="req/s", title="Goodput vs offered rate")
         ax.legend(fontsize=7)
         written.append(_save(fig, out / "goodput_vs_rate.png"))

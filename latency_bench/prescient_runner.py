@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from prescient.grammar import spec_from_response_format
-from prescient.latency_bench.context import torch_threads
 from prescient.latency_bench.modes import ModeSpec, RunResult, Unavailable, decode_steps, register_runner
 from prescient.latency_bench.efficiency import kv_bytes_per_token, prescient_model_bytes
 from prescient.runtime.sampling_params import SamplingParams
@@ -22,7 +21,6 @@ class PrescientRunner:
     def __init__(self, spec: ModeSpec, ctx):
         self.spec = spec
         self.engine = ctx.engine(spec.dtype, spec.speculate)
-        self.threads = ctx.knobs.torch_threads
         if spec.speculate != "off" and self.engine.speculator is None:
             raise Unavailable(f"speculation {spec.speculate!r} did not attach to the engine "
                               "(prescient.cli._attach_speculator found no speculator hook)")
@@ -47,9 +45,8 @@ class PrescientRunner:
         grammar = self._submit(constraint) if self.spec.grammar and constraint is not None else None
         request = self.engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens),
                                           request_id=request_id, grammar=grammar)
-        with torch_threads(self.threads):
-            while request.finish_reason is None:
-                self.engine.step()
+        while request.finish_reason is None:
+            self.engine.step()
         trace = RequestTrace.from_request(request)
         return RunResult(trace, list(request.output_token_ids), decode_steps(trace, len(prompt_ids)))
 

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import torch
 
-from prescient.latency_bench import analysis, hf_runner, llamacpp_runner, prescient_runner  # noqa: F401 (registers runners)
+# the runner modules register themselves in modes.RUNNERS when imported
+from prescient.latency_bench import analysis, hf_runner, llamacpp_runner, prescient_runner  # noqa: F401
 from prescient.latency_bench.agent_loop import AgentLoadConfig, run_agents
 from prescient.latency_bench.batch1 import chat_prompt_ids, run_batch1
 from prescient.latency_bench.concurrency import measure_concurrency
 from prescient.latency_bench.config import BenchConfig
-from prescient.latency_bench.context import DTYPES, BenchContext, EngineKnobs, torch_threads
-from prescient.latency_bench.efficiency import machine_info, matmul_params, measure_gemm_flops, measure_read_bandwidth
+from prescient.latency_bench.context import DTYPES, BenchContext, EngineKnobs
+from prescient.latency_bench.efficiency import BandwidthProbe, machine_info, matmul_params, measure_gemm_flops
 from prescient.latency_bench.markdown import render
 from prescient.latency_bench.modes import RUNNERS, ModeSpec, Unavailable, default_modes
 from prescient.latency_bench.open_loop import best_rate, run_open_loop
@@ -63,12 +64,13 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
 
     machine = machine_info()
     _log(cfg, "measuring read bandwidth and GEMM peak")
-    machine["dram_read_bytes_s"] = measure_read_bandwidth(cfg.bandwidth_bytes)
+    bandwidth = BandwidthProbe(cfg.bandwidth_bytes, cfg.max_foreign_cpu)
+    bandwidth.sample("start")
     needed = tuple(dict.fromkeys(cfg.dtypes + (cfg.spec_dtype,)))
     machine["gemm_peak_flops"] = {d: measure_gemm_flops(DTYPES[d], cfg.gemm_n) for d in needed}
 
     ctx = BenchContext(cfg.model, EngineKnobs(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.kv_cache_gb,
-                                              cfg.draft_model, cfg.prescient_threads))
+                                              cfg.draft_model))
     ctx.llamacpp_model = cfg.llamacpp_model
     all_workloads, wmeta = load_workloads(cfg.workloads)
     selected = select(all_workloads, cfg.prompts_per_kind, cfg.max_tokens_cap)
@@ -95,18 +97,15 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     records = run_batch1(runners, selected, ctx.tokenizer, cfg.reps, bar, max_foreign=cfg.max_foreign_cpu,
                          retries=cfg.contention_retries)
     bar.close()
-    modes = analysis.mode_sections(records, runners, model_cfg, machine["dram_read_bytes_s"],
-                                   machine["gemm_peak_flops"], cfg.slo)
-    comparisons = analysis.comparisons(records, modes, [s for s in specs if s.name in runners], cfg.slo)
+    bandwidth.sample("after batch 1")
 
     # ------------------------------------------------------------ verify cost
     verify_dtypes = needed if not cfg.quick else (cfg.spec_dtype,)
     verify = []
     for dtype in verify_dtypes:
         _log(cfg, f"verify cost, {dtype}")
-        with torch_threads(cfg.prescient_threads):
-            verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps,
-                                              seed=cfg.seed))
+        verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps,
+                                          seed=cfg.seed))
 
     # ------------------------------------------------------------ concurrency
     _log(cfg, "concurrency")
@@ -115,12 +114,18 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     concurrency = []
     for dtype in conc_dtypes:
         bar = _bar(cfg, 2 * cfg.concurrent_reps, f"{cfg.num_concurrent} concurrent vs batch 1, {dtype}")
-        with torch_threads(cfg.prescient_threads):
-            concurrency.append(measure_concurrency(ctx.engine(dtype, "off"), short, cfg.num_concurrent,
-                                                   cfg.concurrent_max_tokens, cfg.concurrent_reps, cfg.slo, bar))
+        concurrency.append(measure_concurrency(ctx.engine(dtype, "off"), short, cfg.num_concurrent,
+                                               cfg.concurrent_max_tokens, cfg.concurrent_reps, cfg.slo, bar))
         bar.close()
 
     # ------------------------------------------------------------ load
+    bandwidth.sample("after concurrency")
+    machine["dram_read_bytes_s"] = bandwidth.value()
+    machine["dram_read_samples"] = bandwidth.samples
+    modes = analysis.mode_sections(records, runners, model_cfg, machine["dram_read_bytes_s"],
+                                   machine["gemm_peak_flops"], cfg.slo)
+    comparisons = analysis.comparisons(records, modes, [s for s in specs if s.name in runners], cfg.slo)
+
     _log(cfg, "load phases")
     load = _load_phases(cfg, ctx, all_workloads, selected, modes, notes)
     _log(cfg, "report")
@@ -176,6 +181,8 @@ def _load_phases(cfg: BenchConfig, ctx, all_workloads, selected, modes: dict, no
         bar = _bar(cfg, cfg.num_agents * cfg.sessions_per_agent, f"agents {name}")
         agents = run_agents(client, scripts, agent_cfg, f"agent-{name}", bar)
         bar.close()
+        if cfg.server:  # this process only ran the clients: the server's CPU time is not visible here
+            agents.update(cpu_s=None, cpu_s_per_task=None)
         load["closed_loop"].append({"mode": name, "agents": agents, "latency": tracker.summary(),
                                     "engine": client.engine_stats()})
         client.close()
@@ -240,10 +247,9 @@ def _standard_notes(cfg: BenchConfig, specs, runners) -> list[str]:
     if any(s.engine == "hf" for s in specs) and len({s.dtype for s in specs if s.engine == "hf"}) > 1:
         notes.append("transformers loads the GGUF once (dequantized to dense weights by from_pretrained); its "
                      "other dtype is that model cast with .to(dtype), the weights a second load would give.")
-    if cfg.prescient_threads:
-        notes.append(f"prescient ran with {cfg.prescient_threads} torch intra-op thread(s) in the batch-1, verify-cost "
-                     "and concurrency phases (its C GEMV kernel keeps its own threads); transformers with "
-                     f"{torch.get_num_threads()}. The load phases run on the engine thread with torch's setting.")
+    notes.append("Threads: prescient's model picks torch's thread count per forward (one thread beside its "
+                 "C GEMV pool for decode-sized batches); transformers and the bandwidth probe run on torch's "
+                 "thread count from before the first prescient forward.")
     notes.append("Queue time is first_scheduled_time - arrival_time as the engine stamps them.")
     notes.append(f"Contention: a batch-1 run during which other processes used more than "
                  f"{cfg.max_foreign_cpu:.0%} of the CPUs was retried (up to {cfg.contention_retries} times) and "

@@ -120,7 +120,7 @@ REPORT_SCHEMA = {
                         "properties": {"rows": {"type": "array", "items": {"type": "object", "required": [
                             "k", "ms", "ratio_vs_1", "ms_per_token"]}}}}},
         "concurrency": {"type": "array", "items": {"type": "object", "required": [
-            "dtype", "num_concurrent", "batch1", "concurrent", "ratio"]}},
+            "dtype", "num_concurrent", "batch1", "concurrent", "ratio", "decode_ratio"]}},
         "load": {
             "type": "object", "required": ["client", "closed_loop", "open_loop", "sweep", "max_rate_meeting_slo"],
             "properties": {

@@ -61,10 +61,10 @@ class SLOConfig:
 
 # The defaults for an interactive agent on a GPU.
 GPU_INTERACTIVE = SLOConfig()
-# A 2-core CPU serving SmolLM2-135M: batch-1 bf16 decode floor is ~7.5 ms/token and a ~900-token
-# long-edit prompt prefills in well under a second on a quiet machine, so these leave ~2x headroom
-# for one long prompt plus a few concurrent requests; they are the ones latency_bench reports
-# against on CPU.
+# A 2-core CPU serving SmolLM2-135M (see docs/bench_example): a ~900-token long_edit prompt takes
+# most of a second to prefill, and 16 concurrent streams push per-token ITL towards 100 ms, so a
+# user-facing bound that a long prompt and a few concurrent agents can meet is 1 s TTFT and
+# 100 ms ITL p99. latency_bench reports against these on CPU and says so in every report.
 CPU_INTERACTIVE = SLOConfig(name="cpu-interactive", ttft_s=1.0, itl_p99_s=0.100)
 
 PRESETS = {"gpu-interactive": GPU_INTERACTIVE, "cpu-interactive": CPU_INTERACTIVE}

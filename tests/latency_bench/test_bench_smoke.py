@@ -13,7 +13,8 @@ from prescient.latency_bench.schema import REPORT_SCHEMA
 
 # float32 only (one prescient model, one transformers model): the fastest set that still runs every
 # phase and every kind of mode; fp32 greedy outputs of the two engines must agree token for token.
-ARGS = ["--quick", "--dtypes", "float32", "--spec-dtype", "float32", "--prompts-per-kind", "1", "--max-tokens-cap", "6", "--concurrent", "4",
+ARGS = ["--quick", "--dtypes", "float32", "--spec-dtype", "float32", "--prompts-per-kind", "1",
+        "--max-tokens-cap", "6", "--concurrent", "4",
         "--concurrent-max-tokens", "4", "--agents", "2", "--turns", "2", "--tool-latency", "0.01",
         "--agent-max-tokens", "6", "--open-requests", "3", "--rate", "50", "--bandwidth-mb", "64", "--gemm-n", "256",
         "--kv-cache-gb", "0.02", "--verify-context", "32", "--no-progress"]
@@ -65,7 +66,8 @@ def test_report_is_well_formed(report_dir):
     assert [r["dtype"] for r in report["comparisons"]["issue2"]] == ["float32"]
     assert {r["workload"] for r in report["comparisons"]["speculation"]} == {"all", "chat", "tool_call", "long_edit"}
     assert [r["k"] for r in report["verify_cost"][0]["rows"]][0] == 1
-    assert report["concurrency"][0]["batch1"]["output_tokens"] == report["concurrency"][0]["concurrent"]["output_tokens"]
+    concurrency = report["concurrency"][0]
+    assert concurrency["batch1"]["output_tokens"] == concurrency["concurrent"]["output_tokens"]
     closed = report["load"]["closed_loop"][0]
     assert closed["agents"]["completed_tasks"] == 2 and closed["latency"]["num_requests"] == 4
     assert report["load"]["open_loop"][0]["latency"]["num_requests"] == 3

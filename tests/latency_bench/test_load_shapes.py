@@ -89,3 +89,21 @@ def test_mode_names_and_defaults():
     assert names == ["prescient-fp32", "hf-fp32", "prescient-bf16", "hf-bf16", "prescient-bf16-ngram",
                      "prescient-bf16-draft", "hf-bf16-pld10", "prescient-bf16-ngram-grammar", "llamacpp-bf16"]
     assert ModeSpec("prescient", "bfloat16", "ngram", grammar=True).unconstrained_name == "prescient-bf16-ngram"
+
+
+def test_concurrency_decode_rates_leave_prefill_out():
+    from prescient.latency_bench.concurrency import _stream_decode_rate, _steady_decode_rate
+
+    def trace(times, counts=None):
+        t = RequestTrace("x", 0.0)
+        for ts, n in zip(times, counts or [1] * len(times)):
+            t.add_emission(ts, n)
+        return t
+
+    # batch 1: 3 tokens after the first over 0.3 s, twice
+    assert _stream_decode_rate([trace([1.0, 1.1, 1.2, 1.3]), trace([5.0, 5.1, 5.2, 5.3])]) == pytest.approx(10.0)
+    # two at once: both decode from t=2 (the later first token) to t=4 (the earlier last token);
+    # 1 + 1 tokens per 0.5 s step in (2, 4] -> 8 tokens over 2 s
+    a = trace([1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0])
+    b = trace([2.0, 2.5, 3.0, 3.5, 4.0, 4.5])
+    assert _steady_decode_rate([a, b], 2) == pytest.approx(4.0)
