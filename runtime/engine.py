@@ -20,6 +20,7 @@ from prescient.runtime.batch import build_forward_batch
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
+from prescient.runtime.penalties import apply_penalties
 from prescient.runtime.constrain import GrammarStep, resolve_matcher
 from prescient.runtime.request import SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, Request, RequestOutput
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
@@ -164,6 +165,7 @@ class Engine:
         trees, masks = self.grammar_step.prepare(sched.seqs, trees)
         batch = build_forward_batch(sched.seqs, trees, self.block_manager.block_size, self.model.device)
         logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
+        apply_penalties(logits, sched.seqs, trees)
         self.grammar_step.apply(logits, masks)
         results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator
                    else self._sample(sched.seqs, logits))

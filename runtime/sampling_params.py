@@ -21,6 +21,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; k >= 0: chosen token's logprob + top-k alternatives
+    # OpenAI's penalties over the tokens generated so far (runtime/penalties.py), in [-2, 2]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     # Where the request may use speculation at all (a caller can switch it off per request).
     speculate: bool = True
 
@@ -44,6 +47,10 @@ class SamplingParams:
             _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be token ids >= 0, got {t!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2,
+                   f"{name} must be a number in [-2, 2], got {value!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 

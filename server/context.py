@@ -80,6 +80,8 @@ class ServerContext:
                 stop=stop,
                 ignore_eos=ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=fields.presence_penalty or 0.0,
+                frequency_penalty=fields.frequency_penalty or 0.0,
             )
         except ValueError as err:  # SamplingParams names the field first
             message = str(err)

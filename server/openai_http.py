@@ -67,12 +67,6 @@ async def unless_disconnected(request: Request, work) -> Response:
     return task.result()
 
 
-def _refuse_penalties(req) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise bad_request(f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
-
-
 def _finish_reason(gen: Generation, reason: str) -> str:
     if reason == "stop" and gen.complete_calls:
         return "tool_calls"
@@ -85,7 +79,6 @@ async def chat_completions(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = decode(await read_body(request, ctx.config.max_body_bytes), ChatCompletionRequest)
     ctx.check_model(req.model)
-    _refuse_penalties(req)
     tools = []
     for i, t in enumerate(req.tools or []):
         if t.type != "function":
@@ -165,7 +158,6 @@ async def completions(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
     req = decode(await read_body(request, ctx.config.max_body_bytes), CompletionRequest)
     ctx.check_model(req.model)
-    _refuse_penalties(req)
     if req.echo:
         raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
     if req.suffix:

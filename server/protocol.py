@@ -75,6 +75,8 @@ class SamplingFields(Struct, kw_only=True):
     top_k: TopK | None = None  # extension
     min_p: MinP | None = None  # extension
     seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -92,8 +94,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     response_format: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     ignore_eos: bool = False  # extension
 
 
@@ -109,8 +109,6 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     logprobs: TopLogprobs | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     ignore_eos: bool = False  # extension
 
 

@@ -105,7 +105,7 @@ BAD_REQUESTS = [
      "messages[0].content[0].type", "unsupported_content"),
     ("/v1/chat/completions", chat(model="gpt-4o"), 404, "model", "model_not_found"),
     ("/v1/chat/completions", chat(n=2), 400, "n", None),
-    ("/v1/chat/completions", chat(presence_penalty=0.5), 400, "presence_penalty", "unsupported_parameter"),
+    ("/v1/chat/completions", chat(presence_penalty=2.5), 400, "presence_penalty", None),
     ("/v1/chat/completions", chat(messages=[{"role": "user", "content": LONG_PROMPT}]), 400, "messages",
      "context_length_exceeded"),
     ("/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT}, 400, "prompt", "context_length_exceeded"),

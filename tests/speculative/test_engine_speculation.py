@@ -144,3 +144,19 @@ def test_seeded_sampling_identical_without_drafts(tiny):
             return [None] * len(contexts)
 
     assert engine_with(tiny, Never({})).generate([p], params) == plain
+
+
+@pytest.mark.parametrize("penalties", [dict(frequency_penalty=1.5), dict(presence_penalty=2.0, frequency_penalty=-0.5)])
+def test_penalties_are_lossless_with_trees(tiny, penalties):
+    """Presence/frequency penalties count the draft tokens on each node's path, so speculative
+    greedy output equals plain greedy output under penalties too (and the penalties matter)."""
+    ps = prompts(4, 4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **penalties)
+    plain = engine_with(tiny, None).generate(ps, params)
+    assert plain != engine_with(tiny, None).generate(ps, SamplingParams(temperature=0, max_tokens=24,
+                                                                        ignore_eos=True))
+    truth = {tuple(p): o for p, o in zip(ps, plain)}
+    oracle = engine_with(tiny, OracleProposer(truth))
+    assert oracle.generate(ps, params) == plain
+    assert oracle.speculator.stats.num_accepted_tokens > 0
+    assert engine_with(tiny, make_proposer("ngram")).generate(ps, params) == plain

@@ -1,0 +1,57 @@
+"""OpenAI presence / frequency penalties on the logits of this step's sampling rows.
+
+    logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
+
+where count[t] is how often token t occurs in the request's output so far (OpenAI's definition:
+generated tokens, not the prompt). With speculation each row of a draft tree predicts the token
+after its node, so its counts also include the draft tokens on the path from the root to that
+node: the penalised distribution at every node is exactly the one plain decoding would use after
+the same tokens, and verification stays lossless.
+
+Penalties apply before the grammar mask and before temperature / top-k / top-p, as in OpenAI's
+and vLLM's samplers. Requests without penalties cost nothing here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # [num_logits, vocab], sampling rows in batch order, modified in place
+    seqs,  # the step's ScheduledSeqs
+    trees,  # DraftTree | None per seq (None = one row for a sampling seq)
+) -> None:
+    row = 0
+    for seq, tree in zip(seqs, trees):
+        if not seq.samples:
+            continue
+        num_rows = tree.num_nodes if tree is not None else 1
+        params = seq.request.params
+        if params.frequency_penalty or params.presence_penalty:
+            rows = logits[row:row + num_rows]
+            counts = _path_counts(seq.request.output_token_ids, tree, rows.shape[1], rows.device)
+            penalty = counts.to(rows.dtype) * params.frequency_penalty
+            penalty += (counts > 0).to(rows.dtype) * params.presence_penalty
+            rows.sub_(penalty)
+        row += num_rows
+
+
+def _path_counts(
+    output_ids: list[int],
+    tree,  # DraftTree | None
+    vocab: int,
+    device: torch.device,
+) -> torch.Tensor:  # [num_rows, vocab] int64
+    base = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab]
+    if tree is None or tree.num_nodes == 1:
+        return base.to(device)[None]
+    # Node i's context adds the draft tokens of its ancestors and itself (the root is the last
+    # committed token, already in output_ids or the prompt).
+    ancestors = tree.ancestor_mask.clone()  # [num_nodes, num_nodes] bool
+    ancestors[:, 0] = False
+    tokens = torch.tensor(tree.tokens, dtype=torch.int64)
+    extra = torch.zeros(tree.num_nodes, vocab, dtype=torch.int64)
+    node_rows, node_cols = ancestors.nonzero(as_tuple=True)
+    extra.index_put_((node_rows, tokens[node_cols]), torch.ones_like(node_rows), accumulate=True)
+    return (base[None] + extra).to(device)
