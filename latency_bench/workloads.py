@@ -26,7 +26,8 @@ BUNDLED_WORKLOADS = _HERE / "workloads.jsonl"
 
 
 # What a grammar mode constrains each kind's output to (JSON Schema), from what its prompt asks
-# for: a tool call {"name", "arguments"} over the declared tools, or the edited JSON array. Chat
+# for: a tool call {"name", "arguments"} over the declared tools (each tool's own parameters
+# schema when the prompt declares them, see Workload.constraint), or the edited JSON array. Chat
 # answers are free text (unconstrained).
 CONSTRAINTS = {
     "tool_call": {"type": "object", "properties": {
@@ -49,7 +50,30 @@ class Workload:
 
     @property
     def constraint(self) -> dict | None:
-        return CONSTRAINTS.get(self.kind)
+        tools = declared_tools(self.messages) if self.kind == "tool_call" else None
+        return tool_call_schema(tools) if tools else CONSTRAINTS.get(self.kind)
+
+
+def declared_tools(messages) -> list[dict] | None:
+    """The OpenAI-style tool list a tool_call prompt declares after 'Tools: ' in its system
+    message (the workloads put it there as JSON), or None."""
+    for m in messages:
+        text = m.get("content") if m.get("role") == "system" else None
+        if isinstance(text, str) and "Tools: " in text:
+            try:
+                tools = json.loads(text.split("Tools: ", 1)[1])
+            except json.JSONDecodeError:
+                return None
+            return [t["function"] for t in tools if isinstance(t, dict) and "function" in t]
+    return None
+
+
+def tool_call_schema(functions: list[dict]) -> dict:
+    """{"name", "arguments"} where the arguments follow the named tool's parameters schema: what
+    `tool_choice: required` constrains a call to (one branch per declared tool)."""
+    return {"anyOf": [{"type": "object", "properties": {
+        "name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"], "additionalProperties": False} for f in functions]}
 
 
 def default_workloads_path() -> Path:

@@ -17,7 +17,7 @@ ARGS = ["--quick", "--dtypes", "float32", "--spec-dtype", "float32", "--prompts-
         "--max-tokens-cap", "6", "--concurrent", "4",
         "--concurrent-max-tokens", "4", "--agents", "2", "--turns", "2", "--tool-latency", "0.01",
         "--agent-max-tokens", "6", "--open-requests", "3", "--rate", "50", "--bandwidth-mb", "64", "--gemm-n", "256",
-        "--kv-cache-gb", "0.02", "--verify-context", "32", "--no-progress"]
+        "--kv-cache-gb", "0.02", "--verify-context", "32", "--no-progress", "--sweep", "--sweep-requests", "2"]
 
 
 def short_workloads(path):
@@ -71,6 +71,10 @@ def test_report_is_well_formed(report_dir):
     closed = report["load"]["closed_loop"][0]
     assert closed["agents"]["completed_tasks"] == 2 and closed["latency"]["num_requests"] == 4
     assert report["load"]["open_loop"][0]["latency"]["num_requests"] == 3
+    # the rate sweep ran (forced on in this quick run): every factor per load mode, a goodput each
+    sweep = report["load"]["sweep"]
+    assert len({p["rate_rps"] for p in sweep}) >= 5 and all(p["goodput_rps"] is not None for p in sweep)
+    assert "max_rate_meeting_slo" in report["load"]
     unavailable = {m["name"]: m["reason"] for m in report["modes"] if not m["available"]}
     assert "llamacpp-fp32" in unavailable or "llamacpp-fp32" in modes
 
@@ -79,6 +83,7 @@ def test_markdown_and_plots_written(report_dir):
     report = json.loads((report_dir / "report.json").read_text())
     md = (report_dir / "report.md").read_text()
     assert "prescient vs transformers" in md and "SLOs used" in md
-    for name in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png", "accept_hist.png", "verify_cost.png"):
+    for name in ("ttft_cdf.png", "itl_cdf.png", "itl_timeline.png", "accept_hist.png", "verify_cost.png",
+                 "goodput_vs_rate.png"):
         assert name in report["plots"]
         assert (report_dir / name).stat().st_size > 1000
