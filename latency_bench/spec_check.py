@@ -4,7 +4,9 @@ the n-gram speculation speedup per workload kind, plain and speculative interlea
     .venv/bin/python -m prescient.latency_bench.spec_check [--dtype bfloat16]
 
 Prints the measured verify-cost table, per-kind decode tok/s (tokens after the first / time
-after the first), the speedup, and the mean accepted length.
+after the first), the speedup, the mean accepted length, and the greedy match rate of the
+speculative outputs against the plain ones (in bf16 a k-token verify rounds differently from a
+1-token step, so near-ties can flip; in fp32 they must all match).
 """
 
 from __future__ import annotations
@@ -29,22 +31,31 @@ def main(argv: list[str] | None = None) -> int:
     print("verify cost:", {t: round(cost(t), 2) for t in (1, 2, 4, 8, 16, 32)}, flush=True)
     totals: dict[tuple[str, str], list[float]] = {}
     workloads, _ = load_workloads()
+    identical, matched, total = 0, 0, 0
     for w in workloads:
         ids = plain.tokenizer.apply_chat_template(list(w.messages))
         kind = w.kind
+        outputs = []
         for engine, name in ((plain, "plain"), (spec, "ngram")):
             r = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=w.max_tokens))
             while engine.has_unfinished_requests():
                 engine.step()
+            outputs.append(r.output_token_ids)
             acc = totals.setdefault((kind, name), [0, 0.0])
             acc[0] += len(r.output_token_ids) - 1
             acc[1] += r.finished_time - r.first_token_time
+        a, b = outputs
+        identical += a == b
+        matched += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        total += len(a)
     for kind in sorted({k for k, _ in totals}):
         rate = {name: totals[(kind, name)][0] / totals[(kind, name)][1] for name in ("plain", "ngram")}
         print(f"{kind}: plain {rate['plain']:.1f} tok/s, ngram {rate['ngram']:.1f} tok/s, "
               f"speedup {rate['ngram'] / rate['plain']:.2f}x", flush=True)
     stats = spec.speculator.stats
     print(f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.2f}")
+    print(f"greedy match ({args.dtype}): {identical}/{len(workloads)} outputs identical, "
+          f"{matched}/{total} plain tokens before the first divergence")
     return 0
 
 
