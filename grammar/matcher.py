@@ -89,16 +89,31 @@ class Matcher:
         if self.handle.is_terminated():
             return []
         text = self.handle.find_jump_forward_string()
-        if not text:
-            return []
-        token_ids = self.tokenizer.encode(text)[:-1]
+        token_ids = self.tokenizer.encode(text) if text else []
         probe = self.handle.fork()
         forced = []
         for token_id in token_ids:
             if not probe.accept_token(token_id):
                 break  # cannot happen for a canonical tokenizer; keep what is valid
             forced.append(token_id)
-        return forced
+        stop = self._only_stop_after(probe)
+        if stop is None:
+            # Hold the last token back: its bytes could merge with the text that follows into
+            # another token, and the model must be free to pick that canonical tokenization.
+            return forced[:-1]
+        # Nothing but the end can follow: no merge possible, and the stop token itself is forced.
+        return forced + [stop]
+
+    def _only_stop_after(self, probe: xgr.GrammarMatcher) -> int | None:
+        """The stop token if, in `probe`'s state, the grammar allows nothing else; else None."""
+        if not probe.is_completed() or not self.tokenizer.stop_token_ids:
+            return None
+        mask = allocate_bitmask(1, self.tokenizer.vocab_size)
+        probe.fill_next_token_bitmask(mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little"))
+        allowed = allowed[allowed < self.tokenizer.vocab_size]
+        stops = set(self.tokenizer.stop_token_ids)
+        return int(allowed[0]) if len(allowed) and all(int(t) in stops for t in allowed) else None
 
     def fork(self) -> "Matcher":
         twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork())

@@ -11,6 +11,9 @@ For every scheduled request that samples this step and carries a grammar:
 2. `apply` masks the logits rows (forbidden -> -inf) before sampling / verification, so plain
    and speculative decoding pick from the same constrained distribution (lossless).
 3. `advance` moves the matcher over the committed tokens; a completed grammar finishes the request.
+   When the grammar then allows nothing but the stop token, `append_forced_stop` commits it at
+   once instead of spending a forward on a foregone conclusion; a forced span that runs to the
+   end of the grammar ends with the stop token (matcher.forced_tokens).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import torch
 
 from prescient.kernels import ops
-from prescient.runtime.request import Request
+from prescient.runtime.request import SOURCE_FORCED, Request
 from prescient.speculative.tree import DraftTree
 
 
@@ -33,6 +36,7 @@ class GrammarStats:
     mask_seconds_per_row: list[float] = field(default_factory=list)  # recent, for p50/p99
     num_forced_tokens_proposed: int = 0
     num_pruned_nodes: int = 0
+    num_forced_stops: int = 0  # stop tokens committed without a forward (append_forced_stop)
 
 
 @dataclass
@@ -138,6 +142,20 @@ class GrammarStep:
         """logits: [num_logits, vocab] in place."""
         if masks is not None and masks.bitmask.shape[0]:
             ops.apply_token_bitmask(logits, masks.bitmask.to(logits.device))
+
+    def append_forced_stop(self, request: Request, result) -> None:
+        """When the grammar now allows only a stop token, commit it with this step's tokens: the
+        next step's masked distribution would put all its mass on it, so running that forward
+        changes nothing but the latency (one whole step per constrained reply at batch 1)."""
+        matcher, params = request.grammar, request.params
+        if matcher is None or matcher.is_terminated() or params.ignore_eos or params.logprobs is not None:
+            return
+        forced = matcher.forced_tokens()
+        if len(forced) == 1 and forced[0] in self.stop_token_ids:
+            matcher.accept_token(forced[0])
+            result.tokens.append(forced[0])
+            result.sources.append(SOURCE_FORCED)
+            self.stats.num_forced_stops += 1
 
     @staticmethod
     def advance(request: Request, tokens: list[int]) -> None:

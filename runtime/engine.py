@@ -225,6 +225,7 @@ class Engine:
                 if masks is not None and masks.forced[i]:
                     result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT else s for s in result.sources]
                 self.grammar_step.advance(request, result.tokens)
+                self.grammar_step.append_forced_stop(request, result)
                 out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_model_len, now)
             self.scheduler.register_full_blocks(request)
             if out is None:

@@ -128,6 +128,19 @@ def test_no_forced_tokens_at_a_choice_or_after_termination(toy_compiler, toy_tok
     assert matcher.is_terminated() and matcher.forced_tokens() == []
 
 
+def test_span_that_reaches_the_end_keeps_its_last_token_and_forces_the_stop(toy_compiler):
+    matcher = toy_compiler.compile(GrammarSpec("regex", "a(b|c)xy")).matcher()
+    matcher.accept_tokens(toy_ids("a", "b"))
+    # nothing can follow "xy", so no byte merge to fear: the whole span, then the stop token
+    assert matcher.forced_tokens() == toy_ids("x", "y") + [TOY_STOP]
+    matcher.accept_tokens(toy_ids("x", "y"))
+    assert matcher.forced_tokens() == [TOY_STOP]
+    # where the grammar may go on (another "x"), the stop token is a choice, not forced
+    loose = toy_compiler.compile(GrammarSpec("regex", "ax*")).matcher()
+    loose.accept_tokens(toy_ids("a"))
+    assert loose.forced_tokens() == []
+
+
 def test_fork_is_independent(bool_matcher):
     twin = bool_matcher.fork()
     assert twin.accept_tokens(toy_ids("f", "a")) == 2

@@ -82,6 +82,21 @@ def test_forced_span_costs_no_extra_forward(default_engine):
     forced = req.token_sources.count("forced")
     assert forced > 0
     assert decode_steps < len(req.output_token_ids)  # several tokens per forward
+    # once the grammar's end leaves only the stop token, no forward runs for it alone: it comes
+    # out in the same emission as the token before it (as a bonus, a draft or a forced stop)
+    assert req.finish_reason == "stop" and req.output_token_ids[-1] in engine.eos_token_ids
+    assert req.token_times[-1] == req.token_times[-2]
+
+
+@pytest.mark.slow
+def test_forced_stop_needs_no_forward(default_engine):
+    """Plain constrained decoding (no speculation): the stop token the grammar forces after the
+    last '}' is committed with it, so the reply takes one step per target-chosen token."""
+    engine = sibling_engine(default_engine)
+    req = run(engine, WEATHER, SamplingParams(temperature=0, max_tokens=60))
+    assert req.finish_reason == "stop" and req.token_sources[-1] == "forced"
+    assert engine.grammar_step.stats.num_forced_stops == 1
+    assert req.token_times[-1] == req.token_times[-2]
 
 
 def test_bad_grammar_fails_only_that_request(tiny_llama_dir):
