@@ -27,8 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     plain = Engine.from_pretrained(dtype=args.dtype)
     spec = Engine(plain.model, plain.tokenizer, dataclasses.replace(plain.config))
     spec.speculator = make_speculator(spec, "ngram")
-    cost = spec.speculator.adaptive.verify_cost
-    print("verify cost:", {t: round(cost(t), 2) for t in (1, 2, 4, 8, 16, 32)}, flush=True)
+    import numpy as np
+
+    from prescient.speculative.speculator import LONG_CONTEXT, SHORT_CONTEXT
+
+    for context in (SHORT_CONTEXT, LONG_CONTEXT):
+        sizes = (1, 2, 4, 8, 16, 32)
+        costs = spec.speculator.adaptive.cost_many(np.array(sizes), context)
+        print(f"verify cost at {context} cached tokens:", {t: round(float(c), 2) for t, c in zip(sizes, costs)}, flush=True)
     totals: dict[tuple[str, str], list[float]] = {}
     workloads, _ = load_workloads()
     identical, matched, total = 0, 0, 0

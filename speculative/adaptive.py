@@ -5,7 +5,8 @@ Each request's drafts are judged one depth at a time; the controller keeps an EM
 k draft tokens the expected output of a step is E(k) = 1 + a + a^2 + ... + a^k (a chain under
 an i.i.d. acceptance model: (1 - a^(k+1)) / (1 - a) in Leviathan et al. 2023), so the j-th
 draft token adds a^j. A forward over T tokens costs `verify_cost(T)` relative to a 1-token step
-(measured by the engine; piecewise linear between measured points). The plan maximises the
+(measured by the engine at a short and a long context and interpolated by the batch's longest
+context, since a draft's attention cost grows with it; piecewise linear between measured points). The plan maximises the
 batch's expected tokens per unit cost:
 
     max over m of (num_requests + sum of the m largest marginal gains) / verify_cost(T0 + m)
@@ -91,11 +92,18 @@ class AdaptiveSpeculation:
     def __init__(self, config: AdaptiveConfig | None = None) -> None:
         self.config = config or AdaptiveConfig()
         self.verify_cost = CostModel(self.config.verify_cost)
+        self._long: tuple[int, int, CostModel] | None = None
         self._stats: dict[str, _RequestStats] = {}
 
-    def set_verify_cost(self, table: Mapping[int, float]) -> None:
-        """Install the engine's measured cost table (forward tokens -> cost / 1-token cost)."""
+    def set_verify_cost(self, table: Mapping[int, float], long_context: tuple[int, int, Mapping[int, float]] | None = None) -> None:
+        """Install the engine's measured cost table (forward tokens -> cost / 1-token cost).
+
+        long_context = (short_ctx, long_ctx, table_at_long_ctx): `table` was measured after
+        short_ctx cached tokens and this one after long_ctx. A draft's attention cost grows with
+        the context it attends over, so `plan` interpolates between the two tables by the
+        batch's longest context (linearly, and on past long_ctx: attention is linear in it)."""
         self.verify_cost = CostModel(table)
+        self._long = None if long_context is None else (long_context[0], long_context[1], CostModel(long_context[2]))
 
     def acceptance_rate(self, request_id: str) -> float:
         stats = self._get(request_id)
@@ -106,11 +114,22 @@ class AdaptiveSpeculation:
         the prior)."""
         return self._get(request_id).accepted
 
-    def plan(self, request_ids: Sequence[str], num_base_tokens: int | None = None) -> list[int]:
+    def cost_many(self, num_tokens: np.ndarray, context: int | None = None) -> np.ndarray:  # [n] -> [n]
+        """verify_cost at `context` cached tokens (the short-context table without one)."""
+        short = self.verify_cost.many(num_tokens)
+        if self._long is None or context is None:
+            return short
+        lo, hi, long_model = self._long
+        weight = max(0.0, (context - lo) / (hi - lo))
+        return np.maximum(short + weight * (long_model.many(num_tokens) - short), 1e-9)
+
+    def plan(self, request_ids: Sequence[str], num_base_tokens: int | None = None,
+             context: int | None = None) -> list[int]:
         """Draft budgets for this step's decoding requests (0 = decode plainly).
 
         num_base_tokens: tokens the forward carries without drafts (prefill chunks + one per
-        decoding request); defaults to len(request_ids)."""
+        decoding request); defaults to len(request_ids). context: the longest sequence in the
+        batch, for the context-dependent cost (set_verify_cost)."""
         cfg = self.config
         num_base = len(request_ids) if num_base_tokens is None else num_base_tokens
         budgets = [0] * len(request_ids)
@@ -122,7 +141,7 @@ class AdaptiveSpeculation:
             # every request's chosen drafts are its first ones.
             order = np.argsort(-gains.ravel(), kind="stable")
             value = len(request_ids) + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
-            cost = self.verify_cost.many(num_base + np.arange(len(value)))
+            cost = self.cost_many(num_base + np.arange(len(value)), context)
             best_m = int(np.argmax(value / cost))  # the first maximum: fewer drafts on ties
             chosen = order[:best_m] // cfg.max_draft_tokens
             budgets = np.bincount(chosen, minlength=len(request_ids)).tolist()

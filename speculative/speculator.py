@@ -107,7 +107,8 @@ class Speculator:
             for k_cache, v_cache in kv_caches:
                 ops.kv_copy(k_cache, v_cache, as_long(src_slots), as_long(dst_slots))
         num_base = sum(seq.num_new_tokens for seq in seqs)  # what the next step carries without drafts
-        budgets = self.adaptive.plan([r.request_id for r in requests], num_base)
+        context = max((r.num_tokens for r in requests), default=None)
+        budgets = self.adaptive.plan([r.request_id for r in requests], num_base, context)
         for request, budget in zip(requests, budgets):
             request.spec_budget = budget if request.params.speculate else 0
         self.stats.verify_seconds += time.perf_counter() - t0
@@ -147,6 +148,10 @@ class Speculator:
         request.num_verify_steps += 1
         request.num_draft_tokens += outcome.num_draft_tokens
         request.num_accepted_tokens += outcome.num_accepted
+
+
+# Contexts the verify cost is measured at: a chat turn and an agent's long tool output / document.
+SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
 
 
 def measure_verify_cost(model, block_size: int, sizes=(1, 2, 4, 8, 16, 32), context: int = 256,
@@ -208,14 +213,17 @@ def make_speculator(engine, method: str, draft_model_path: str | None = None, pr
     proposer = make_proposer(method, proposer_config)
     adaptive = AdaptiveSpeculation(adaptive_config)
     if calibrate and adaptive_config is None:
-        table = measure_verify_cost(engine.model, engine.block_manager.block_size)
+        block_size = engine.block_manager.block_size
+        table = measure_verify_cost(engine.model, block_size, context=SHORT_CONTEXT)
+        long_table = measure_verify_cost(engine.model, block_size, context=LONG_CONTEXT)
         if method == "draft":
             # A draft model's own forwards are no longer free: each draft token costs about one
             # draft forward (chain drafting), measured relative to a target step.
             cfg = proposer_config
             draft = cfg.draft_model or cfg.target_model.early_exit(cfg.early_exit_layers or max(1, cfg.target_model.num_layers // 4))
-            target_s = _forward_seconds(engine.model, engine.block_manager.block_size)
-            draft_ratio = _forward_seconds(draft, engine.block_manager.block_size) / target_s
+            target_s = _forward_seconds(engine.model, block_size)
+            draft_ratio = _forward_seconds(draft, block_size) / target_s
             table = {t: c + (t - 1) * draft_ratio for t, c in table.items()}
-        adaptive.set_verify_cost(table)
+            long_table = {t: c + (t - 1) * draft_ratio for t, c in long_table.items()}
+        adaptive.set_verify_cost(table, (SHORT_CONTEXT, LONG_CONTEXT, long_table))
     return Speculator(proposer, engine.block_manager.block_size, adaptive)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation, CostModel, expected_tokens
@@ -132,3 +133,17 @@ def test_steps_without_drafts_are_ignored_and_forget_resets():
 def test_config_validation(overrides):
     with pytest.raises(ValueError):
         AdaptiveConfig(**overrides)
+
+
+def test_long_context_cost_shrinks_drafts():
+    """With a steeper cost table measured at a long context, a request deep into a long context
+    gets fewer drafts than the same request at a short one; the interpolation is linear."""
+    controller = AdaptiveSpeculation()
+    controller.set_verify_cost({1: 1.0, 4: 1.05, 16: 1.3}, (256, 1024, {1: 1.0, 4: 1.4, 16: 3.0}))
+    for _ in range(10):
+        controller.observe("r", outcome(4, 3))
+    short, long = controller.plan(["r"], context=200)[0], controller.plan(["r"], context=1500)[0]
+    assert short > long
+    assert controller.plan(["r"])[0] == short  # no context: the short-context table
+    mid = controller.cost_many(np.array([4]), context=640)[0]
+    assert mid == pytest.approx(1.05 + 0.5 * (1.4 - 1.05))
