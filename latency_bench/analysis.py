@@ -140,6 +140,9 @@ def _speedups(records: list[Batch1Record], mode: str, baseline: str, slo: SLOCon
             "e2e_speedup": _ratio(sum(_e2e(base, slo)), sum(_e2e(test, slo))),
             "mean_accepted_len": ts["accepted_len"]["mean"],
             "plain_ttft_p50_s": bs["ttft_s"]["p50"], "spec_ttft_p50_s": ts["ttft_s"]["p50"],
+            # share of the mode's output tokens that grammar-forced spans gave for free
+            "forced_share": _ratio(sum(r.result.trace.token_sources.count("forced") for r in test),
+                                   sum(r.result.trace.num_output_tokens for r in test)),
         })
     return rows
 

@@ -89,13 +89,15 @@ def render(report: dict) -> str:
     if cmp["grammar"]:
         lines += ["## Output grammar on vs off (same decoding otherwise)", ""]
         lines += _table(["mode", "baseline", "workload", "baseline tok/s", "grammar tok/s", "decode speedup",
-                         "E2E speedup", "mean accepted length"],
+                         "E2E speedup", "mean accepted length", "forced-token share"],
                         [[r["mode"], r["baseline"], r["workload"], _f(r["plain_tok_s"]), _f(r["spec_tok_s"]),
                           _f(r["speedup"], 2, suffix="x"), _f(r["e2e_speedup"], 2, suffix="x"),
-                          _f(r["mean_accepted_len"], 2)] for r in cmp["grammar"]])
-        lines += ["The grammar constrains tool_call replies to a {name, arguments} call and long_edit replies to a "
-                  "JSON array (chat is unconstrained); grammar-forced spans are verified like drafts, so they "
-                  "count in the accepted length. Outputs differ from unconstrained ones by design.", ""]
+                          _f(r["mean_accepted_len"], 2), _f(r.get("forced_share"), 2)] for r in cmp["grammar"]])
+        lines += ["The grammar constrains tool_call replies to a {name, arguments} call of a declared tool (its "
+                  "parameters schema) and long_edit replies to a JSON array (chat is unconstrained); grammar-forced "
+                  "spans are verified like drafts, so they count in the accepted length (forced-token share: "
+                  "output tokens that came from forced spans). Outputs differ from unconstrained ones by design; "
+                  "the speculation table above has the grammar modes against plain decoding too.", ""]
 
     if report["verify_cost"]:
         lines += ["## Cost of a k-token verify forward vs a 1-token step", ""]

@@ -106,13 +106,15 @@ def register_runner(engine: str):
 
 def default_modes(dtypes: tuple[str, ...], spec_dtype: str, llamacpp: bool = True) -> list[ModeSpec]:
     """Plain prescient and transformers in every dtype (issue 2), speculation in `spec_dtype`
-    (issue 3): n-gram, draft, transformers prompt lookup; n-gram with the output grammar (issue 7);
+    (issue 3): n-gram, draft, transformers prompt lookup; the output grammar with n-gram speculation
+and alone (issue 5);
     llama.cpp when installed."""
     modes = []
     for dtype in dtypes:
         modes += [ModeSpec("prescient", dtype), ModeSpec("hf", dtype)]
     modes += [ModeSpec("prescient", spec_dtype, "ngram"), ModeSpec("prescient", spec_dtype, "draft"),
-              ModeSpec("hf", spec_dtype, prompt_lookup=10), ModeSpec("prescient", spec_dtype, "ngram", grammar=True)]
+              ModeSpec("hf", spec_dtype, prompt_lookup=10), ModeSpec("prescient", spec_dtype, "ngram", grammar=True),
+              ModeSpec("prescient", spec_dtype, grammar=True)]
     if llamacpp:
         modes.append(ModeSpec("llamacpp", spec_dtype))
     if spec_dtype not in dtypes:

@@ -87,7 +87,8 @@ def test_mode_names_and_defaults():
     assert ModeSpec("hf", "float32", prompt_lookup=10).plain_name == "hf-fp32"
     names = [m.name for m in default_modes(("float32", "bfloat16"), "bfloat16")]
     assert names == ["prescient-fp32", "hf-fp32", "prescient-bf16", "hf-bf16", "prescient-bf16-ngram",
-                     "prescient-bf16-draft", "hf-bf16-pld10", "prescient-bf16-ngram-grammar", "llamacpp-bf16"]
+                     "prescient-bf16-draft", "hf-bf16-pld10", "prescient-bf16-ngram-grammar", "prescient-bf16-grammar",
+                     "llamacpp-bf16"]
     assert ModeSpec("prescient", "bfloat16", "ngram", grammar=True).unconstrained_name == "prescient-bf16-ngram"
 
 
