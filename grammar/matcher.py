@@ -8,7 +8,9 @@ with `rollback`, and asks it for the next-token mask of its row in the batch bit
 Forced spans (jump-forward): when the grammar admits exactly one continuation, `forced_tokens()`
 returns it tokenized by the model's own tokenizer, so the tokens are canonical, minus the last
 token, whose bytes could merge with whatever follows (`{"name` may become one token once `"`
-is known). The engine proposes them as free draft tokens.
+is known). The engine proposes them as free draft tokens; `draft_paths()` adds, where the
+span ends at a narrow choice (an enum, a tool name), one branch per allowed token with the span
+that choice forces, for a draft tree.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(np.full((num_rows, (vocab_size + 31) // 32), -1, dtype=np.int32))
 
 
+# Draft nodes past a forced span that narrow grammar choices may use, and how many choice levels
+# deep (Matcher.draft_paths): each branch costs verify compute, so the tree stays small.
+BRANCH_BUDGET = 8
+BRANCH_DEPTH = 2
+MAX_ALLOWED = 32  # a wider choice (free text, numbers) is not worth enumerating
+
+
 class Matcher:
     def __init__(self, compiled: xgr.CompiledGrammar, tokenizer: "GrammarTokenizer",
                  _handle: xgr.GrammarMatcher | None = None):
@@ -41,6 +50,7 @@ class Matcher:
         self.num_tokens = 0  # accepted and not rolled back; rollback cannot go past 0
         self._version = 0  # bumped on every state change; keys the forced-span cache
         self._forced: tuple[int, list[int]] = (-1, [])
+        self._paths: tuple[tuple[int, int], list[list[int]]] = ((-1, 0), [])
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token; False (state unchanged) if the grammar forbids it."""
@@ -85,12 +95,89 @@ class Matcher:
             self._forced = (self._version, self._find_forced())
         return list(self._forced[1])
 
-    def _find_forced(self) -> list[int]:
-        if self.handle.is_terminated():
+    def draft_paths(self, budget: int, branch_budget: int | None = None, max_branches: int = 8) -> list[list[int]]:
+        """Continuations the grammar nearly dictates, as token paths from the current state, at
+        most `budget` tokens in all: the forced span and, where it ends at a choice among at most
+        `max_branches` tokens (an enum value, a tool name, a key among few), one path per allowed
+        token, each followed by what that choice forces (and, one level deeper, the same again),
+        using at most `branch_budget` nodes past the span (default: BRANCH_BUDGET). The engine
+        verifies them as a draft tree: whichever branch the target picks comes with its forced
+        tail in the same forward. [] when nothing is forced and the choice is wide. Cached until
+        the matcher next changes."""
+        branch_budget = BRANCH_BUDGET if branch_budget is None else branch_budget
+        key = (self._version, budget, branch_budget, max_branches)
+        if self._paths[0] != key:
+            span = self.forced_tokens()[:budget]
+            paths = [span]
+            room = min(budget - len(span), branch_budget)
+            if room > 0 and not (span and span[-1] in self.tokenizer.stop_token_ids):
+                probe = self.handle.fork()
+                for token_id in span:
+                    probe.accept_token(token_id)
+                tails = self._branches(probe, room, max_branches, depth=BRANCH_DEPTH)
+                paths = [span + tail for tail in tails] if tails else paths
+            self._paths = (key, [p for p in paths if p])
+        return [list(p) for p in self._paths[1]]
+
+    def _branches(self, handle: xgr.GrammarMatcher, room: int, max_branches: int, depth: int) -> list[list[int]]:
+        """Paths of at most `room` trie nodes from `handle`'s state, which is at a choice: one per
+        allowed token (if at most max_branches), each with the span it forces and, `depth` - 1
+        levels further, its own narrow choices. [] when the choice is wide or does not fit."""
+        allowed = self._allowed(handle)
+        if not 2 <= len(allowed) <= MAX_ALLOWED:
             return []
-        text = self.handle.find_jump_forward_string()
+        subtrees = []
+        for token_id in allowed:
+            branch = handle.fork()
+            branch.accept_token(token_id)
+            # Keep the choices the tokenizer itself would make: "celsius" may be spelt c+elsius,
+            # ce+lsius, ... and all are allowed, but a model writes the canonical one.
+            text = self.tokenizer.token_texts[token_id] + branch.find_jump_forward_string()
+            if self.tokenizer.encode(text)[:1] == [token_id]:
+                subtrees.append((branch, [token_id] + self._forced_from(branch)))
+        if not 1 <= len(subtrees) <= max_branches or room < len(subtrees):
+            return []
+        # every choice first, then the forced tails as far as the room allows (shortest first),
+        # then, with what is left, the next level of choices below the tails that fit whole
+        used = len(subtrees)
+        per_branch: list[list[list[int]]] = [[full[:1]] for _, full in subtrees]
+        whole = []
+        for i in sorted(range(len(subtrees)), key=lambda i: len(subtrees[i][1])):
+            full = subtrees[i][1]
+            extra = min(len(full) - 1, room - used)
+            per_branch[i] = [full[:1 + extra]]
+            used += extra
+            if extra == len(full) - 1 and full[-1] not in self.tokenizer.stop_token_ids:
+                whole.append(i)
+        for i in whole if depth > 1 else ():
+            branch, full = subtrees[i]
+            if room <= used:
+                break
+            for token_id in full[1:]:
+                branch.accept_token(token_id)
+            sub = self._branches(branch, room - used, max_branches, depth - 1)
+            if sub:
+                used += len({tuple(p[:k]) for p in sub for k in range(1, len(p) + 1)})
+                per_branch[i] = [full + p for p in sub]
+        return [path for paths in per_branch for path in paths]
+
+    def _allowed(self, handle: xgr.GrammarMatcher) -> list[int]:
+        """Token ids `handle`'s state allows next."""
+        mask = allocate_bitmask(1, self.tokenizer.vocab_size)
+        handle.fill_next_token_bitmask(mask, 0)
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little"))
+        return [int(t) for t in allowed if t < self.tokenizer.vocab_size]
+
+    def _find_forced(self) -> list[int]:
+        return self._forced_from(self.handle)
+
+    def _forced_from(self, handle: xgr.GrammarMatcher) -> list[int]:
+        """The forced span from `handle`'s state (see forced_tokens)."""
+        if handle.is_terminated():
+            return []
+        text = handle.find_jump_forward_string()
         token_ids = self.tokenizer.encode(text) if text else []
-        probe = self.handle.fork()
+        probe = handle.fork()
         forced = []
         for token_id in token_ids:
             if not probe.accept_token(token_id):
@@ -108,12 +195,9 @@ class Matcher:
         """The stop token if, in `probe`'s state, the grammar allows nothing else; else None."""
         if not probe.is_completed() or not self.tokenizer.stop_token_ids:
             return None
-        mask = allocate_bitmask(1, self.tokenizer.vocab_size)
-        probe.fill_next_token_bitmask(mask, 0)
-        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little"))
-        allowed = allowed[allowed < self.tokenizer.vocab_size]
+        allowed = self._allowed(probe)
         stops = set(self.tokenizer.stop_token_ids)
-        return int(allowed[0]) if len(allowed) and all(int(t) in stops for t in allowed) else None
+        return allowed[0] if allowed and all(t in stops for t in allowed) else None
 
     def fork(self) -> "Matcher":
         twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork())

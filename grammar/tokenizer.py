@@ -10,6 +10,7 @@ as stops.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Sequence
 
 import xgrammar as xgr
@@ -24,6 +25,11 @@ class GrammarTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.info.vocab_size
+
+    @cached_property
+    def token_texts(self) -> list[str]:
+        """Each token's text as xgrammar decodes it ("" for special tokens), built once."""
+        return [b.decode("utf-8", errors="replace") for b in self.info.decoded_vocab]
 
     @staticmethod
     def from_huggingface(

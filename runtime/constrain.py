@@ -5,7 +5,9 @@ For every scheduled request that samples this step and carries a grammar:
 1. `prepare` resolves its compile (started when the request arrived, so it overlapped queueing
    and prefill), then shapes its draft tree: a *forced span* (the grammar admits one
    continuation: JSON keys, punctuation, tool-call scaffolding) becomes the draft chain itself,
-   tokens the target then verifies for free in the same forward; otherwise the proposer's tree
+   tokens the target then verifies for free in the same forward, branching where the span ends
+   at a narrow choice (an enum value, a tool name: one branch per allowed token, each with the
+   span it forces, `Matcher.draft_paths`); otherwise the proposer's tree
    is cut to its grammar-valid subtree before verification (no target compute on forbidden
    tokens), and every surviving node gets its own next-token mask.
 2. `apply` masks the logits rows (forbidden -> -inf) before sampling / verification, so plain
@@ -37,12 +39,13 @@ class GrammarStats:
     num_forced_tokens_proposed: int = 0
     num_pruned_nodes: int = 0
     num_forced_stops: int = 0  # stop tokens committed without a forward (append_forced_stop)
+    num_grammar_branch_tokens: int = 0  # draft nodes on the grammar's narrow choices (draft_paths)
 
 
 @dataclass
 class PreparedMasks:
     bitmask: torch.Tensor  # [num_logits, num_words] int32, rows of unconstrained requests all-ones
-    forced: list[bool]  # per seq: its tree is a forced span
+    forced: list[int]  # per seq: its tree starts with a forced span of this many tokens
 
 
 def resolve_matcher(request: Request):
@@ -55,6 +58,25 @@ def resolve_matcher(request: Request):
         g = g.matcher()
     request.grammar = g
     return g
+
+
+# Most draft nodes a constrained request gets for its forced span and the grammar's narrow
+# choices after it, whatever the adaptive planner gives its proposer's drafts.
+GRAMMAR_DRAFT_BUDGET = 32
+
+
+def grammar_draft_paths(matcher, slots: int = GRAMMAR_DRAFT_BUDGET) -> list[list[int]]:
+    """The grammar's draft paths (Matcher.draft_paths) for a request with `slots` KV slots: the
+    full-budget tree when it fits (the scheduler reserved slots for it), else one sized to fit."""
+    if slots <= 0:
+        return []
+    paths = matcher.draft_paths(GRAMMAR_DRAFT_BUDGET)
+    return paths if tree_size(paths) <= slots else matcher.draft_paths(slots)
+
+
+def tree_size(paths: list[list[int]]) -> int:
+    """Draft nodes of the trie the paths make (shared prefixes counted once)."""
+    return len({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)})
 
 
 def _bit(token: int) -> int:
@@ -77,7 +99,7 @@ class GrammarStep:
             return trees, None
         t0 = time.perf_counter()
         trees = list(trees)
-        forced = [False] * len(seqs)
+        forced = [0] * len(seqs)
         blocks: list[torch.Tensor] = []
         for i, seq in enumerate(seqs):
             if not seq.samples:
@@ -90,11 +112,14 @@ class GrammarStep:
                 continue
             matcher = request.grammar
             root = request.all_token_ids[-1]
-            span = matcher.forced_tokens()[:seq.num_spec_slots]
-            if span:
-                tree = DraftTree.chain(root, span)
-                forced[i] = True
-                self.stats.num_forced_tokens_proposed += len(span)
+            paths = grammar_draft_paths(matcher, seq.num_spec_slots)
+            if paths:
+                # the forced span (shared by every path) and the grammar's narrow choices after it
+                tree = DraftTree.from_paths(root, paths)
+                span = len(matcher.forced_tokens()[:seq.num_spec_slots])
+                forced[i] = span
+                self.stats.num_forced_tokens_proposed += span
+                self.stats.num_grammar_branch_tokens += tree.num_nodes - 1 - span
             if tree is not None:
                 from prescient.grammar import prune_tree, tree_masks
 

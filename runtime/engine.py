@@ -21,7 +21,7 @@ from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.penalties import apply_penalties
-from prescient.runtime.constrain import GrammarStep, resolve_matcher
+from prescient.runtime.constrain import GrammarStep, grammar_draft_paths, resolve_matcher, tree_size
 from prescient.runtime.request import SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, Request, RequestOutput
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
@@ -223,7 +223,10 @@ class Engine:
             out = None
             if result is not None:
                 if masks is not None and masks.forced[i]:
-                    result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT else s for s in result.sources]
+                    # the first accepted drafts are the forced span; past it, grammar-branch drafts
+                    span = masks.forced[i]
+                    result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT and j < span else s
+                                      for j, s in enumerate(result.sources)]
                 self.grammar_step.advance(request, result.tokens)
                 self.grammar_step.append_forced_stop(request, result)
                 out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_model_len, now)
@@ -239,8 +242,9 @@ class Engine:
             if self.speculator is not None and len(request.output_token_ids) == len(result.tokens):
                 self.speculator.on_prefilled(request)
             if request.grammar is not None and self.speculator is not None:
-                # room for the next forced span even when drafts are not paying
-                request.spec_budget = max(request.spec_budget, len(request.grammar.forced_tokens()))
+                # room for the next forced span and the grammar's narrow choices after it, even
+                # when drafts are not paying
+                request.spec_budget = max(request.spec_budget, tree_size(grammar_draft_paths(request.grammar)))
         return outputs
 
     # ---------------------------------------------------------------- convenience

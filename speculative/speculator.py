@@ -215,7 +215,9 @@ def make_speculator(engine, method: str, draft_model_path: str | None = None, pr
     if calibrate and adaptive_config is None:
         block_size = engine.block_manager.block_size
         table = measure_verify_cost(engine.model, block_size, context=SHORT_CONTEXT)
-        long_table = measure_verify_cost(engine.model, block_size, context=LONG_CONTEXT)
+        # the long context must fit the model's positions, with room for the largest verify
+        long_ctx = min(LONG_CONTEXT, engine.model.config.max_position_embeddings - 64)
+        long_table = measure_verify_cost(engine.model, block_size, context=long_ctx) if long_ctx > SHORT_CONTEXT else None
         if method == "draft":
             # A draft model's own forwards are no longer free: each draft token costs about one
             # draft forward (chain drafting), measured relative to a target step.
@@ -224,6 +226,6 @@ def make_speculator(engine, method: str, draft_model_path: str | None = None, pr
             target_s = _forward_seconds(engine.model, block_size)
             draft_ratio = _forward_seconds(draft, block_size) / target_s
             table = {t: c + (t - 1) * draft_ratio for t, c in table.items()}
-            long_table = {t: c + (t - 1) * draft_ratio for t, c in long_table.items()}
-        adaptive.set_verify_cost(table, (SHORT_CONTEXT, LONG_CONTEXT, long_table))
+            long_table = long_table and {t: c + (t - 1) * draft_ratio for t, c in long_table.items()}
+        adaptive.set_verify_cost(table, (SHORT_CONTEXT, long_ctx, long_table) if long_table else None)
     return Speculator(proposer, engine.block_manager.block_size, adaptive)

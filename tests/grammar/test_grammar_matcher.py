@@ -146,3 +146,26 @@ def test_fork_is_independent(bool_matcher):
     assert twin.accept_tokens(toy_ids("f", "a")) == 2
     assert bool_matcher.num_tokens == 0
     assert bool_matcher.accept_token(toy_ids("t")[0])
+
+
+def test_draft_paths_branch_at_a_narrow_choice(toy_compiler):
+    matcher = toy_compiler.compile(GrammarSpec("regex", "a(bxy|cz)")).matcher()
+    matcher.accept_tokens(toy_ids("a"))
+    paths = matcher.draft_paths(budget=16)
+    # b and c are the only choices; each forces the rest up to the stop token
+    assert sorted(paths) == sorted([toy_ids("b", "x", "y") + [TOY_STOP], toy_ids("c", "z") + [TOY_STOP]])
+    # a tight budget keeps every choice, then the shortest forced tails first
+    assert sorted(matcher.draft_paths(budget=3)) == sorted([toy_ids("b"), toy_ids("c", "z")])
+    assert sorted(matcher.draft_paths(budget=5)) == sorted([toy_ids("b", "x"), toy_ids("c", "z") + [TOY_STOP]])
+    assert matcher.draft_paths(budget=16, branch_budget=2) == [toy_ids("b"), toy_ids("c")]
+    assert matcher.draft_paths(budget=1) == []  # not even one token per choice
+    assert matcher.num_tokens == 1  # asking does not advance the matcher
+    # a wide choice (any letter, repeated) gives no branches
+    wide = toy_compiler.compile(GrammarSpec("regex", "a[a-z]+")).matcher()
+    wide.accept_tokens(toy_ids("a"))
+    assert wide.draft_paths(budget=16) == []
+    # choices nest: after "a", b or c; after "ab", x or y, each forcing the rest
+    nested = toy_compiler.compile(GrammarSpec("regex", "a(b(xz|yz)|c)")).matcher()
+    nested.accept_tokens(toy_ids("a"))
+    assert sorted(nested.draft_paths(budget=16, branch_budget=16)) == sorted([
+        toy_ids("b", "x", "z") + [TOY_STOP], toy_ids("b", "y", "z") + [TOY_STOP], toy_ids("c") + [TOY_STOP]])
