@@ -127,7 +127,10 @@ class Matcher:
         if not 2 <= len(allowed) <= MAX_ALLOWED:
             return []
         subtrees = []
+        stops = set(self.tokenizer.stop_token_ids)
         for token_id in allowed:
+            if token_id in stops:
+                continue  # ending here is the target's call (and a terminated fork has no span)
             branch = handle.fork()
             branch.accept_token(token_id)
             # Keep the choices the tokenizer itself would make: "celsius" may be spelt c+elsius,
@@ -192,12 +195,13 @@ class Matcher:
         return forced + [stop]
 
     def _only_stop_after(self, probe: xgr.GrammarMatcher) -> int | None:
-        """The stop token if, in `probe`'s state, the grammar allows nothing else; else None."""
+        """The stop token if, in `probe`'s state, the grammar allows it and nothing else; else
+        None. With several stop tokens allowed, which one ends the reply is the target's choice
+        (it shows in the finish reason), so none is forced."""
         if not probe.is_completed() or not self.tokenizer.stop_token_ids:
             return None
         allowed = self._allowed(probe)
-        stops = set(self.tokenizer.stop_token_ids)
-        return allowed[0] if allowed and all(t in stops for t in allowed) else None
+        return allowed[0] if len(allowed) == 1 and allowed[0] in self.tokenizer.stop_token_ids else None
 
     def fork(self) -> "Matcher":
         twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork())

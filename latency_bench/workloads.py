@@ -64,7 +64,8 @@ def declared_tools(messages) -> list[dict] | None:
                 tools = json.loads(text.split("Tools: ", 1)[1])
             except json.JSONDecodeError:
                 return None
-            return [t["function"] for t in tools if isinstance(t, dict) and "function" in t]
+            return [t["function"] for t in tools if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                    and t["function"].get("name")] if isinstance(tools, list) else None
     return None
 
 

@@ -112,7 +112,7 @@ class GrammarStep:
                 continue
             matcher = request.grammar
             root = request.all_token_ids[-1]
-            paths = grammar_draft_paths(matcher, seq.num_spec_slots)
+            paths = grammar_draft_paths(matcher, seq.num_spec_slots) if request.params.speculate else []
             if paths:
                 # the forced span (shared by every path) and the grammar's narrow choices after it
                 tree = DraftTree.from_paths(root, paths)
@@ -173,7 +173,10 @@ class GrammarStep:
         next step's masked distribution would put all its mass on it, so running that forward
         changes nothing but the latency (one whole step per constrained reply at batch 1)."""
         matcher, params = request.grammar, request.params
-        if matcher is None or matcher.is_terminated() or params.ignore_eos or params.logprobs is not None:
+        # stop strings are matched on the text after the tokens are appended; a forced stop token
+        # there would add a token plain decoding never samples
+        if (matcher is None or matcher.is_terminated() or params.ignore_eos or params.logprobs is not None
+                or params.stop):
             return
         forced = matcher.forced_tokens()
         if len(forced) == 1 and forced[0] in self.stop_token_ids:
@@ -183,15 +186,16 @@ class GrammarStep:
             self.stats.num_forced_stops += 1
 
     @staticmethod
-    def advance(request: Request, tokens: list[int]) -> None:
-        """Accept committed tokens up to the one that completes the grammar (a stop token; what
-        a step emits after it is cut by the commit). They were sampled under the mask, so a
-        refusal before that is a bug."""
+    def advance(request: Request, tokens: list[int]) -> int:
+        """Accept committed tokens up to the one that completes the grammar (a stop token);
+        returns how many were taken: what a step emits after that must not be committed. They
+        were sampled under the mask, so a refusal before that is a bug."""
         matcher = request.grammar
         if matcher is None:
-            return
-        for token in tokens:
+            return len(tokens)
+        for n, token in enumerate(tokens, 1):
             if not matcher.accept_token(token):
                 raise RuntimeError(f"grammar refused committed token {token} of request {request.request_id}")
             if matcher.is_terminated():
-                return
+                return n
+        return len(tokens)

@@ -227,7 +227,12 @@ class Engine:
                     span = masks.forced[i]
                     result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT and j < span else s
                                       for j, s in enumerate(result.sources)]
-                self.grammar_step.advance(request, result.tokens)
+                taken = self.grammar_step.advance(request, result.tokens)
+                if taken < len(result.tokens):
+                    # tokens after the grammar's stop (a stop drafted as forced, then the dead
+                    # row's bonus stop): plain decoding would have ended there
+                    result.tokens, result.sources = result.tokens[:taken], result.sources[:taken]
+                    result.logits = None if result.logits is None else result.logits[:taken]
                 self.grammar_step.append_forced_stop(request, result)
                 out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_model_len, now)
             self.scheduler.register_full_blocks(request)
@@ -241,7 +246,7 @@ class Engine:
                 continue
             if self.speculator is not None and len(request.output_token_ids) == len(result.tokens):
                 self.speculator.on_prefilled(request)
-            if request.grammar is not None and self.speculator is not None:
+            if request.grammar is not None and self.speculator is not None and request.params.speculate:
                 # room for the next forced span and the grammar's narrow choices after it, even
                 # when drafts are not paying
                 request.spec_budget = max(request.spec_budget, tree_size(grammar_draft_paths(request.grammar)))

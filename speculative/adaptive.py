@@ -100,8 +100,8 @@ class AdaptiveSpeculation:
 
         long_context = (short_ctx, long_ctx, table_at_long_ctx): `table` was measured after
         short_ctx cached tokens and this one after long_ctx. A draft's attention cost grows with
-        the context it attends over, so `plan` interpolates between the two tables by the
-        batch's longest context (linearly, and on past long_ctx: attention is linear in it)."""
+        the context it attends over, so `plan` interpolates linearly between the two tables by
+        the batch's longest context (the long table beyond long_ctx)."""
         self.verify_cost = CostModel(table)
         self._long = None if long_context is None else (long_context[0], long_context[1], CostModel(long_context[2]))
 
@@ -120,8 +120,10 @@ class AdaptiveSpeculation:
         if self._long is None or context is None:
             return short
         lo, hi, long_model = self._long
-        weight = max(0.0, (context - lo) / (hi - lo))
-        return np.maximum(short + weight * (long_model.many(num_tokens) - short), 1e-9)
+        # within the measured range only: the two tables are ratios to different 1-token times,
+        # so extrapolating them (or timing noise between them) could drive costs below 1
+        weight = min(1.0, max(0.0, (context - lo) / (hi - lo)))
+        return np.maximum(short + weight * (long_model.many(num_tokens) - short), 1.0)
 
     def plan(self, request_ids: Sequence[str], num_base_tokens: int | None = None,
              context: int | None = None) -> list[int]:

@@ -147,3 +147,9 @@ def test_long_context_cost_shrinks_drafts():
     assert controller.plan(["r"])[0] == short  # no context: the short-context table
     mid = controller.cost_many(np.array([4]), context=640)[0]
     assert mid == pytest.approx(1.05 + 0.5 * (1.4 - 1.05))
+    # no extrapolation past the measured contexts: a long table that came out cheaper (timing
+    # noise) must not drive costs below 1 far out
+    controller.set_verify_cost({1: 1.0, 16: 2.0}, (256, 1024, {1: 1.0, 16: 1.5}))
+    far = controller.cost_many(np.array([1, 8, 16]), context=100_000)
+    assert far.tolist() == pytest.approx(controller.cost_many(np.array([1, 8, 16]), context=1024).tolist())
+    assert (far >= 1.0).all()

@@ -1,0 +1,82 @@
+"""Constrained decoding with speculation equals constrained decoding without it, token for
+token and finish reason for finish reason (tiny float64 model, toy vocabulary grammars): forced
+spans that end at the stop token, narrow-choice branches next to a stop token, ignore_eos,
+several stop tokens, logprobs, and requests that opt out of speculation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarSpec, GrammarTokenizer
+from prescient.runtime.config import CacheConfig, SchedulerConfig
+from prescient.runtime.engine import Engine, EngineConfig
+from prescient.runtime.loader import load_checkpoint
+from prescient.runtime.model import LlamaModel
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from prescient.speculative.proposer import make_proposer
+from prescient.speculative.speculator import Speculator
+
+# id 0 special, ids 1 and 2 stop tokens; the rest spell the grammars below
+WORDS = ["a", "b", "c", "ab", "{", "}", '"', ":", ",", " ", "1", "2", "x", "y", "z", "xy"]
+VOCAB = ["", "", ""] + WORDS
+GRAMMARS = [("regex", "a(b|c)xy"), ("regex", "ax?"), ("regex", "(1|2)(,(1|2))*"), ("regex", "a(b(xz|yz)|c)"),
+            ("json_schema", '{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], '
+                            '"additionalProperties": false}')]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    ckpt = load_checkpoint(str(tiny_llama_dir))
+    return LlamaModel(ckpt.config, ckpt.weights, dtype=torch.float64)
+
+
+def compiler(stops):
+    vocab = VOCAB + ["\u0000%d" % i for i in range(97 - len(VOCAB))]  # pad to the model's vocabulary
+    return GrammarCompiler(GrammarTokenizer.from_vocab(vocab, stop_token_ids=list(stops)), CompilerConfig(time_limit_s=30))
+
+
+def engine(model, stops, speculate):
+    config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    e = Engine(model, None, config, eos_token_ids=stops)
+    if speculate:
+        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=8, prior_acceptance=1.0,
+                                                      verify_cost={1: 1.0, 64: 1.0}))
+        e.speculator = Speculator(make_proposer("ngram"), 8, adaptive)
+    return e
+
+
+def generate(model, stops, speculate, grammar, prompt, params):
+    e = engine(model, stops, speculate)
+    request = e.add_request(prompt, params, grammar=compiler(stops).compile(GrammarSpec(*grammar)).matcher())
+    while e.has_unfinished_requests():
+        e.step()
+    return request.output_token_ids, request.finish_reason, request.stop_reason, e
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS, ids=[g[1][:16] for g in GRAMMARS])
+@pytest.mark.parametrize("stops,extra", [((1,), {}), ((1, 2), {}), ((1,), {"ignore_eos": True}),
+                                         ((1, 2), {"logprobs": 0}), ((1,), {"speculate": False})],
+                         ids=["one-stop", "two-stops", "ignore-eos", "logprobs", "opt-out"])
+def test_constrained_speculation_is_lossless(tiny, grammar, stops, extra):
+    rng = random.Random(hash(grammar) % 1000)
+    for _ in range(3):
+        prompt = [rng.randrange(3, 97) for _ in range(rng.randint(4, 20))]
+        params = SamplingParams(temperature=0, max_tokens=12, **extra)
+        plain = generate(tiny, stops, False, grammar, prompt, params)
+        spec = generate(tiny, stops, True, grammar, prompt, params)
+        assert spec[:3] == plain[:3]
+
+
+def test_lone_forced_stop_is_committed_without_a_forward(tiny):
+    # after "axy" the grammar allows only the stop token: plain decoding ends without a step for it
+    prompt = [5, 9, 11, 4]
+    tokens, reason, _, e = generate(tiny, (1,), False, ("regex", "axyz"), prompt,
+                                    SamplingParams(temperature=0, max_tokens=10))
+    assert reason == "stop" and tokens[-1] == 1
+    assert e.grammar_step.stats.num_forced_stops == 1
+    assert e.num_steps == len(tokens) - 1  # one step per sampled token, none for the stop
