@@ -27,6 +27,8 @@
  * (asleep, or sharing its core with torch's own threads) costs nothing: the caller
  * simply takes the remaining chunks.  Workers spin briefly after each job (decode
  * issues a linear every few tens of microseconds), then yield, then sleep on a futex.
+ * The same pool runs the other kernels of this .so (cpu_attention.c) through
+ * pg_parallel_for: one pool per process, since two would spin against each other.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -55,7 +57,7 @@
 #define PG_KEEP(v) __asm__("" : "+v"(v))
 #endif
 
-#define PG_VERSION 2
+#define PG_VERSION 3
 #define PG_MAX_M 16        /* rows of x handled in registers; more -> caller uses GEMM */
 #define PG_MAX_THREADS 16
 /* Work items per thread and call (see pg_linear).  Tuning knob; -D to override. */
@@ -99,7 +101,15 @@ static inline uint16_t f32_to_bf16(float f)
 /* Job description                                                            */
 /* ------------------------------------------------------------------------- */
 
+/* A generic pool task (pg_parallel_for): run items [i0, i1) of the caller's job.  Other
+ * kernels built into this .so (cpu_attention.c) share the pool through it: on a 2-core
+ * machine two pools, each with a worker spinning on the second core, would fight. */
+typedef void (*pg_task_fn)(const void *ctx, int i0, int i1);
+
 typedef struct {
+    pg_task_fn task;        /* NULL: the GEMV below; else task(task_ctx, n0, n1) per chunk
+                               of the N items */
+    const void *task_ctx;
     const void *w;      /* [N, K] row-major, wdt */
     int wdt;
     const float *bias;  /* [N] fp32 or NULL */
@@ -614,6 +624,15 @@ static inline uint64_t now_ns(void)
 /* Diagnostics (pg_stats): pooled calls, chunks run by workers, total chunks. */
 static _Atomic uint64_t g_stat_calls, g_stat_worker_chunks, g_stat_chunks;
 
+/* Items [n0, n1) of a job: GEMV rows, or a generic task's items. */
+static inline void run_chunk(const job_t *j, int n0, int n1)
+{
+    if (j->task)
+        j->task(j->task_ctx, n0, n1);
+    else
+        run_rows(j, n0, n1);
+}
+
 static int work_chunks(uint32_t gen, const job_t *j)
 {
     int ran = 0;
@@ -627,7 +646,7 @@ static int work_chunks(uint32_t gen, const job_t *j)
         int c = TK_NEXT(t);
         int n0 = c * j->chunk_rows;
         int n1 = n0 + j->chunk_rows < j->N ? n0 + j->chunk_rows : j->N;
-        run_rows(j, n0, n1);
+        run_chunk(j, n0, n1);
         ran++;
         atomic_fetch_add_explicit(&g_pool.done_chunks, 1, memory_order_release);
         t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
@@ -797,6 +816,70 @@ int pg_set_num_threads(int n)
     return n;
 }
 
+/*
+ * Run job j (N items in j->nchunks chunks of j->chunk_rows) on the pool: the caller takes
+ * chunks too, then waits for the ones still in a worker's hands.  If another caller holds
+ * the pool, j runs on this thread alone.
+ */
+static void pool_run(job_t *j)
+{
+    if (g_nthreads <= 1 || j->nchunks <= 1 || pthread_mutex_trylock(&g_call_lock) != 0) {
+        run_chunk(j, 0, j->N);
+        return;
+    }
+    if (!g_started)
+        start_workers_locked();
+
+    /* Publish: job first, then the ticket (new generation, chunk 0), then the wake word. */
+    uint32_t gen = TK_GEN(atomic_load_explicit(&g_pool.ticket, memory_order_relaxed)) + 1u;
+    g_pool.job = *j;
+    atomic_store_explicit(&g_pool.done_chunks, 0, memory_order_relaxed);
+    atomic_store_explicit(&g_pool.ticket, ((uint64_t)gen << 32) | ((uint64_t)j->nchunks << 16),
+                          memory_order_release);
+    atomic_fetch_add_explicit(&g_pool.wake, 1, memory_order_seq_cst);
+    if (atomic_load_explicit(&g_pool.sleepers, memory_order_seq_cst) > 0)
+        futex_wake_all(&g_pool.wake);
+
+    atomic_fetch_add_explicit(&g_stat_calls, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&g_stat_chunks, (uint64_t)j->nchunks, memory_order_relaxed);
+    work_chunks(gen, j);
+    /* Wait for chunks still in a worker's hands.  Normally that is the tail of one chunk
+     * (microseconds); if the worker was preempted mid-chunk (an oversubscribed core),
+     * yield so that, should it share our core, it can finish. */
+    for (unsigned spins = 0;
+         atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j->nchunks; spins++) {
+        if (spins < 20000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&g_call_lock);
+}
+
+/*
+ * The pool for other kernels of this .so: task(ctx, i0, i1) over items [0, n) in chunks of
+ * `per_chunk` items (at least; raised so that there are at most 65535 chunks), returning
+ * when all are done.  ctx must stay valid until then (it may live on the caller's stack).
+ */
+__attribute__((visibility("hidden")))
+void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk)
+{
+    if (n <= 0)
+        return;
+    if (per_chunk < 1)
+        per_chunk = 1;
+    if ((n + per_chunk - 1) / per_chunk > 0xffff)
+        per_chunk = (n + 0xfffe) / 0xffff;
+    job_t j;
+    memset(&j, 0, sizeof(j));
+    j.task = task;
+    j.task_ctx = ctx;
+    j.N = n;
+    j.chunk_rows = per_chunk;
+    j.nchunks = (n + per_chunk - 1) / per_chunk;
+    pool_run(&j);
+}
+
 /* Per-thread scratch for converted activations (M*K elements, tiny). */
 static __thread void *tl_scratch = NULL;
 static __thread size_t tl_scratch_cap = 0;
@@ -826,6 +909,7 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
         (xdt != DT_F32 && xdt != DT_BF16))
         return -1;
     job_t j;
+    j.task = NULL; j.task_ctx = NULL;
     j.w = w; j.wdt = wdt; j.bias = bias; j.y = y; j.ydt = xdt;
     j.M = M; j.N = N; j.K = K;
     j.isa = current_isa();
@@ -858,15 +942,10 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     }
 
     const size_t wbytes = (size_t)N * K * (wdt == DT_F32 ? 4 : 2);
-    const int team = g_nthreads;
-    if (team <= 1 || wbytes < (size_t)g_solo_bytes || N < 32 ||
-        pthread_mutex_trylock(&g_call_lock) != 0) {
+    if (g_nthreads <= 1 || wbytes < (size_t)g_solo_bytes || N < 32) {
         run_rows(&j, 0, N);
         return 0;
     }
-    if (!g_started)
-        start_workers_locked();
-
     /* About 8 chunks per thread: small enough to rebalance when a worker wakes late,
      * large enough (>= 16 KB of weights) that the hardware prefetcher ramps up. */
     const size_t row_bytes = (size_t)K * (wdt == DT_F32 ? 4 : 2);
@@ -876,31 +955,7 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     rows = (rows + 15) & ~15;
     j.chunk_rows = rows;
     j.nchunks = (N + rows - 1) / rows;
-
-    /* Publish: job first, then the ticket (new generation, chunk 0), then the wake word. */
-    uint32_t gen = TK_GEN(atomic_load_explicit(&g_pool.ticket, memory_order_relaxed)) + 1u;
-    g_pool.job = j;
-    atomic_store_explicit(&g_pool.done_chunks, 0, memory_order_relaxed);
-    atomic_store_explicit(&g_pool.ticket, ((uint64_t)gen << 32) | ((uint64_t)j.nchunks << 16),
-                          memory_order_release);
-    atomic_fetch_add_explicit(&g_pool.wake, 1, memory_order_seq_cst);
-    if (atomic_load_explicit(&g_pool.sleepers, memory_order_seq_cst) > 0)
-        futex_wake_all(&g_pool.wake);
-
-    atomic_fetch_add_explicit(&g_stat_calls, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&g_stat_chunks, (uint64_t)j.nchunks, memory_order_relaxed);
-    work_chunks(gen, &j);
-    /* Wait for chunks still in a worker's hands.  Normally that is the tail of one chunk
-     * (microseconds); if the worker was preempted mid-chunk (an oversubscribed core),
-     * yield so that, should it share our core, it can finish. */
-    for (unsigned spins = 0;
-         atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j.nchunks; spins++) {
-        if (spins < 20000)
-            cpu_relax();
-        else
-            sched_yield();
-    }
-    pthread_mutex_unlock(&g_call_lock);
+    pool_run(&j);
     return 0;
 }
 

@@ -8,6 +8,8 @@ M input rows.  The C file is compiled with the system C compiler at first use, c
 under ``~/.cache/prescient/kernels`` (keyed by a hash of the source, flags, compiler and CPU),
 and called through ctypes with tensor data pointers.  If no compiler is found or the build
 fails, every call falls back to ``torch.nn.functional.linear`` and one warning is logged.
+The same .so also holds the CPU tree-attention kernel (``cpu_attention.c``, wrapped by
+``cpu_attention.py``), so both share one thread pool; ``library()`` hands it out.
 
 Public API::
 
@@ -15,6 +17,7 @@ Public API::
     y = lin(x)                                    # x [..., in] fp32/bf16 -> y [..., out], x.dtype
     y = lin(x, out=buf)                           # same, into a preallocated buffer (~1 us less)
     available()                                   # True when the C kernel is in use
+    library()                                     # the .so (also cpu_attention's), or None
     kernel_info()                                 # ISA, threads, .so path, or why not
     set_num_threads(n), set_spin(spin_us, yield_us)
 
@@ -60,14 +63,18 @@ log = logging.getLogger(__name__)
 MAX_M = 16
 
 _SRC = Path(__file__).with_name("cpu_gemv.c")
+# Every C source of the .so (one library, one thread pool): all are hashed and compiled.
+_SOURCES = (_SRC, Path(__file__).with_name("cpu_attention.c"))
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx512_bf16"}
 
-_C_VERSION = 2  # must match PG_VERSION in cpu_gemv.c
+_C_VERSION = 3  # must match PG_VERSION in cpu_gemv.c
 
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_fn = None  # pg_linear_w, bound once
+_lock = threading.RLock()
+_lib: Optional[ctypes.CDLL] = None  # the loaded .so (GEMV enabled or not)
+_lib_tried = False
+_lib_error: Optional[str] = None
+_fn = None  # pg_linear_w, bound once; None when the GEMV is unavailable or disabled
 _tried = False
 _why_not: Optional[str] = None
 _so_path: Optional[str] = None
@@ -127,7 +134,7 @@ def _compile(cc: str, flags: list[str], so: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=so.stem + ".", suffix=".tmp.so", dir=so.parent)
     os.close(fd)
     try:
-        cmd = [cc, *flags, "-o", tmp, str(_SRC), "-lm"]
+        cmd = [cc, *flags, "-o", tmp, *map(str, _SOURCES), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr.strip()[-2000:]}")
@@ -151,7 +158,7 @@ def _touch_and_prune(so: Path, max_idle_days: float = 7.0) -> None:
 
 
 def _bind(lib: ctypes.CDLL) -> None:
-    global _lib, _fn
+    global _lib
     vp, ci = ctypes.c_void_p, ctypes.c_int
     lib.pg_linear.argtypes = [vp, ci, vp, vp, ci, vp, ci, ci, ci]
     lib.pg_linear.restype = ci
@@ -173,7 +180,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     if lib.pg_version() != _C_VERSION or lib.pg_max_m() != MAX_M:
         raise RuntimeError(f"cpu_gemv.so version {lib.pg_version()}/MAX_M {lib.pg_max_m()}, "
                            f"expected {_C_VERSION}/{MAX_M}")
-    _lib, _fn = lib, lib.pg_linear_w
+    _lib = lib
 
 
 def _apply_env(lib: ctypes.CDLL) -> None:
@@ -186,28 +193,23 @@ def _apply_env(lib: ctypes.CDLL) -> None:
         lib.pg_set_spin_us(parts[0], parts[1] if len(parts) > 1 else 3000)
 
 
-def _load() -> None:
-    """Compile (or find in the cache) and load cpu_gemv.c; on failure record why, warn once."""
-    global _tried, _why_not, _so_path
+def _load_library() -> None:
+    """Compile (or find in the cache) and load the .so once; on failure record why, warn once."""
+    global _lib_tried, _lib_error, _so_path
     with _lock:
-        if _tried:
+        if _lib_tried:
             return
-        _tried = True
-        if os.environ.get("PRESCIENT_CPU_GEMV", "1") in ("0", "false", "off"):
-            _why_not = "disabled by PRESCIENT_CPU_GEMV=0"
-            log.info("prescient cpu_linear: %s; using F.linear", _why_not)
-            return
+        _lib_tried = True
         errors = []
         cc = _compiler()
         if cc is None:
             errors.append("no C compiler (gcc/cc/$CC) on PATH")
         else:
-            src = _SRC.read_bytes()
             st = os.stat(cc)
             for flags in _flag_sets():
                 h = hashlib.sha256()
-                for part in (src, " ".join(flags).encode(), cc.encode(),
-                             str(st.st_mtime_ns).encode(), _cpu_signature().encode()):
+                for part in (*(src.read_bytes() for src in _SOURCES), " ".join(flags).encode(),
+                             cc.encode(), str(st.st_mtime_ns).encode(), _cpu_signature().encode()):
                     h.update(part)
                     h.update(b"\0")
                 so = _cache_dir() / f"cpu_gemv-{h.hexdigest()[:20]}.so"
@@ -226,9 +228,35 @@ def _load() -> None:
                     return
                 except Exception as e:  # noqa: BLE001 - any failure means "try next / fall back"
                     errors.append(f"{' '.join(flags)}: {e}")
-        _why_not = "; ".join(errors)
+        _lib_error = "; ".join(errors)
         log.warning("prescient cpu_linear: C kernel unavailable, falling back to F.linear (%s)",
-                    _why_not)
+                    _lib_error)
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded .so (compiled on first call) whatever PRESCIENT_CPU_GEMV says, or None when it
+    cannot be built; for the other kernels it holds (cpu_attention)."""
+    if not _lib_tried:
+        _load_library()
+    return _lib
+
+
+def _load() -> None:
+    """Enable the GEMV: load the .so unless PRESCIENT_CPU_GEMV=0."""
+    global _tried, _why_not, _fn
+    with _lock:
+        if _tried:
+            return
+        if os.environ.get("PRESCIENT_CPU_GEMV", "1") in ("0", "false", "off"):
+            _why_not = "disabled by PRESCIENT_CPU_GEMV=0"
+            log.info("prescient cpu_linear: %s; using F.linear", _why_not)
+        else:
+            _load_library()
+            if _lib is not None:
+                _fn = _lib.pg_linear_w
+            else:
+                _why_not = _lib_error
+        _tried = True
 
 
 def available() -> bool:
@@ -256,20 +284,24 @@ def kernel_info() -> dict:
 
 
 def set_num_threads(n: int) -> int:
-    """Threads per call (caller included).  Default: 2, or 1 on a single-CPU affinity mask."""
-    return _lib.pg_set_num_threads(int(n)) if available() else 1
+    """Threads per call (caller included) of the pool, which the GEMV and cpu_attention share.
+    Default: 2, or 1 on a single-CPU affinity mask."""
+    lib = library()
+    return lib.pg_set_num_threads(int(n)) if lib is not None else 1
 
 
 def set_spin(spin_us: int, yield_us: int = 3000) -> None:
     """After a call, pool workers busy-wait ``spin_us`` (fastest wake-up), then sched_yield()
     for ``yield_us`` (cheap for other threads on the core), then sleep on a futex."""
-    if available():
-        _lib.pg_set_spin_us(int(spin_us), int(yield_us))
+    lib = library()
+    if lib is not None:
+        lib.pg_set_spin_us(int(spin_us), int(yield_us))
 
 
 def _set_isa_cap(cap: int) -> str:
-    """Testing hook: 0 portable, 1 AVX-512 (bf16 via widening), 2 AVX512_BF16."""
-    return _ISA_NAMES[_lib.pg_set_isa_cap(int(cap))]
+    """Testing hook: 0 portable, 1 AVX-512 (bf16 via widening), 2 AVX512_BF16; also caps
+    cpu_attention, which shares the .so."""
+    return _ISA_NAMES[library().pg_set_isa_cap(int(cap))]
 
 
 def _set_solo_bytes(n: int) -> None:

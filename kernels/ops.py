@@ -1,9 +1,13 @@
 """The one dispatch point for every kernel op (signatures in docs/CONTRACTS.md).
 
-CUDA tensors run the Triton kernels, CPU tensors the pure-torch reference. The environment
-variable PRESCIENT_KERNELS overrides that per call: `triton` forces Triton (on CPU tensors that
-needs TRITON_INTERPRET=1 set before the first Triton kernel is imported), `reference` forces the
-reference. Triton is imported lazily, so the package works where it is not installed.
+CUDA tensors run the Triton kernels, CPU tensors the pure-torch reference, except
+`tree_attention` on float32/bfloat16 CPU tensors, which runs the C kernel of cpu_attention.py
+(built with the CPU GEMV's .so; the reference when it cannot be built, and for float64/float16).
+The environment variable PRESCIENT_KERNELS overrides that per call: `triton` forces Triton (on
+CPU tensors that needs TRITON_INTERPRET=1 set before the first Triton kernel is imported),
+`reference` forces the reference (the C attention kernel included); PRESCIENT_CPU_ATTENTION=0
+turns the C attention kernel alone off. Triton is imported lazily, so the package works where it
+is not installed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,10 @@ import torch
 from prescient.kernels import reference
 
 _BACKEND_ENV = "PRESCIENT_KERNELS"
+_CPU_ATTENTION_ENV = "PRESCIENT_CPU_ATTENTION"
 _triton_missing_warned = False
+_cpu_attention: ModuleType | None = None  # prescient.kernels.cpu_attention, once imported
+_C_ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _triton_module(name: str) -> ModuleType:
@@ -76,10 +83,35 @@ def tree_attention(
     mask_bits: torch.Tensor | None,  # [num_tokens, num_words] int32, None = causal
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    impl = _triton_module("triton_tree_attention") if use_triton(q.device) else reference
+    if _use_cpu_attention(q, k_cache, v_cache):
+        impl = _cpu_attention
+    elif use_triton(q.device):
+        impl = _triton_module("triton_tree_attention")
+    else:
+        impl = reference
     return impl.tree_attention(
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, scale
     )
+
+
+def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """CPU float32/bfloat16 tree_attention runs the C kernel unless PRESCIENT_KERNELS forces a
+    backend, PRESCIENT_CPU_ATTENTION=0, autograd needs the graph, or the kernel could not be
+    built.  Called once per layer: an unset variable costs ~0.5 us to read, so each is read
+    once, and only for calls the kernel could take."""
+    global _cpu_attention
+    dtype = q.dtype
+    if (not q.is_cpu or dtype not in _C_ATTENTION_DTYPES or k_cache.dtype is not dtype
+            or v_cache.dtype is not dtype or (q.requires_grad and torch.is_grad_enabled())):
+        return False
+    env = os.environ
+    if env.get(_BACKEND_ENV, "auto") not in ("", "auto"):
+        return False  # "reference" or "triton" (use_triton validates the name)
+    if env.get(_CPU_ATTENTION_ENV, "1") in ("0", "false", "off"):
+        return False
+    if _cpu_attention is None:
+        _cpu_attention = importlib.import_module("prescient.kernels.cpu_attention")
+    return _cpu_attention.available()
 
 
 def kv_copy(

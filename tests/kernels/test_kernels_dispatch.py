@@ -44,6 +44,9 @@ def _args(op: str) -> tuple:
 @pytest.mark.parametrize("op", OPS)
 def test_cpu_tensors_run_the_reference(op, monkeypatch):
     monkeypatch.delenv("PRESCIENT_KERNELS", raising=False)
+    # CPU tree_attention runs the C kernel when it builds (its routing is tested in
+    # test_cpu_attention.py); with it switched off, the reference.
+    monkeypatch.setenv("PRESCIENT_CPU_ATTENTION", "0")
     calls = []
     monkeypatch.setattr(reference, op, lambda *a: calls.append(op))
     getattr(ops, op)(*_args(op))

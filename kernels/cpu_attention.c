@@ -1,0 +1,1249 @@
+/*
+ * cpu_attention.c -- paged-KV tree attention on CPU: decode tokens, draft trees and short
+ * prefill chunks of every sequence of a batch in one call.
+ *
+ * Role: the CPU twin of triton_tree_attention.py, with the semantics of
+ * reference.tree_attention (docs/CONTRACTS.md).  The torch reference loops over sequences
+ * in Python, gathers and upcasts K/V and runs two matmuls; here a work item (a sequence,
+ * a block of its query tokens, its kv heads -- all of them unless the accumulators would
+ * outgrow L1/L2 --, a piece of its context) streams its K/V rows straight out of the paged
+ * cache once: each K/V row is loaded once and used by the kv head's whole GQA group of
+ * query heads for all the item's query tokens.
+ *
+ * Numerics: flash-attention style online softmax in fp32 (running max m, running sum l,
+ * unnormalised fp32 accumulator), so no [q, ctx] score matrix exists.  Scores are taken
+ * in the base-2 domain (q.k * scale * log2 e, then 2^x), which is the same softmax.  For
+ * bf16, q.k uses vdpbf16ps where the CPU has it (bf16 products are exact in fp32, the sums
+ * are fp32) and fp32 FMAs on the widened values otherwise; P.V is always fp32 (P is never
+ * rounded to bf16).  A bf16 output is rounded once, to nearest even.
+ *
+ * Layout of one step: 16 consecutive context positions (a "chunk"; they may straddle KV
+ * blocks) of one kv head are transposed into [head_dim / 2][16] bf16 pairs (or
+ * [head_dim][16] fp32) so that one zmm of 16 scores per query row comes out of
+ * broadcast-q x K-column products with no horizontal sums; the softmax update runs on that
+ * zmm, and P.V reads V rows in place with the accumulators in registers.  A bf16 V row is
+ * widened in registers as its even and odd elements (a shift and a mask per 32 values), so
+ * the accumulators hold each 32-wide block of head_dim as [even | odd] halves, put back in
+ * order once, when the output row is stored.
+ *
+ * Memory: an item walks all the kv heads of its positions together (heads are adjacent in
+ * a cache row), so each 16-position block of the cache streams in as one contiguous piece,
+ * and the next chunk's rows are prefetched while the current one computes: K/V of all the
+ * layers do not fit in cache, and waiting for them was the largest cost without this.
+ *
+ * Threads: work items run on cpu_gemv.c's pool (pg_parallel_for; both files build into
+ * one .so).  When there are few items but long contexts (one sequence decoding), each
+ * item's context is split (flash-decoding): the pieces return partial (m, l, acc) and
+ * the caller merges them.  The split depends only on the shapes, never on the thread
+ * count, so results are bitwise the same with any number of threads.
+ *
+ * ISA: per-function target attributes and the run-time ISA of cpu_gemv.c (pg_isa), so
+ * the same source builds everywhere; the portable path is plain C.
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdatomic.h>
+#include <pthread.h>
+#include <math.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PA_X86 1
+#endif
+
+/* From cpu_gemv.c (same .so). */
+typedef void (*pg_task_fn)(const void *ctx, int i0, int i1);
+void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk);
+int pg_isa(void);
+
+#define PA_VERSION 2
+#define PA_CHUNK 16       /* context positions per step: one zmm of scores per query row */
+#define PA_MAX_ROWS 64    /* query rows per kv head (tokens x group) per item, at head_dim 64 */
+#define PA_ACC_FLOATS 16384  /* accumulators of an item (rows x head_dim over its kv heads) */
+/* Split a long context until there are about this many work items (2 threads: 4 each, so
+ * uneven pieces or a worker that wakes late cost little), never below PA_MIN_SPLIT
+ * positions per piece. */
+#ifndef PA_TARGET_ITEMS
+#define PA_TARGET_ITEMS 8
+#endif
+#ifndef PA_MIN_SPLIT
+#define PA_MIN_SPLIT 64
+#endif
+/* How far (context positions) the software prefetch runs ahead of the compute. */
+#ifndef PA_PF_POS
+#define PA_PF_POS 16
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
+enum { PA_EDIMS = 1, PA_ECU = 2, PA_ECTX = 3, PA_EBLOCK = 4, PA_EMASK = 5, PA_ENOMEM = 6,
+       PA_ECUEND = 7 };
+
+/* Below this much work (query rows x context positions, summed over items) the caller runs
+ * alone: handing items to the pool costs about a microsecond. */
+static int g_solo_work = 2048;
+
+/* ------------------------------------------------------------------------- */
+/* Call arguments and work items                                              */
+/* ------------------------------------------------------------------------- */
+
+/* The call's arguments, packed by the Python wrapper into one buffer (one ctypes argument
+ * instead of twenty: each costs ~70 ns and the op runs once per layer).  Keep in step with
+ * _ARGS in cpu_attention.py. */
+typedef struct {
+    int64_t q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, out;
+    int64_t q_stride_tok, q_stride_head;  /* elements; head_dim is contiguous */
+    int64_t num_tokens, num_heads, head_dim, num_kv_heads, num_blocks, block_size;
+    int64_t num_seqs, max_blocks, num_words, dtype;
+    int64_t flags;                        /* PA_SOLO: run on the calling thread only */
+    double scale;
+} pa_args_t;
+
+/* The caller knows the pool's second core is taken (torch's own OpenMP worker spins there
+ * during multi-threaded forwards): sharing it would leave the caller waiting for a worker
+ * that gets half a core, or none. */
+#define PA_SOLO 1
+
+/* Work item: query tokens [t0, t0 + nt) of sequence seq against kv heads [h0, h0 + nh)
+ * (with their G query heads each) over context positions [c0, c1). */
+typedef struct {
+    int32_t seq, h0, nh, t0, nt;
+    int32_t c0, c1;
+    int32_t part;      /* partial-result slot, or -1: write the output directly */
+    int64_t cost;      /* rows x positions, for scheduling */
+} pa_item_t;
+
+/* Pieces (consecutive partial slots) of one split item, merged by the caller. */
+typedef struct {
+    int32_t seq, h0, nh, t0, nt;
+    int32_t part0, nparts;
+} pa_merge_t;
+
+typedef struct {
+    const char *q, *k, *v;
+    const int32_t *bt, *cl, *cu, *mask;
+    char *out;
+    int64_t qs_tok, qs_head;
+    int T, H, D, KVH, NB, BS, S, MB, W, dt, G, isa, esz;
+    float scl;               /* scale * log2(e): scores in the base-2 domain */
+    const pa_item_t *items;
+    float *partials;         /* [nparts][part_stride]: acc [rows][D], m [rows], l [rows] */
+    size_t part_stride;
+    int perm;                /* accumulators in [even | odd] order per 32 (bf16 AVX-512) */
+    _Atomic int err;         /* set by an item whose scratch allocation failed */
+} pa_job_t;
+
+/* ------------------------------------------------------------------------- */
+/* Helpers                                                                    */
+/* ------------------------------------------------------------------------- */
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round-to-nearest-even, NaN kept quiet: torch's .to(bf16).  Branch-free so that loops
+ * over it vectorise. */
+static inline uint16_t f32_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t nan = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : r);
+}
+
+/* Per-thread scratch that follows its thread: two slots (0: a work item's buffers, 1: the
+ * caller's plan), freed by a key destructor when a pool worker exits. */
+typedef struct {
+    void *p[2];
+    size_t cap[2];
+} pa_tls_t;
+
+static pthread_key_t g_key;
+static pthread_once_t g_key_once = PTHREAD_ONCE_INIT;
+
+static void tls_free(void *arg)
+{
+    pa_tls_t *t = (pa_tls_t *)arg;
+    free(t->p[0]);
+    free(t->p[1]);
+    free(t);
+}
+
+static void make_key(void) { pthread_key_create(&g_key, tls_free); }
+
+static void *tls_scratch(int slot, size_t bytes)
+{
+    pthread_once(&g_key_once, make_key);
+    pa_tls_t *t = (pa_tls_t *)pthread_getspecific(g_key);
+    if (!t) {
+        t = (pa_tls_t *)calloc(1, sizeof(*t));
+        if (!t || pthread_setspecific(g_key, t) != 0) {
+            free(t);
+            return NULL;
+        }
+    }
+    if (bytes > t->cap[slot]) {
+        free(t->p[slot]);
+        size_t cap = bytes < 65536 ? 65536 : bytes + bytes / 4;
+        t->p[slot] = aligned_alloc(64, (cap + 63) & ~(size_t)63);
+        t->cap[slot] = t->p[slot] ? cap : 0;
+    }
+    return t->p[slot];
+}
+
+/* Bit t of the result: query token `li` of the sequence (global row `tok`) sees context
+ * position pos0 + t, for t < n.  Prefix positions are always visible; a new token j is
+ * visible by its mask bit, or causally (j <= li) without a mask. */
+static inline uint32_t visible_bits(const pa_job_t *J, int tok, int li, int prefix, int pos0, int n)
+{
+    uint32_t all = n >= 32 ? 0xffffffffu : (1u << n) - 1u;
+    if (pos0 + n <= prefix)
+        return all;
+    const int32_t *mrow = J->mask ? J->mask + (size_t)tok * J->W : NULL;
+    uint32_t bits = 0;
+    for (int t = 0; t < n; t++) {
+        int j = pos0 + t - prefix;
+        uint32_t v = j < 0 ? 1u
+                   : mrow ? ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u
+                   : (uint32_t)(j <= li);
+        bits |= v << t;
+    }
+    return bits;
+}
+
+/* Scratch of one work item, carved from the thread's slot-0 buffer.  RT = rows over all the
+ * item's kv heads: row hi * RH + ti * G + g is query head (h0 + hi) * G + g of token ti. */
+typedef struct {
+    float *kt;       /* [D][16] transposed K chunk of one head (bf16 pairs: first D/2 rows) */
+    float *vf;       /* [16][D] V chunk of one head widened to fp32 (bf16, many rows) */
+    float *sp;       /* [RT][16] scores, then probabilities */
+    float *acc;      /* [RT][D] unnormalised outputs */
+    float *qf;       /* [RT][D] q rows in fp32 (paths that do not multiply bf16 directly) */
+    float *m, *l, *corr;  /* [RT] running max (base 2), running sum, this chunk's rescale */
+    float *lv;       /* [RT][16] running sums per lane (summed into l at the end) */
+    uint32_t *vis;   /* [nt] visibility bits of the chunk per query token */
+    const void **qrow;    /* [RT] q row pointers */
+} pa_ws_t;
+
+/* The chunk PA_PF_POS positions ahead: its K/V row addresses, prefetched line by line as
+ * the current chunk loads the same lines (a burst of a chunk's ~200 lines at once would
+ * fill the miss queues and stall the compute). */
+typedef struct {
+    int n;
+    const char *k[PA_CHUNK], *v[PA_CHUNK];
+} pa_pf_t;
+
+static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
+{
+    const size_t D = (size_t)J->D;
+    /* the header, then eleven regions, each padded to a cache line */
+    const size_t sizes[11] = {
+        sizeof(pa_ws_t), 16 * D * 4, 16 * D * 4, (size_t)RT * 16 * 4, (size_t)RT * D * 4,
+        (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4, (size_t)RT * 4,
+        (size_t)nt * 4 + (size_t)RT * sizeof(void *), (size_t)RT * 16 * 4};
+    size_t bytes = 0;
+    for (int i = 0; i < 11; i++)
+        bytes += (sizes[i] + 63) & ~(size_t)63;
+    char *p = (char *)tls_scratch(0, bytes);
+    if (!p)
+        return NULL;
+    pa_ws_t *w = (pa_ws_t *)p;
+    void *region[11];
+    for (int i = 0; i < 11; i++) {
+        region[i] = p;
+        p += (sizes[i] + 63) & ~(size_t)63;
+    }
+    w->kt = (float *)region[1];
+    w->vf = (float *)region[2];
+    w->sp = (float *)region[3];
+    w->acc = (float *)region[4];
+    w->qf = (float *)region[5];
+    w->m = (float *)region[6];
+    w->l = (float *)region[7];
+    w->corr = (float *)region[8];
+    w->qrow = (const void **)region[9];
+    w->lv = (float *)region[10];
+    w->vis = (uint32_t *)(w->qrow + RT);
+    return w;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Portable chunk step (no AVX-512, another architecture, or head_dim % 32).  */
+/* ------------------------------------------------------------------------- */
+
+/* PA_VL floats as one value, in GCC/Clang's generic vector extension: the compiler lowers
+ * it to the target's SIMD (AVX2, SSE, NEON ...) or to scalar code.  The width is what the
+ * target holds in one register: gcc keeps wider generic vectors in memory, which made this
+ * path several times slower than scalar code.  A chunk's 16 lanes are PA_NV vectors; pvu
+ * is the vector with 4-byte alignment, for cache rows. */
+#if defined(__AVX__)
+#define PA_VL 8
+#else
+#define PA_VL 4
+#endif
+#define PA_NV (PA_CHUNK / PA_VL)
+typedef float pvf __attribute__((vector_size(PA_VL * 4)));
+typedef int32_t pvi __attribute__((vector_size(PA_VL * 4)));
+typedef float pvu __attribute__((vector_size(PA_VL * 4), aligned(4), may_alias));
+
+#define PA_VINLINE static inline __attribute__((always_inline))
+PA_VINLINE pvf pv_load(const float *p) { return *(const pvu *)p; }
+PA_VINLINE void pv_store(float *p, pvf v) { *(pvu *)p = v; }
+
+/* 2^x for x <= 0, as exp2_ps: x clamped at -126 (what should underflow to 0 gives ~1e-38
+ * instead; next to the row's largest weight, 1, that is nothing, and masked lanes are zeroed
+ * by the caller), rounding by the 1.5 * 2^23 trick, 2^n built in the exponent bits. */
+PA_VINLINE pvf exp2_pv(pvf x)
+{
+    const pvi low = x < -126.f;
+    x = (pvf)(((pvi)x & ~low) | ((pvi)(x - x - 126.f) & low));
+    const pvf n = (x + 12582912.f) - 12582912.f;
+    const pvf f = x - n;
+    pvf p = f * 1.5252733804059840e-05f + 1.5403530393381608e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.6181291076284772e-03f;
+    p = p * f + 5.5504108664821580e-02f;
+    p = p * f + 2.4022650695910071e-01f;
+    p = p * f + 6.9314718055994531e-01f;
+    p = p * f + 1.0f;
+    const pvi e = (__builtin_convertvector(n, pvi) + 127) << 23;
+    return p * (pvf)e;
+}
+
+/* One head's RH rows (from row r0) against n positions, on generic vectors in the shape of
+ * the AVX-512 path: K is transposed into kt[D][16] so a row's 16 scores are FMAs over d
+ * with no horizontal sums, and P.V keeps 4 vectors of columns in registers across the
+ * positions. */
+static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+                          const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
+                          size_t hoff)
+{
+    const int D = J->D, G = J->G;
+    float *kt = w->kt;
+    const float *vr[PA_CHUNK];
+    for (int t = 0; t < PA_CHUNK; t++) {
+        if (t >= n) {
+            for (int d = 0; d < D; d++)
+                kt[d * PA_CHUNK + t] = 0.f;
+            continue;
+        }
+        if (J->dt == DT_F32) {
+            const float *ks = (const float *)(krow[t] + hoff);
+            for (int d = 0; d < D; d++)
+                kt[d * PA_CHUNK + t] = ks[d];
+            vr[t] = (const float *)(vrow[t] + hoff);
+        } else {
+            const uint16_t *ks = (const uint16_t *)(krow[t] + hoff);
+            const uint16_t *vs = (const uint16_t *)(vrow[t] + hoff);
+            float *vd = w->vf + (size_t)t * D;
+            for (int d = 0; d < D; d++) {
+                kt[d * PA_CHUNK + t] = bf16_to_f32(ks[d]);
+                vd[d] = bf16_to_f32(vs[d]);
+            }
+            vr[t] = vd;
+        }
+    }
+    pvi lane_bit[PA_NV];  /* bit t of the visibility word, lane by lane */
+    for (int j = 0; j < PA_NV; j++)
+        for (int i = 0; i < PA_VL; i++)
+            lane_bit[j][i] = 1 << (j * PA_VL + i);
+    /* Scores, 4 rows at a time: 4 x PA_NV independent FMA chains, each K load used 4 times
+     * (one row alone would be a single chain of D dependent FMAs per vector). */
+    for (int r = r0; r < r0 + RH; r += 4) {
+        const int mr = r0 + RH - r < 4 ? r0 + RH - r : 4;
+        const float *q[4];
+        for (int m = 0; m < 4; m++)
+            q[m] = (const float *)w->qrow[r + (m < mr ? m : 0)];
+        pvf sv[4][PA_NV];
+        for (int m = 0; m < 4; m++)
+            for (int j = 0; j < PA_NV; j++)
+                sv[m][j] = (pvf){0};
+        for (int d = 0; d < D; d++)
+            for (int j = 0; j < PA_NV; j++) {
+                const pvf k = pv_load(kt + (size_t)d * PA_CHUNK + j * PA_VL);
+                for (int m = 0; m < 4; m++)
+                    sv[m][j] += q[m][d] * k;
+            }
+        for (int m = 0; m < mr; m++)
+            for (int j = 0; j < PA_NV; j++)
+                pv_store(w->sp + (size_t)(r + m) * PA_CHUNK + j * PA_VL, sv[m][j] * J->scl);
+    }
+    for (int r = r0; r < r0 + RH; r++) {
+        const uint32_t vis = w->vis[(r - r0) / G];
+        float *s = w->sp + (size_t)r * PA_CHUNK;
+        pvf sv[PA_NV];
+        for (int j = 0; j < PA_NV; j++)
+            sv[j] = pv_load(s + j * PA_VL);
+        float cm = -INFINITY;
+        for (int t = 0; t < n; t++)
+            if ((vis >> t & 1u) && s[t] > cm)
+                cm = s[t];
+        const float mo = w->m[r], mn = cm > mo ? cm : mo;
+        if (mn == -INFINITY)
+            continue;  /* nothing visible yet: acc and l stay 0 */
+        const float c = mn == mo ? 1.f : exp2f(mo - mn);
+        float *lv = w->lv + (size_t)r * PA_CHUNK;
+        for (int j = 0; j < PA_NV; j++) {
+            const pvf p = (pvf)((pvi)exp2_pv(sv[j] - mn) & ((lane_bit[j] & (int32_t)vis) != 0));
+            pv_store(lv + j * PA_VL, pv_load(lv + j * PA_VL) * c + p);
+            pv_store(s + j * PA_VL, p);
+        }
+        w->m[r] = mn;
+        float *a = w->acc + (size_t)r * D;
+        int d0 = 0;
+        for (; d0 + 4 * PA_VL <= D; d0 += 4 * PA_VL) {
+            pvf b0 = pv_load(a + d0) * c, b1 = pv_load(a + d0 + PA_VL) * c;
+            pvf b2 = pv_load(a + d0 + 2 * PA_VL) * c, b3 = pv_load(a + d0 + 3 * PA_VL) * c;
+            for (int t = 0; t < n; t++) {
+                const float p = s[t];
+                const float *v = vr[t] + d0;
+                b0 += p * pv_load(v);
+                b1 += p * pv_load(v + PA_VL);
+                b2 += p * pv_load(v + 2 * PA_VL);
+                b3 += p * pv_load(v + 3 * PA_VL);
+            }
+            pv_store(a + d0, b0);
+            pv_store(a + d0 + PA_VL, b1);
+            pv_store(a + d0 + 2 * PA_VL, b2);
+            pv_store(a + d0 + 3 * PA_VL, b3);
+        }
+        for (; d0 + PA_VL <= D; d0 += PA_VL) {
+            pvf b = pv_load(a + d0) * c;
+            for (int t = 0; t < n; t++)
+                b += s[t] * pv_load(vr[t] + d0);
+            pv_store(a + d0, b);
+        }
+        for (int d = d0; d < D; d++) {
+            float x = a[d] * c;
+            for (int t = 0; t < n; t++)
+                x += s[t] * vr[t][d];
+            a[d] = x;
+        }
+    }
+}
+
+#ifdef PA_X86
+/* ------------------------------------------------------------------------- */
+/* AVX-512 chunk step                                                         */
+/* ------------------------------------------------------------------------- */
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+
+/* 2^x for x <= 0 (lanes of -inf give 2^-150 = 0): 2^n * p(f), n = round(x), f in
+ * [-1/2, 1/2], p the degree-7 Taylor polynomial of e^(f ln 2) (error < 1e-8 relative). */
+static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059840e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381608e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* fp32 -> bf16, round to nearest even, NaNs kept quiet (as f32_to_bf16), 16 lanes. */
+static inline __attribute__((always_inline)) __m256i bf16x16_rne(__m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* The even and odd bf16 elements of 32 packed in x, widened to fp32 exactly. */
+static inline __attribute__((always_inline)) __m512 bf16_even(__m512i x)
+{
+    return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+}
+
+static inline __attribute__((always_inline)) __m512 bf16_odd(__m512i x)
+{
+    return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* In-register transpose of a 16 x 16 block of 32-bit words: r[i] lane j -> r[j] lane i.
+ * Unpack 32-bit then 64-bit pairs (4 x 4 blocks inside each 128-bit lane), then move
+ * 128-bit lanes twice. */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
+{
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + j]: per 128-bit lane L, column 4L + j of rows 4g .. 4g + 3. */
+    for (int g = 0; g < 4; g++) {
+        const __m512i *tt = t + 4 * g;
+        u[4 * g + 0] = _mm512_unpacklo_epi64(tt[0], tt[2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(tt[0], tt[2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(tt[1], tt[3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(tt[1], tt[3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+        r[j] = _mm512_shuffle_i32x4(v0, v2, _MM_SHUFFLE(2, 0, 2, 0));
+        r[4 + j] = _mm512_shuffle_i32x4(v0, v2, _MM_SHUFFLE(3, 1, 3, 1));
+        r[8 + j] = _mm512_shuffle_i32x4(v1, v3, _MM_SHUFFLE(2, 0, 2, 0));
+        r[12 + j] = _mm512_shuffle_i32x4(v1, v3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* kt[c][t] = 32-bit word c of row t + hoff (rows t >= n read as zeros): nw words per row,
+ * bf16 pairs (d = 2c, 2c + 1) or fp32 values.  nw % 16 == 0.  Each 64-byte line loaded
+ * here has its twin in the prefetch chunk (pf rows, pn of them) requested now. */
+static void transpose_chunk(const char *const rows[PA_CHUNK], size_t hoff, int n, int nw,
+                            uint32_t *kt, const pa_pf_t *pf)
+{
+    for (int c = 0; c < nw; c += 16) {
+        __m512i r[16];
+        for (int t = 0; t < pf->n; t++)
+            _mm_prefetch(pf->k[t] + hoff + (size_t)c * 4, _MM_HINT_T0);
+        for (int t = 0; t < 16; t++)
+            r[t] = t < n ? _mm512_loadu_si512((const void *)((const uint32_t *)(rows[t] + hoff) + c))
+                         : _mm512_setzero_si512();
+        transpose16(r);
+        for (int j = 0; j < 16; j++)
+            _mm512_store_si512((void *)(kt + (size_t)(c + j) * 16), r[j]);
+    }
+}
+
+/* Scores of MR query rows against the chunk: s[m] = sum_d q[m][d] * kt[d][:], fp32 q and
+ * K.  NA accumulators per row keep enough independent FMA chains in flight. */
+static inline __attribute__((always_inline))
+void qk_f32_rows(const float *kt, int D, const void *const *qv, float *s, const int MR)
+{
+    const int NA = MR <= 2 ? 4 : MR <= 4 ? 3 : 2;
+    const float *q[8];
+    __m512 acc[8][4];
+    for (int m = 0; m < MR; m++) {
+        q[m] = (const float *)qv[m];
+        for (int a = 0; a < NA; a++)
+            acc[m][a] = _mm512_setzero_ps();
+    }
+    int d = 0;
+    for (; d + NA <= D; d += NA)
+        for (int a = 0; a < NA; a++) {
+            const __m512 kv = _mm512_load_ps(kt + (size_t)(d + a) * 16);
+            for (int m = 0; m < MR; m++)
+                acc[m][a] = _mm512_fmadd_ps(kv, _mm512_set1_ps(q[m][d + a]), acc[m][a]);
+        }
+    for (; d < D; d++) {
+        const __m512 kv = _mm512_load_ps(kt + (size_t)d * 16);
+        for (int m = 0; m < MR; m++)
+            acc[m][0] = _mm512_fmadd_ps(kv, _mm512_set1_ps(q[m][d]), acc[m][0]);
+    }
+    for (int m = 0; m < MR; m++) {
+        __m512 v = acc[m][0];
+        for (int a = 1; a < NA; a++)
+            v = _mm512_add_ps(v, acc[m][a]);
+        _mm512_store_ps(s + m * 16, v);
+    }
+}
+
+/* The same for bf16 K without vdpbf16ps: each 32-bit word of kt holds the pair
+ * (K[2c], K[2c + 1]), widened exactly by a shift / a mask; q rows are fp32. */
+static inline __attribute__((always_inline))
+void qk_bf16w_rows(const uint32_t *kt, int D, const void *const *qv, float *s, const int MR)
+{
+    const float *q[8];
+    __m512 acc[8][2];
+    for (int m = 0; m < MR; m++) {
+        q[m] = (const float *)qv[m];
+        acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < D / 2; c++) {
+        const __m512i kw = _mm512_load_si512((const void *)(kt + (size_t)c * 16));
+        const __m512 ke = bf16_even(kw), ko = bf16_odd(kw);
+        for (int m = 0; m < MR; m++) {
+            acc[m][0] = _mm512_fmadd_ps(ke, _mm512_set1_ps(q[m][2 * c]), acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(ko, _mm512_set1_ps(q[m][2 * c + 1]), acc[m][1]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        _mm512_store_ps(s + m * 16, _mm512_add_ps(acc[m][0], acc[m][1]));
+}
+
+#define PA_ROWS_SWITCH(FN, n, ...)                    \
+    switch (n) {                                      \
+    case 1: FN(__VA_ARGS__, 1); break;                \
+    case 2: FN(__VA_ARGS__, 2); break;                \
+    case 3: FN(__VA_ARGS__, 3); break;                \
+    case 4: FN(__VA_ARGS__, 4); break;                \
+    case 5: FN(__VA_ARGS__, 5); break;                \
+    case 6: FN(__VA_ARGS__, 6); break;                \
+    case 7: FN(__VA_ARGS__, 7); break;                \
+    default: FN(__VA_ARGS__, 8); break;               \
+    }
+
+static void qk_f32(const float *kt, int D, const void *const *q, float *s, int R)
+{
+    for (int r = 0; r < R; r += 8)
+        PA_ROWS_SWITCH(qk_f32_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
+}
+
+static void qk_bf16w(const uint32_t *kt, int D, const void *const *q, float *s, int R)
+{
+    for (int r = 0; r < R; r += 8)
+        PA_ROWS_SWITCH(qk_bf16w_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
+}
+
+static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R);
+
+/* Online-softmax update of rows [r0, r0 + RH) from their chunk scores (in place: scores
+ * -> P); row r0 + ti * G + g belongs to query token ti.  Row sums stay 16-lane vectors
+ * (lv, reduced once at the end of the item), and the horizontal max is taken only when
+ * some visible score exceeds the running max: after the first chunks it rarely does. */
+static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl)
+{
+    const __m512 vscl = _mm512_set1_ps(scl);
+    for (int r = r0, ti = 0; r < r0 + RH; ti++) {
+        const __mmask16 vm = (__mmask16)w->vis[ti];
+        for (int g = 0; g < G; g++, r++) {
+            float *sp = w->sp + (size_t)r * 16;
+            const __m512 s = _mm512_mul_ps(_mm512_load_ps(sp), vscl);
+            const float mo = w->m[r];
+            float mn = mo, c = 1.f;
+            if (_mm512_mask_cmp_ps_mask(vm, s, _mm512_set1_ps(mo), _CMP_GT_OQ)) {
+                mn = _mm512_mask_reduce_max_ps(vm, s);
+                c = exp2f(mo - mn);  /* 0 for the first visible scores (mo = -inf) */
+            }
+            w->corr[r] = c;
+            if (mn == -INFINITY) {  /* nothing visible yet: P = 0, acc and l stay 0 */
+                _mm512_store_ps(sp, _mm512_setzero_ps());
+                continue;
+            }
+            const __m512 p = _mm512_maskz_mov_ps(vm, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+            _mm512_store_ps(sp, p);
+            float *lv = w->lv + (size_t)r * 16;
+            _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), _mm512_set1_ps(c), p));
+            w->m[r] = mn;
+        }
+    }
+}
+
+/* acc[m][cb .. cb + 16 NV) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR rows; the V
+ * vectors of a position are loaded once and used by all MR rows.  VBF16: V rows are bf16
+ * (vr = byte addresses of the head's rows), widened here as [even | odd] per 32 elements;
+ * else fp32 rows. */
+static inline __attribute__((always_inline))
+void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, int D,
+             const float *corr, const char *const *pfv, int pn, size_t pfoff,
+             const int VBF16, const int MR, const int NV)
+{
+    __m512 a[6][4];
+    for (int m = 0; m < MR; m++) {
+        const __m512 c = _mm512_set1_ps(corr[m]);
+        for (int v = 0; v < NV; v++)
+            a[m][v] = _mm512_mul_ps(_mm512_load_ps(acc + (size_t)m * D + cb + v * 16), c);
+    }
+    for (int t = 0; t < n; t++) {
+        __m512 vv[4];
+        /* The same lines of the prefetch chunk's V row (first row block only). */
+        if (t < pn)
+            for (int v = 0; v < NV; v += (VBF16 ? 2 : 1))
+                _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * (VBF16 ? 2 : 4), _MM_HINT_T0);
+        if (VBF16) {
+            for (int v = 0; v < NV; v += 2) {
+                const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)vr[t] + cb + v * 16));
+                vv[v] = bf16_even(x);
+                vv[v + 1] = bf16_odd(x);
+            }
+        } else {
+            for (int v = 0; v < NV; v++)
+                vv[v] = _mm512_loadu_ps((const float *)vr[t] + cb + v * 16);
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m512 p = _mm512_set1_ps(P[m * 16 + t]);
+            for (int v = 0; v < NV; v++)
+                a[m][v] = _mm512_fmadd_ps(vv[v], p, a[m][v]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++)
+            _mm512_store_ps(acc + (size_t)m * D + cb + v * 16, a[m][v]);
+}
+
+#define PA_PV_ROWS(VB, NV, mr, ...)                              \
+    switch (mr) {                                                \
+    case 1: pv_tile(__VA_ARGS__, VB, 1, NV); break;              \
+    case 2: pv_tile(__VA_ARGS__, VB, 2, NV); break;              \
+    case 3: pv_tile(__VA_ARGS__, VB, 3, NV); break;              \
+    case 4: pv_tile(__VA_ARGS__, VB, 4, NV); break;              \
+    case 5: pv_tile(__VA_ARGS__, VB, 5, NV); break;              \
+    default: pv_tile(__VA_ARGS__, VB, 6, NV); break;             \
+    }
+
+/* Rows in blocks of 6 and head_dim in blocks of 64 (a last block of 32 when D % 64 == 32):
+ * at most 24 accumulators + 4 V vectors.  vr: the cache's rows (bf16 or fp32, prefetching
+ * the pf chunk's twins, pfoff into their rows) or, pf NULL, rows widened in scratch. */
+static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, int D, int vbf16,
+                     const pa_pf_t *pf, size_t pfoff)
+{
+    for (int cb = 0; cb < D; cb += 64) {
+        const int full = D - cb >= 64;
+        for (int r = r0; r < r0 + RH; r += 6) {
+            const int mr = r0 + RH - r;
+            const float *P = w->sp + (size_t)r * 16;
+            float *acc = w->acc + (size_t)r * D;
+            const float *corr = w->corr + r;
+            const int pn = pf && r == r0 ? pf->n : 0;
+            const char *const *pfv = pf ? pf->v : NULL;
+            if (vbf16) {
+                if (full) { PA_PV_ROWS(1, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(1, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            } else {
+                if (full) { PA_PV_ROWS(0, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(0, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            }
+        }
+    }
+}
+
+/* One kv head (rows [r0, r0 + RH)) against the n positions of the chunk; pf: the chunk
+ * to prefetch meanwhile. */
+static void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+                        const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
+                        size_t hoff, const pa_pf_t *pf)
+{
+    const int D = J->D;
+    const void *vr[PA_CHUNK];
+    int vbf16 = 0;
+    const pa_pf_t *vpf = pf;  /* V prefetches: in P.V, or in the widening loop below */
+    if (J->dt == DT_F32) {
+        transpose_chunk(krow, hoff, n, D, (uint32_t *)w->kt, pf);
+        qk_f32(w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+        for (int t = 0; t < n; t++)
+            vr[t] = vrow[t] + hoff;
+    } else {
+        transpose_chunk(krow, hoff, n, D / 2, (uint32_t *)w->kt, pf);
+        if (J->isa >= ISA_AVX512_BF16)
+            qk_bf16dp((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+        else
+            qk_bf16w((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+        if (RH <= 6) {
+            /* One row block: widen V in registers as it is used. */
+            for (int t = 0; t < n; t++)
+                vr[t] = vrow[t] + hoff;
+            vbf16 = 1;
+        } else {
+            /* Several row blocks would each widen it again: widen the chunk once, in the
+             * same [even | odd] order. */
+            vpf = NULL;
+            for (int t = 0; t < n; t++) {
+                const uint16_t *src = (const uint16_t *)(vrow[t] + hoff);
+                float *dst = w->vf + (size_t)t * D;
+                if (t < pf->n)
+                    for (int d = 0; d < D; d += 32)
+                        _mm_prefetch(pf->v[t] + hoff + (size_t)d * 2, _MM_HINT_T0);
+                for (int d = 0; d < D; d += 32) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(src + d));
+                    _mm512_store_ps(dst + d, bf16_even(x));
+                    _mm512_store_ps(dst + d + 16, bf16_odd(x));
+                }
+                vr[t] = dst;
+            }
+        }
+    }
+    softmax_chunk(w, r0, RH, J->G, J->scl);
+    pv_chunk(w, r0, RH, n, vr, D, vbf16, vpf, hoff);
+}
+
+/* out row = acc * inv in the output dtype (D % 32 == 0 here); perm: acc holds each 32-wide
+ * block as [even | odd] and is interleaved back. */
+static void store_row_avx512(void *out, const float *acc, float inv, int D, int dt, int perm)
+{
+    const __m512 s = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int d = 0; d < D; d += 32) {
+        __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + d), s);
+        __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + d + 16), s);
+        if (perm) {
+            const __m512 e = x0;
+            x0 = _mm512_permutex2var_ps(e, lo, x1);
+            x1 = _mm512_permutex2var_ps(e, hi, x1);
+        }
+        if (dt == DT_F32) {
+            _mm512_storeu_ps((float *)out + d, x0);
+            _mm512_storeu_ps((float *)out + d + 16, x1);
+        } else {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + d), bf16x16_rne(x0));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + d + 16), bf16x16_rne(x1));
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
+
+/* acc += k . {q pair}: vdpbf16ps with the q pair as an embedded 32-bit broadcast from
+ * memory (gcc 12 does not fold _mm512_set1_epi32 into it: one extra uop per product). */
+static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, __m512bh k, const uint32_t *q)
+{
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(k), "m"(*q));
+    return acc;
+}
+
+/* bf16 q x bf16 K with vdpbf16ps: lane t of s[m] += q[2c] K[t][2c] + q[2c+1] K[t][2c+1],
+ * the q pair broadcast as one 32-bit word.  NA accumulator chains per row. */
+static inline __attribute__((always_inline))
+void qk_dp_rows(const uint32_t *kt, int D, const void *const *q, float *s, const int MR)
+{
+    const int NA = MR <= 2 ? 4 : MR <= 4 ? 3 : 2;
+    const int nw = D / 2;
+    __m512 acc[8][4];
+    const uint32_t *qw[8];
+    for (int m = 0; m < MR; m++) {
+        qw[m] = (const uint32_t *)q[m];
+        for (int a = 0; a < NA; a++)
+            acc[m][a] = _mm512_setzero_ps();
+    }
+    int c = 0;
+    for (; c + NA <= nw; c += NA)
+        for (int a = 0; a < NA; a++) {
+            const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kt + (size_t)(c + a) * 16));
+            for (int m = 0; m < MR; m++)
+                acc[m][a] = dp_bcast(acc[m][a], kv, qw[m] + c + a);
+        }
+    for (; c < nw; c++) {
+        const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kt + (size_t)c * 16));
+        for (int m = 0; m < MR; m++)
+            acc[m][0] = dp_bcast(acc[m][0], kv, qw[m] + c);
+    }
+    for (int m = 0; m < MR; m++) {
+        __m512 v = acc[m][0];
+        for (int a = 1; a < NA; a++)
+            v = _mm512_add_ps(v, acc[m][a]);
+        _mm512_store_ps(s + m * 16, v);
+    }
+}
+
+static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R)
+{
+    for (int r = 0; r < R; r += 8)
+        PA_ROWS_SWITCH(qk_dp_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
+}
+
+#pragma GCC pop_options
+#endif /* PA_X86 */
+
+/* ------------------------------------------------------------------------- */
+/* One work item                                                              */
+/* ------------------------------------------------------------------------- */
+
+static void store_row(const pa_job_t *J, void *out, const float *acc, float inv)
+{
+#ifdef PA_X86
+    if (J->isa >= ISA_AVX512) {
+        store_row_avx512(out, acc, inv, J->D, J->dt, J->perm);
+        return;
+    }
+#endif
+    if (J->dt == DT_F32)
+        for (int d = 0; d < J->D; d++)
+            ((float *)out)[d] = acc[d] * inv;
+    else
+        for (int d = 0; d < J->D; d++)
+            ((uint16_t *)out)[d] = f32_to_bf16(acc[d] * inv);
+}
+
+/* Output row of item-row r (rows per head RH = nt * G). */
+static inline char *out_row(const pa_job_t *J, int tok0, int h0, int RH, int r)
+{
+    const int hi = r / RH, ri = r % RH;
+    return J->out + ((size_t)(tok0 + ri / J->G) * J->H + (size_t)(h0 + hi) * J->G + ri % J->G) *
+                    J->D * J->esz;
+}
+
+/* K and V row addresses (for kv head 0) of the next min(left, 16) positions, from block
+ * `*blk`, offset `*off` on (advanced past them); returns how many. */
+static inline int chunk_rows(const int32_t *bt, int bs, const char *kbase, const char *vbase,
+                             size_t row_stride, int left, int *blk, int *off,
+                             const char **krow, const char **vrow)
+{
+    const int n = left < PA_CHUNK ? (left > 0 ? left : 0) : PA_CHUNK;
+    int b = *blk, o = *off;
+    for (int t = 0; t < n; t++) {
+        const size_t slot = (size_t)bt[b] * bs + o;
+        krow[t] = kbase + slot * row_stride;
+        vrow[t] = vbase + slot * row_stride;
+        if (++o == bs) {
+            o = 0;
+            b++;
+        }
+    }
+    *blk = b;
+    *off = o;
+    return n;
+}
+
+/* Prefetch the K and V bytes [0, span) of the next min(left, 16) positions (advancing the
+ * cursor like chunk_rows); returns how many positions. */
+static inline int prefetch_rows(const int32_t *bt, int bs, const char *kbase, const char *vbase,
+                                size_t row_stride, size_t span, int left, int *blk, int *off)
+{
+    const int n = left < PA_CHUNK ? left : PA_CHUNK;
+    int b = *blk, o = *off;
+    for (int t = 0; t < n; t++) {
+        const size_t at = ((size_t)bt[b] * bs + o) * row_stride;
+        for (size_t x = 0; x < span; x += 64) {
+            __builtin_prefetch(kbase + at + x);
+            __builtin_prefetch(vbase + at + x);
+        }
+        if (++o == bs) {
+            o = 0;
+            b++;
+        }
+    }
+    *blk = b;
+    *off = o;
+    return n;
+}
+
+static void run_item(const pa_job_t *J, const pa_item_t *it)
+{
+    const int D = J->D, G = J->G, esz = J->esz;
+    const int RH = it->nt * G, RT = it->nh * RH;
+    const int qlen = J->cu[it->seq + 1] - J->cu[it->seq];
+    const int prefix = J->cl[it->seq] - qlen;
+    const int tok0 = J->cu[it->seq] + it->t0;  /* global row of the item's first token */
+    pa_ws_t *w = ws_get(J, RT, it->nt);
+    if (!w) {
+        atomic_store((_Atomic int *)&J->err, 1);  /* the one field items write */
+        return;
+    }
+    /* Only vdpbf16ps multiplies bf16 q as is; every other path wants fp32 q rows. */
+    const int widen_q = J->dt == DT_BF16 && J->isa != ISA_AVX512_BF16;
+    for (int r = 0; r < RT; r++) {
+        const int hi = r / RH, ri = r % RH;
+        const char *src = J->q + ((size_t)(tok0 + ri / G) * J->qs_tok +
+                                  (size_t)((it->h0 + hi) * G + ri % G) * J->qs_head) * esz;
+        if (widen_q) {
+            float *dst = w->qf + (size_t)r * D;
+            for (int d = 0; d < D; d++)
+                dst[d] = bf16_to_f32(((const uint16_t *)src)[d]);
+            w->qrow[r] = dst;
+        } else {
+            w->qrow[r] = src;
+        }
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.f;
+    }
+    memset(w->acc, 0, (size_t)RT * D * sizeof(float));
+    memset(w->lv, 0, (size_t)RT * 16 * sizeof(float));
+
+    const int32_t *bt = J->bt + (size_t)it->seq * J->MB;
+    const size_t row_stride = (size_t)J->KVH * D * esz;    /* bytes between positions */
+    const size_t head_bytes = (size_t)D * esz;
+    const size_t span = (size_t)it->nh * head_bytes;        /* the item's heads, per position */
+    const char *kbase = J->k + (size_t)it->h0 * head_bytes;
+    const char *vbase = J->v + (size_t)it->h0 * head_bytes;
+    /* A prefetch cursor runs PA_PF_POS positions ahead of the compute: the item's first
+     * PA_PF_POS positions are requested at once, later chunks line by line (pa_pf_t). */
+    const char *krow[PA_CHUNK], *vrow[PA_CHUNK];
+    pa_pf_t pf;
+    int blk = it->c0 / J->BS, off = it->c0 % J->BS;
+    int pf_blk = blk, pf_off = off, pf_pos = it->c0;
+    for (int ahead = 0; ahead < PA_PF_POS && pf_pos < it->c1; ahead += PA_CHUNK)
+        pf_pos += prefetch_rows(bt, J->BS, kbase, vbase, row_stride, span, it->c1 - pf_pos,
+                                &pf_blk, &pf_off);
+    for (int pos0 = it->c0; pos0 < it->c1; pos0 += PA_CHUNK) {
+        const int n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, it->c1 - pos0, &blk, &off,
+                                 krow, vrow);
+        pf.n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, it->c1 - pf_pos, &pf_blk, &pf_off,
+                          pf.k, pf.v);
+        pf_pos += pf.n;
+        for (int i = 0; i < it->nt; i++)
+            w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
+        for (int hi = 0; hi < it->nh; hi++) {
+#ifdef PA_X86
+            if (J->isa >= ISA_AVX512) {
+                head_avx512(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
+                continue;
+            }
+#endif
+            head_portable(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes);
+        }
+    }
+
+    for (int r = 0; r < RT; r++) {
+        float sum = 0.f;
+        for (int i = 0; i < 16; i++)
+            sum += w->lv[(size_t)r * 16 + i];
+        w->l[r] = sum;
+    }
+    if (it->part < 0) {
+        for (int r = 0; r < RT; r++)
+            /* A row that saw no position at all (only possible with a mask row that has no
+             * bits and an empty prefix) gets zeros rather than 0/0. */
+            store_row(J, out_row(J, tok0, it->h0, RH, r), w->acc + (size_t)r * D,
+                      w->l[r] > 0.f ? 1.f / w->l[r] : 0.f);
+    } else {
+        float *p = J->partials + (size_t)it->part * J->part_stride;
+        memcpy(p, w->acc, (size_t)RT * D * sizeof(float));
+        memcpy(p + (size_t)RT * D, w->m, (size_t)RT * sizeof(float));
+        memcpy(p + (size_t)RT * D + RT, w->l, (size_t)RT * sizeof(float));
+    }
+}
+
+static void run_items(const void *ctx, int i0, int i1)
+{
+    const pa_job_t *J = (const pa_job_t *)ctx;
+    for (int i = i0; i < i1; i++)
+        run_item(J, &J->items[i]);
+}
+
+/* Combine the pieces of a split item: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. */
+static void merge_parts(const pa_job_t *J, const pa_merge_t *g, float *tmp)
+{
+    const int D = J->D, RH = g->nt * J->G, RT = g->nh * RH;
+    const int tok0 = J->cu[g->seq] + g->t0;
+    for (int r = 0; r < RT; r++) {
+        float M = -INFINITY;
+        for (int s = 0; s < g->nparts; s++) {
+            const float *p = J->partials + (size_t)(g->part0 + s) * J->part_stride;
+            const float ms = p[(size_t)RT * D + r];
+            M = ms > M ? ms : M;
+        }
+        for (int d = 0; d < D; d++)
+            tmp[d] = 0.f;
+        float L = 0.f;
+        if (M != -INFINITY) {
+            for (int s = 0; s < g->nparts; s++) {
+                const float *p = J->partials + (size_t)(g->part0 + s) * J->part_stride;
+                const float ms = p[(size_t)RT * D + r];
+                if (ms == -INFINITY)
+                    continue;
+                const float wgt = exp2f(ms - M);
+                L += wgt * p[(size_t)RT * D + RT + r];
+                const float *a = p + (size_t)r * D;
+                for (int d = 0; d < D; d++)
+                    tmp[d] += wgt * a[d];
+            }
+        }
+        store_row(J, out_row(J, tok0, g->h0, RH, r), tmp, L > 0.f ? 1.f / L : 0.f);
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* Planning and the public entry point                                        */
+/* ------------------------------------------------------------------------- */
+
+/* Largest cost first, so that the last items handed out are small (ties: plan order). */
+static int cmp_cost_desc(const void *a, const void *b)
+{
+    const pa_item_t *x = (const pa_item_t *)a, *y = (const pa_item_t *)b;
+    if (x->cost != y->cost)
+        return x->cost < y->cost ? 1 : -1;
+    if (x->seq != y->seq)
+        return x->seq < y->seq ? -1 : 1;
+    if (x->t0 != y->t0)
+        return x->t0 < y->t0 ? -1 : 1;
+    if (x->h0 != y->h0)
+        return x->h0 < y->h0 ? -1 : 1;
+    return x->c0 < y->c0 ? -1 : (x->c0 > y->c0);
+}
+
+/* The last new token (0-based, -1 if none) that any query token of [t0, t1) of sequence s
+ * may see: bounds the context its item has to read. */
+static int last_visible(const pa_job_t *J, int s, int qlen, int t0, int t1)
+{
+    if (!J->mask)
+        return t1 - 1;  /* causal */
+    int hi = -1;
+    for (int t = t0; t < t1; t++) {
+        const int32_t *mrow = J->mask + (size_t)(J->cu[s] + t) * J->W;
+        for (int wd = (qlen - 1) >> 5; wd >= 0 && wd * 32 + 31 > hi; wd--) {
+            uint32_t bits = (uint32_t)mrow[wd];
+            const int top = qlen - wd * 32;  /* bits of this word inside q_len */
+            if (top < 32)
+                bits &= (1u << top) - 1u;
+            if (bits) {
+                const int h = wd * 32 + 31 - __builtin_clz(bits);
+                hi = h > hi ? h : hi;
+                break;
+            }
+        }
+    }
+    return hi;
+}
+
+static inline int pa_err(int code, int64_t index) { return -(int)(code + 8 * index); }
+
+int pa_version(void) { return PA_VERSION; }
+void pa_set_solo_work(int w) { g_solo_work = w < 0 ? 0 : w; }
+
+/*
+ * out[T, H, D] = tree attention (docs/CONTRACTS.md) of q over the paged K/V of every
+ * sequence.  Returns 0, or -(code + 8 * index) with code PA_E* and index the offending
+ * sequence, before any output is written.
+ */
+int pa_tree_attention(const pa_args_t *a)
+{
+    const int64_t T = a->num_tokens, H = a->num_heads, D = a->head_dim, KVH = a->num_kv_heads;
+    const int64_t NB = a->num_blocks, BS = a->block_size, S = a->num_seqs, MB = a->max_blocks;
+    const int64_t W = a->mask_bits ? a->num_words : 0;
+    if (T < 0 || H < 1 || D < 1 || KVH < 1 || H % KVH || NB < 0 || BS < 1 || S < 0 || MB < 0 ||
+        (a->dtype != DT_F32 && a->dtype != DT_BF16) || (a->mask_bits && W < 1) ||
+        T > INT32_MAX / 2 || H * D > INT32_MAX / 2 || D > 65536 || MB * BS > INT32_MAX / 2)
+        return pa_err(PA_EDIMS, 0);
+    if (T == 0)
+        return 0;
+
+    pa_job_t J;
+    memset(&J, 0, sizeof(J));
+    J.q = (const char *)(intptr_t)a->q;
+    J.k = (const char *)(intptr_t)a->k_cache;
+    J.v = (const char *)(intptr_t)a->v_cache;
+    J.bt = (const int32_t *)(intptr_t)a->block_tables;
+    J.cl = (const int32_t *)(intptr_t)a->context_lens;
+    J.cu = (const int32_t *)(intptr_t)a->cu_seqlens_q;
+    J.mask = (const int32_t *)(intptr_t)a->mask_bits;
+    J.out = (char *)(intptr_t)a->out;
+    J.qs_tok = a->q_stride_tok;
+    J.qs_head = a->q_stride_head;
+    J.T = (int)T; J.H = (int)H; J.D = (int)D; J.KVH = (int)KVH; J.NB = (int)NB; J.BS = (int)BS;
+    J.S = (int)S; J.MB = (int)MB; J.W = (int)W; J.dt = (int)a->dtype;
+    J.G = (int)(H / KVH);
+    J.esz = J.dt == DT_F32 ? 4 : 2;
+    J.scl = (float)(a->scale * 1.4426950408889634);
+    J.isa = pg_isa();
+    if (D % 32)
+        J.isa = ISA_PORTABLE;  /* the vector paths work in 32-wide blocks of head_dim */
+    J.perm = J.isa >= ISA_AVX512 && J.dt == DT_BF16;
+
+    /* Validate everything the items will index with, before any work starts. */
+    if (J.cu[0] != 0 || J.cu[S] != T)
+        return pa_err(PA_ECUEND, 0);
+    for (int s = 0; s < S; s++) {
+        const int64_t qlen = (int64_t)J.cu[s + 1] - J.cu[s];
+        const int64_t ctx = J.cl[s];
+        if (qlen < 0)
+            return pa_err(PA_ECU, s);
+        if (qlen == 0)
+            continue;
+        if (ctx < qlen || ctx > MB * BS)
+            return pa_err(PA_ECTX, s);
+        if (J.mask && qlen > W * 32)
+            return pa_err(PA_EMASK, s);
+        const int32_t *bt = J.bt + (size_t)s * MB;
+        for (int64_t b = 0; b < (ctx + BS - 1) / BS; b++)
+            if (bt[b] < 0 || bt[b] >= NB)
+                return pa_err(PA_EBLOCK, s);
+    }
+
+    /* Item shape: tokens in blocks of at most ntmax (PA_MAX_ROWS rows per kv head at
+     * head_dim 64, fewer for wider heads), and as many kv heads as fit PA_ACC_FLOATS
+     * accumulators, in even groups. */
+    const int G = J.G;
+    const int row_cap = (int)(PA_MAX_ROWS * 64 / (D > 64 ? D : 64));
+    const int ntmax = row_cap / G > 0 ? row_cap / G : 1;
+    int nh = (int)(PA_ACC_FLOATS / ((int64_t)ntmax * G * D));
+    nh = nh < 1 ? 1 : nh > KVH ? (int)KVH : nh;
+    const int ngrp = (int)((KVH + nh - 1) / nh);
+    nh = (int)((KVH + ngrp - 1) / ngrp);  /* the widest group */
+    int64_t nbase = 0;
+    for (int s = 0; s < S; s++) {
+        const int qlen = J.cu[s + 1] - J.cu[s];
+        if (qlen > 0)
+            nbase += (int64_t)ngrp * ((qlen + ntmax - 1) / ntmax);
+    }
+    if (nbase > INT32_MAX / 64)
+        return pa_err(PA_EDIMS, 0);
+    const int want = nbase < PA_TARGET_ITEMS ? (int)((PA_TARGET_ITEMS + nbase - 1) / nbase) : 1;
+
+    /* Pass 1 counts items and partial slots, pass 2 fills them in. */
+    pa_item_t *items = NULL;
+    pa_merge_t *groups = NULL;
+    int nitems = 0, ngroups = 0, nparts = 0;
+    int64_t total = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        nitems = ngroups = nparts = 0;
+        total = 0;
+        for (int s = 0; s < S; s++) {
+            const int qlen = J.cu[s + 1] - J.cu[s];
+            if (qlen == 0)
+                continue;
+            const int prefix = J.cl[s] - qlen;
+            const int nblk = (qlen + ntmax - 1) / ntmax;
+            for (int b = 0; b < nblk; b++) {
+                /* Even token blocks: 64 tokens as 22 + 21 + 21, not 21 + 21 + 21 + 1. */
+                const int t0 = (int)((int64_t)qlen * b / nblk);
+                const int t1 = (int)((int64_t)qlen * (b + 1) / nblk);
+                const int end = prefix + last_visible(&J, s, qlen, t0, t1) + 1;
+                int splits = want < end / PA_MIN_SPLIT ? want : end / PA_MIN_SPLIT;
+                if (splits < 1)
+                    splits = 1;
+                for (int gi = 0; gi < ngrp; gi++) {
+                    const int h0 = (int)(KVH * gi / ngrp), h1 = (int)(KVH * (gi + 1) / ngrp);
+                    const int rows = (t1 - t0) * G * (h1 - h0);
+                    if (splits > 1 && pass == 1)
+                        groups[ngroups] = (pa_merge_t){s, h0, h1 - h0, t0, t1 - t0, nparts, splits};
+                    for (int p = 0; p < splits; p++) {
+                        /* Piece boundaries on multiples of the chunk. */
+                        const int c0 = (int)(((int64_t)end * p / splits) & ~(int64_t)(PA_CHUNK - 1));
+                        const int c1 = p + 1 == splits ? end
+                                     : (int)(((int64_t)end * (p + 1) / splits) & ~(int64_t)(PA_CHUNK - 1));
+                        if (pass == 1)
+                            items[nitems] = (pa_item_t){s, h0, h1 - h0, t0, t1 - t0, c0, c1,
+                                                        splits > 1 ? nparts + p : -1,
+                                                        (int64_t)(c1 - c0 + PA_CHUNK) * rows};
+                        nitems++;
+                        total += (int64_t)(c1 - c0) * rows;
+                    }
+                    if (splits > 1) {
+                        nparts += splits;
+                        ngroups++;
+                    }
+                }
+            }
+        }
+        if (pass == 0) {
+            J.part_stride = ((size_t)ntmax * G * nh * (D + 2) + 15) & ~(size_t)15;
+            const size_t head = (size_t)nitems * sizeof(pa_item_t) + (size_t)ngroups * sizeof(pa_merge_t);
+            const size_t bytes = ((head + 63) & ~(size_t)63) +
+                                 ((size_t)nparts * J.part_stride + D) * sizeof(float);
+            char *base = (char *)tls_scratch(1, bytes);
+            if (!base)
+                return pa_err(PA_ENOMEM, 0);
+            items = (pa_item_t *)base;
+            groups = (pa_merge_t *)(base + (size_t)nitems * sizeof(pa_item_t));
+            J.partials = (float *)(base + ((head + 63) & ~(size_t)63));
+        }
+    }
+    float *merge_tmp = J.partials + (size_t)nparts * J.part_stride;
+    qsort(items, (size_t)nitems, sizeof(pa_item_t), cmp_cost_desc);
+    J.items = items;
+
+    if (total < g_solo_work || (a->flags & PA_SOLO))
+        run_items(&J, 0, nitems);
+    else
+        pg_parallel_for(run_items, &J, nitems, 1);
+    if (atomic_load(&J.err))
+        return pa_err(PA_ENOMEM, 0);
+    for (int g = 0; g < ngroups; g++)
+        merge_parts(&J, &groups[g], merge_tmp);
+    return 0;
+}

@@ -1,0 +1,396 @@
+"""Correctness of prescient.kernels.cpu_attention (the C tree_attention) against the reference.
+
+Tolerances.  fp32: the kernel and the reference differ only in fp32 summation order and in
+the softmax's exp (the kernel works in base 2), so atol = rtol = 1e-5.  bf16: the reference
+is computed in fp32 from the same bf16 inputs (the products of bf16 values are exact in fp32,
+so that is what the kernel computes before its one rounding of the output), and the kernel
+may differ by one bf16 rounding of the output: |out - ref| <= 2^-8 |ref| + 1e-5.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from prescient.kernels import cpu_attention, cpu_linear, ops, reference
+from prescient.speculative.tree import DraftTree
+
+DTYPES = [torch.float32, torch.bfloat16]
+# (num_heads, num_kv_heads): GQA groups 1, 3 (the default model), 4; (8, 8) at head_dim 128
+# also splits the kv heads over several work items.
+HEADS = [(4, 4), (9, 3), (8, 2)]
+
+
+def _kernel_or_skip() -> None:
+    if not cpu_attention.available():
+        reason = cpu_attention.why_not() or ""
+        pytest.skip(f"C attention kernel unavailable: {reason}")
+
+
+def _no_kernel_needed(fn):
+    fn.no_kernel_needed = True
+    return fn
+
+
+@pytest.fixture(autouse=True)
+def _needs_kernel(request):
+    if not getattr(request.function, "no_kernel_needed", False):
+        _kernel_or_skip()
+    yield
+
+
+@pytest.fixture
+def isa_cap():
+    """Run at a lower ISA (0 portable, 1 AVX-512 without BF16), restoring afterwards."""
+    yield cpu_linear._set_isa_cap
+    cpu_linear._set_isa_cap(99)
+
+
+@pytest.fixture
+def pooled():
+    """Send every call through the thread pool, however small (restores the default)."""
+    cpu_attention._set_solo_work(0)
+    yield
+    cpu_attention._set_solo_work(2048)
+
+
+def _batch(q_lens, ctx_lens, *, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+           dtype=torch.float32, seed=0, spare_blocks=5):
+    """Random q and paged caches; every sequence's blocks are scattered (shuffled ids)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [(c + block_size - 1) // block_size for c in ctx_lens]
+    num_blocks = sum(need) + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    ids = torch.randperm(num_blocks, generator=g).int()
+    max_blocks = max(need + [1]) + 2  # unused trailing entries, as in the engine's tables
+    block_tables = torch.full((len(ctx_lens), max_blocks), -1, dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(need):
+        block_tables[s, :n] = ids[at:at + n]
+        at += n
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k_cache, v_cache, block_tables, torch.tensor(ctx_lens, dtype=torch.int32), cu
+
+
+def _check(q, k_cache, v_cache, block_tables, ctx, cu, mask_bits, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = cpu_attention.tree_attention(q, k_cache, v_cache, block_tables, ctx, cu, mask_bits, scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    ref = reference.tree_attention(q.float(), k_cache.float(), v_cache.float(), block_tables,
+                                   ctx, cu, mask_bits, scale)
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        err = (out.float() - ref).abs()
+        tol = 2.0 ** -8 * ref.abs() + 1e-5
+        assert bool((err <= tol).all()), f"max excess {(err - tol).max().item():.3g}"
+    return out
+
+
+def _random_tree(n: int, rng: random.Random) -> DraftTree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    return DraftTree([rng.randrange(1000) for _ in range(n)], parents)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes the engine produces
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("ctx", [1, 15, 16, 17, 900, 4000])
+def test_decode(dtype, heads, ctx):
+    _check(*_batch([1], [ctx], num_heads=heads[0], num_kv_heads=heads[1], dtype=dtype, seed=ctx),
+           None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_len", [2, 7, 16, 33, 64])
+@pytest.mark.parametrize("prefix", [0, 100])
+def test_prefill_chunk_causal(dtype, head_dim, q_len, prefix):
+    _check(*_batch([q_len], [prefix + q_len], head_dim=head_dim, dtype=dtype, seed=q_len + prefix),
+           None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("nodes", [1, 5, 16, 40])
+@pytest.mark.parametrize("prefix", [0, 37, 900])
+def test_draft_tree(dtype, heads, nodes, prefix):
+    rng = random.Random(nodes * 1000 + prefix)
+    tree = _random_tree(nodes, rng)
+    q, k, v, bt, ctx, cu = _batch([nodes], [prefix + nodes], num_heads=heads[0],
+                                  num_kv_heads=heads[1], dtype=dtype, seed=nodes + prefix)
+    _check(q, k, v, bt, ctx, cu, tree.mask_bits())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_random_mask_bits(dtype):
+    """Arbitrary bits (not a tree), extra words beyond q_len's, bit 31 set: with a prefix,
+    every row sees something."""
+    g = torch.Generator().manual_seed(3)
+    for q_len in (3, 32, 33, 50):
+        q, k, v, bt, ctx, cu = _batch([q_len], [q_len + 20], dtype=dtype, seed=q_len)
+        bits = torch.rand(q_len, q_len, generator=g) < 0.5
+        words = reference.pack_bits(bits)
+        # Garbage past bit q_len in the last word and a spare word must be ignored.
+        words = torch.cat([words, torch.full((q_len, 1), -1, dtype=torch.int32)], dim=1)
+        if q_len % 32:
+            words[:, q_len // 32] |= torch.tensor(-1 << (q_len % 32), dtype=torch.int32)
+        out = cpu_attention.tree_attention(q, k, v, bt, ctx, cu, words, 0.125)
+        ref = reference.tree_attention(q.float(), k.float(), v.float(), bt, ctx, cu,
+                                       reference.pack_bits(bits), 0.125)
+        tol = 2.0 ** -8 * ref.abs() + 1e-5
+        assert bool(((out.float() - ref).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_mixed_batch(dtype, heads):
+    """Decodes, a draft tree, a prefill chunk and an empty sequence in one call, the causal
+    rows carrying their causal bits (as in the engine's mixed batches)."""
+    rng = random.Random(5)
+    tree = _random_tree(12, rng)
+    q_lens = [1, 12, 0, 30, 1, 4]
+    ctx = [300, 512 + 12, 17, 30, 1, 200]
+    rows = []
+    for n in q_lens:
+        if n == 12:
+            rows.append(tree.mask_bits(num_words=1))
+        elif n:
+            rows.append(reference.pack_bits(torch.ones(n, n, dtype=torch.bool).tril()))
+    width = max(r.shape[1] for r in rows)
+    mask = torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1])) for r in rows])
+    batch = _batch(q_lens, ctx, num_heads=heads[0], num_kv_heads=heads[1], dtype=dtype, seed=7)
+    _check(*batch, mask)
+    # Causal rows only: mask_bits None gives the same result.
+    q_lens2, ctx2 = [1, 0, 30, 1, 4], [300, 17, 30, 1, 200]
+    _check(*_batch(q_lens2, ctx2, num_heads=heads[0], num_kv_heads=heads[1], dtype=dtype, seed=8),
+           None)
+
+
+def test_many_sequences_shuffled_blocks():
+    """16 decodes of different lengths over one shuffled pool of blocks (no splitting)."""
+    ctx = [300 + 37 * i for i in range(16)]
+    for dtype in DTYPES:
+        _check(*_batch([1] * 16, ctx, dtype=dtype, seed=11), None)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 32])
+def test_block_sizes(block_size):
+    """Chunks of 16 positions straddle blocks smaller than 16 and start mid-block."""
+    for dtype in DTYPES:
+        _check(*_batch([1, 16], [200, 77], block_size=block_size, dtype=dtype, seed=block_size),
+               None)
+
+
+@pytest.mark.parametrize("head_dim", [32, 48, 80, 96, 128, 256])
+def test_head_dims(head_dim):
+    """Multiples of 32 take the vector path (96: a 64 + 32 column split); others (48, 80)
+    the portable one."""
+    for dtype in DTYPES:
+        _check(*_batch([1, 9], [130, 40], num_heads=8, num_kv_heads=8, head_dim=head_dim,
+                       dtype=dtype, seed=head_dim), None)
+
+
+@pytest.mark.parametrize("cap", [0, 1], ids=["portable", "avx512"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_lower_isa_paths(isa_cap, cap, dtype):
+    isa_cap(cap)
+    rng = random.Random(cap)
+    tree = _random_tree(16, rng)
+    _check(*_batch([1], [900], dtype=dtype, seed=1), None)
+    _check(*_batch([16], [916], dtype=dtype, seed=2), tree.mask_bits())
+    _check(*_batch([33], [50], head_dim=128, num_heads=8, num_kv_heads=2, dtype=dtype, seed=3), None)
+    _check(*_batch([1, 1, 5], [17, 300, 5], dtype=dtype, seed=4), None)
+
+
+def test_strided_q_and_scale():
+    """q as the model passes it: a view into the fused qkv projection (token stride > row)."""
+    for dtype in DTYPES:
+        q, k, v, bt, ctx, cu = _batch([1, 6], [100, 60], dtype=dtype, seed=9)
+        qkv = torch.randn(q.shape[0], 15, 64).to(dtype)
+        qkv[:, :9] = q
+        view = qkv[:, :9]
+        assert not view.is_contiguous()
+        _check(view, k, v, bt, ctx, cu, None, scale=0.3)
+
+
+def test_results_do_not_depend_on_threads(pooled):
+    """The work split depends only on the shapes: 1 or 2 threads give the same bits."""
+    before = cpu_linear.library().pg_num_threads()
+    cases = [_batch([1], [4000], dtype=torch.bfloat16, seed=1),
+             _batch([16], [916], dtype=torch.float32, seed=2),
+             _batch([1] * 8, [100 * (i + 1) for i in range(8)], dtype=torch.bfloat16, seed=3)]
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            cpu_linear.set_num_threads(n)
+            outs.append([cpu_attention.tree_attention(*c, None, 0.125) for c in cases])
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert torch.equal(a, b)
+    finally:
+        cpu_linear.set_num_threads(before)
+
+
+def test_pool_on_small_calls(pooled):
+    for dtype in DTYPES:
+        _check(*_batch([1, 3, 1], [5, 20, 33], dtype=dtype, seed=12), None)
+
+
+def test_solo_while_torch_is_multithreaded(pooled):
+    """With torch on several threads the call stays on the caller's thread: same bits."""
+    import ctypes as ct
+
+    lib = cpu_linear.library()
+    stats = (ct.c_uint64 * 3)()
+    before_threads = torch.get_num_threads()
+    case = _batch([1], [2000], dtype=torch.bfloat16, seed=13)
+    try:
+        torch.set_num_threads(1)
+        lib.pg_stats(stats)
+        calls = stats[0]
+        pooled_out = cpu_attention.tree_attention(*case, None, 0.125)
+        lib.pg_stats(stats)
+        assert stats[0] == calls + (lib.pg_num_threads() > 1)
+        torch.set_num_threads(2)
+        solo_out = cpu_attention.tree_attention(*case, None, 0.125)
+        lib.pg_stats(stats)
+        assert stats[0] == calls + (lib.pg_num_threads() > 1)  # no pooled call this time
+        assert torch.equal(pooled_out, solo_out)
+    finally:
+        torch.set_num_threads(before_threads)
+
+
+def test_empty_inputs():
+    q, k, v, bt, ctx, cu = _batch([0, 0], [5, 9])
+    out = cpu_attention.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
+    assert out.shape == (0, 9, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+def test_bad_arguments_raise():
+    q, k, v, bt, ctx, cu = _batch([2, 1], [40, 20])
+    call = cpu_attention.tree_attention
+
+    def raises(match, *args):
+        with pytest.raises(ValueError, match=match):
+            call(*args)
+
+    raises("float32 or bfloat16", q.double(), k.double(), v.double(), bt, ctx, cu, None, 1.0)
+    raises("dtype", q, k.bfloat16(), v, bt, ctx, cu, None, 1.0)
+    raises("head_dim", q[..., :32], k, v, bt, ctx, cu, None, 1.0)
+    raises("multiple of num_kv_heads", q[:, :8], k, v, bt, ctx, cu, None, 1.0)
+    raises("v_cache", q, k, v[:, :8], bt, ctx, cu, None, 1.0)
+    raises(r"q must be \[num_tokens", q[0], k, v, bt, ctx, cu, None, 1.0)
+    raises("int32", q, k, v, bt.long(), ctx, cu, None, 1.0)
+    raises("cu_seqlens_q", q, k, v, bt, ctx, cu[:-1], None, 1.0)
+    raises("cu_seqlens_q must start at 0", q, k, v, bt, ctx, cu + 1, None, 1.0)
+    raises("sequence 1: cu_seqlens_q", q, k, v, bt, ctx, torch.tensor([0, 4, 3], dtype=torch.int32),
+           None, 1.0)
+    raises("sequence 1: context_lens", q, k, v, bt, torch.tensor([40, 0], dtype=torch.int32), cu,
+           None, 1.0)
+    too_long = torch.tensor([40, bt.shape[1] * 16 + 1], dtype=torch.int32)
+    raises("sequence 1: context_lens", q, k, v, bt, too_long, cu, None, 1.0)
+    bad_block = bt.clone()
+    bad_block[0, 1] = k.shape[0]
+    raises("sequence 0: block_tables", q, k, v, bad_block, ctx, cu, None, 1.0)
+    bad_block[0, 1] = -1
+    raises("sequence 0: block_tables", q, k, v, bad_block, ctx, cu, None, 1.0)
+    raises("mask_bits must be int32", q, k, v, bt, ctx, cu, torch.zeros(2, 1, dtype=torch.int32), 1.0)
+    raises("mask_bits must be int32", q, k, v, bt, ctx, cu, torch.zeros(3, 1, dtype=torch.int64), 1.0)
+    raises("no words", q, k, v, bt, ctx, cu, torch.zeros(3, 0, dtype=torch.int32), 1.0)
+    q40, k40, v40, bt40, ctx40, cu40 = _batch([40], [40])
+    raises("sequence 0: mask_bits", q40, k40, v40, bt40, ctx40, cu40,
+           torch.zeros(40, 1, dtype=torch.int32), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch and build
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = cpu_attention.tree_attention
+
+    def wrapped(*args):
+        calls.append(args[0].dtype)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_attention, "tree_attention", wrapped)
+    monkeypatch.delenv("PRESCIENT_KERNELS", raising=False)
+    monkeypatch.delenv("PRESCIENT_CPU_ATTENTION", raising=False)
+    return calls
+
+
+def test_ops_routes_cpu_calls_to_the_kernel(spy, monkeypatch):
+    q, k, v, bt, ctx, cu = _batch([1, 4], [50, 20])
+    for dtype in DTYPES:
+        args = (q.to(dtype), k.to(dtype), v.to(dtype), bt, ctx, cu, None, 0.125)
+        out = ops.tree_attention(*args)
+        ref = reference.tree_attention(*args)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert spy == DTYPES
+    # float64 and float16 stay on the reference
+    for dtype in (torch.float64, torch.float16):
+        ops.tree_attention(q.to(dtype), k.to(dtype), v.to(dtype), bt, ctx, cu, None, 0.125)
+    assert spy == DTYPES
+    monkeypatch.setenv("PRESCIENT_CPU_ATTENTION", "0")
+    ops.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
+    monkeypatch.setenv("PRESCIENT_CPU_ATTENTION", "1")
+    monkeypatch.setenv("PRESCIENT_KERNELS", "reference")
+    ops.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
+    assert spy == DTYPES
+    monkeypatch.delenv("PRESCIENT_KERNELS")
+    ops.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
+    assert spy == DTYPES + [torch.float32]
+
+
+@_no_kernel_needed
+def test_ops_falls_back_when_unavailable(monkeypatch):
+    """Without the compiled kernel (no compiler), CPU calls run the reference."""
+    monkeypatch.setattr(cpu_attention, "_fn", None)
+    monkeypatch.setattr(cpu_attention, "_tried", True)
+    monkeypatch.delenv("PRESCIENT_KERNELS", raising=False)
+    q, k, v, bt, ctx, cu = _batch([1, 4], [50, 20])
+    torch.testing.assert_close(ops.tree_attention(q, k, v, bt, ctx, cu, None, 0.125),
+                               reference.tree_attention(q, k, v, bt, ctx, cu, None, 0.125))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        cpu_attention.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
+
+
+def test_generic_build_runs_every_path(tmp_path):
+    """Built without -march=native (per-function targets, run-time ISA choice) the attention
+    kernel is complete too, at every ISA cap."""
+    cc = cpu_linear._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path / "generic.so"
+    cpu_linear._compile(cc, [f for f in cpu_linear._flag_sets()[-1] if "march" not in f], so)
+    lib = ctypes.CDLL(str(so))
+    lib.pa_tree_attention.argtypes = [ctypes.c_char_p]
+    lib.pg_set_isa_cap.argtypes = [ctypes.c_int]
+    for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1)):
+        q, k, v, bt, ctx, cu = _batch([1, 5], [300, 40], dtype=dtype, seed=code)
+        ref = reference.tree_attention(q.float(), k.float(), v.float(), bt, ctx, cu, None, 0.125)
+        for cap in (0, 1, 2):
+            lib.pg_set_isa_cap(cap)
+            out = torch.empty_like(q)
+            args = cpu_attention._ARGS.pack(
+                q.data_ptr(), k.data_ptr(), v.data_ptr(), bt.data_ptr(), ctx.data_ptr(),
+                cu.data_ptr(), 0, out.data_ptr(), q.stride(0), q.stride(1), *q.shape,
+                k.shape[2], k.shape[0], k.shape[1], bt.shape[0], bt.shape[1], 0, code, 0, 0.125)
+            assert lib.pa_tree_attention(args) == 0
+            err = (out.float() - ref).abs()
+            assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5).all()), (dtype, cap)
