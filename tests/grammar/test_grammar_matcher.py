@@ -151,19 +151,19 @@ def test_fork_is_independent(bool_matcher):
 def test_draft_paths_branch_at_a_narrow_choice(toy_compiler):
     matcher = toy_compiler.compile(GrammarSpec("regex", "a(bxy|cz)")).matcher()
     matcher.accept_tokens(toy_ids("a"))
-    paths = matcher.draft_paths(budget=16)
+    paths = matcher.draft_paths(budget=16, branch_budget=8)
     # b and c are the only choices; each forces the rest up to the stop token
     assert sorted(paths) == sorted([toy_ids("b", "x", "y") + [TOY_STOP], toy_ids("c", "z") + [TOY_STOP]])
     # a tight budget keeps every choice, then the shortest forced tails first
-    assert sorted(matcher.draft_paths(budget=3)) == sorted([toy_ids("b"), toy_ids("c", "z")])
-    assert sorted(matcher.draft_paths(budget=5)) == sorted([toy_ids("b", "x"), toy_ids("c", "z") + [TOY_STOP]])
+    assert sorted(matcher.draft_paths(budget=3, branch_budget=8)) == sorted([toy_ids("b"), toy_ids("c", "z")])
+    assert sorted(matcher.draft_paths(budget=5, branch_budget=8)) == sorted([toy_ids("b", "x"), toy_ids("c", "z") + [TOY_STOP]])
     assert matcher.draft_paths(budget=16, branch_budget=2) == [toy_ids("b"), toy_ids("c")]
-    assert matcher.draft_paths(budget=1) == []  # not even one token per choice
+    assert matcher.draft_paths(budget=1, branch_budget=8) == []  # not even one token per choice
     assert matcher.num_tokens == 1  # asking does not advance the matcher
     # a wide choice (any letter, repeated) gives no branches
     wide = toy_compiler.compile(GrammarSpec("regex", "a[a-z]+")).matcher()
     wide.accept_tokens(toy_ids("a"))
-    assert wide.draft_paths(budget=16) == []
+    assert wide.draft_paths(budget=16, branch_budget=8) == []
     # choices nest: after "a", b or c; after "ab", x or y, each forcing the rest
     nested = toy_compiler.compile(GrammarSpec("regex", "a(b(xz|yz)|c)")).matcher()
     nested.accept_tokens(toy_ids("a"))

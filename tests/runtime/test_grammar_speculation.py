@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarSpec, GrammarTokenizer
+from prescient.grammar import matcher as matcher_module
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.engine import Engine, EngineConfig
 from prescient.runtime.loader import load_checkpoint
@@ -62,7 +63,9 @@ def generate(model, stops, speculate, grammar, prompt, params):
 @pytest.mark.parametrize("stops,extra", [((1,), {}), ((1, 2), {}), ((1,), {"ignore_eos": True}),
                                          ((1, 2), {"logprobs": 0}), ((1,), {"speculate": False})],
                          ids=["one-stop", "two-stops", "ignore-eos", "logprobs", "opt-out"])
-def test_constrained_speculation_is_lossless(tiny, grammar, stops, extra):
+@pytest.mark.parametrize("branch_budget", [0, 8], ids=["span-only", "branches"])
+def test_constrained_speculation_is_lossless(tiny, grammar, stops, extra, branch_budget, monkeypatch):
+    monkeypatch.setattr(matcher_module, "BRANCH_BUDGET", branch_budget)
     rng = random.Random(hash(grammar) % 1000)
     for _ in range(3):
         prompt = [rng.randrange(3, 97) for _ in range(rng.randint(4, 20))]
