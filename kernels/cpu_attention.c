@@ -49,6 +49,8 @@
 #include <pthread.h>
 #include <math.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PA_X86 1
@@ -139,25 +141,6 @@ typedef struct {
 /* ------------------------------------------------------------------------- */
 /* Helpers                                                                    */
 /* ------------------------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round-to-nearest-even, NaN kept quiet: torch's .to(bf16).  Branch-free so that loops
- * over it vectorise. */
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    uint32_t nan = (u >> 16) | 0x40u;
-    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : r);
-}
 
 /* Per-thread scratch that follows its thread: two slots (0: a work item's buffers, 1: the
  * caller's plan), freed by a key destructor when a pool worker exits. */

@@ -42,6 +42,8 @@
 #include <unistd.h>
 #include <math.h>
 
+#include "cpu_bf16.h"
+
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -73,29 +75,6 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
-
-/* ------------------------------------------------------------------------- */
-/* bf16 helpers (portable)                                                    */
-/* ------------------------------------------------------------------------- */
-
-static inline float bf16_to_f32(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round-to-nearest-even, NaN kept quiet: the same rounding torch uses for .to(bf16). */
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* ------------------------------------------------------------------------- */
 /* Job description                                                            */

@@ -65,6 +65,7 @@ MAX_M = 16
 _SRC = Path(__file__).with_name("cpu_gemv.c")
 # Every C source of the .so (one library, one thread pool): all are hashed and compiled.
 _SOURCES = (_SRC, Path(__file__).with_name("cpu_attention.c"))
+_HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)  # included by both; hashed, not compiled
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx512_bf16"}
 
@@ -208,7 +209,7 @@ def _load_library() -> None:
             st = os.stat(cc)
             for flags in _flag_sets():
                 h = hashlib.sha256()
-                for part in (*(src.read_bytes() for src in _SOURCES), " ".join(flags).encode(),
+                for part in (*(src.read_bytes() for src in (*_SOURCES, *_HEADERS)), " ".join(flags).encode(),
                              cc.encode(), str(st.st_mtime_ns).encode(), _cpu_signature().encode()):
                     h.update(part)
                     h.update(b"\0")

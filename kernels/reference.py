@@ -110,10 +110,8 @@ def _attend(
     mask: torch.Tensor | None,  # [q_len, context_len] bool, True = attend
     scale: float,
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-    q_len, num_heads, head_dim = q.shape
-    context_len, num_kv_heads = k.shape[0], k.shape[1]
-    group = num_heads // num_kv_heads
-    if num_heads * q_len * context_len <= _MAX_DENSE_SCORES:
+    q_len, num_heads, _ = q.shape
+    if num_heads * q_len * k.shape[0] <= _MAX_DENSE_SCORES:
         if q.dtype in (torch.float32, torch.float64):
             return _attend_dense(q, k, v, mask, scale)
         # bf16/fp16: compute in fp32 (exact upcasts; a bf16 score matrix would round the softmax
@@ -123,7 +121,7 @@ def _attend(
     # Long prefill chunks: SDPA's flash kernel bounds memory and keeps fp32 softmax statistics.
     return F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=group > 1,
+        attn_mask=mask, scale=scale, enable_gqa=num_heads > k.shape[1],
     ).transpose(0, 1)
 
 

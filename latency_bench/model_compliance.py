@@ -33,7 +33,7 @@ import time
 import jsonschema
 
 from prescient.grammar import GrammarError, check_schema, spec_from_response_format
-from prescient.latency_bench.grammar_compliance import ComplianceConfig
+from prescient.latency_bench.grammar_compliance import ComplianceConfig, _percentiles
 from prescient.runtime.engine import Engine
 from prescient.runtime.sampling_params import SamplingParams
 
@@ -134,19 +134,12 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
         "compliance": valid / compiled_n if compiled_n else None,
         # schemas no grammar can satisfy exactly (overlapping oneOf) left out of both counts
         "compliance_satisfiable": valid / (compiled_n - overlap) if compiled_n > overlap else None,
-        "compile_time_ms": _percentiles(compile_s),
+        "compile_time": _percentiles(compile_s),
         "seconds": time.perf_counter() - start,
         "invalid_examples": outcomes["invalid"][:20],
         "unfinished_ids": [u["id"] for u in outcomes["unfinished"]],
         "unsatisfiable_ids": [u["id"] for u in outcomes["oneof_overlap"]],
     }
-
-
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    return {"p50": 1e3 * statistics.median(ordered), "p99": 1e3 * ordered[int(0.99 * (len(ordered) - 1))]}
 
 
 def mask_figures(engine: Engine, step_seconds: float) -> dict:
