@@ -33,14 +33,19 @@ def close_declared_objects(schema: Any) -> Any:
             out[key] = {name: close_declared_objects(sub) for name, sub in value.items()}
         else:
             out[key] = close_declared_objects(value)
-    props = schema.get("properties")
-    if (
-        isinstance(props, dict)
-        and props
-        and "additionalProperties" not in schema
-        and schema.get("unevaluatedProperties", False) is not True
-        and not (isinstance(schema.get("minProperties"), int)
-                 and schema["minProperties"] > len(props))
-    ):
+    if closes(schema):
         out["additionalProperties"] = False
     return out
+
+
+def closes(node: dict) -> bool:
+    """Whether close_declared_objects gives this (object) node additionalProperties: false."""
+    props = node.get("properties")
+    return (
+        isinstance(props, dict)
+        and bool(props)
+        and "additionalProperties" not in node
+        and node.get("unevaluatedProperties", False) is not True
+        and not (isinstance(node.get("minProperties"), int)
+                 and node["minProperties"] > len(props))
+    )

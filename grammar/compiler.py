@@ -7,9 +7,10 @@ mask. The time limit runs from submission: a request whose grammar is not ready 
 with GrammarError (xgrammar cannot cancel a compile, so it finishes in the background and its
 result still lands in the cache; a repeat of the same spec waits on that same compile).
 
-Every JSON schema that reaches xgrammar, tool argument schemas included, passes `check_schema`
-first (nothing is silently weakened), then has its declared objects closed (closed_objects.py)
-and, if it has a `pattern`, is compiled as EBNF (pattern.py).
+Every JSON schema that reaches xgrammar, tool argument schemas included, is first rewritten into
+a form xgrammar enforces exactly (schema_lower.py), passes `check_schema` (nothing is silently
+weakened), then has its declared objects closed (closed_objects.py) and, if it has a `pattern`,
+is compiled as EBNF (pattern.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prescient.grammar.pattern import (
     schema_ebnf_with_patterns,
 )
 from prescient.grammar.schema_check import check_schema
+from prescient.grammar.schema_lower import lower_schema
 from prescient.grammar.spec import GrammarSpec
 from prescient.grammar.tokenizer import GrammarTokenizer
 from prescient.grammar.tools import tool_call_structural_tag
@@ -159,12 +161,16 @@ class GrammarCompiler:
         return dict(any_whitespace=self.config.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=self.config.max_whitespace)
 
-    def _checked(self, schema: object) -> object:
+    def prepare_schema(self, schema: object) -> object:
+        """The schema xgrammar gets: lowered (schema_lower.py), checked (GrammarError names a
+        feature xgrammar would drop), its declared objects closed."""
+        closing = self.config.close_declared_objects
+        schema = lower_schema(schema, closing=closing)
         check_schema(schema)
-        return close_declared_objects(schema) if self.config.close_declared_objects else schema
+        return close_declared_objects(schema) if closing else schema
 
     def _json_schema(self, source: str) -> xgr.CompiledGrammar:
-        schema = self._checked(json.loads(source))
+        schema = self.prepare_schema(json.loads(source))
         if has_pattern(schema):  # see pattern.py: xgrammar's own pattern FSM over-accepts
             return self._xgr.compile_grammar(schema_ebnf_with_patterns(schema, self._schema_ebnf))
         return self._xgr.compile_json_schema(json.dumps(schema), **self._json_options())
@@ -183,7 +189,7 @@ class GrammarCompiler:
         return self._xgr.compile_structural_tag(tool_call_structural_tag(source, self._args_ebnf))
 
     def _args_ebnf(self, schema: object) -> str:
-        schema = self._checked(schema)
+        schema = self.prepare_schema(schema)
         if has_pattern(schema):
             return schema_ebnf_with_patterns(schema, self._schema_ebnf)
         return self._schema_ebnf(json.dumps(schema))

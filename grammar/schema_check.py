@@ -70,6 +70,10 @@ def check_schema(schema: Any) -> None:
         _Checker(schema).check(schema, "#", frozenset())
     except RecursionError:
         raise GrammarError("schema nesting is too deep", feature="depth") from None
+    except GrammarError:
+        raise
+    except (TypeError, AttributeError, ValueError) as err:  # `"required": 5` and the like
+        raise GrammarError(f"malformed schema: {err}", feature="schema") from None
 
 
 class _Checker:

@@ -34,7 +34,6 @@ from prescient.grammar import (
     GrammarSpec,
     GrammarTokenizer,
     allocate_bitmask,
-    check_schema,
 )
 
 DEFAULT_FILES = ("maskbench_bfcl.jsonl", "Glaiveai2K.jsonl", "Github_trivial.jsonl",
@@ -102,7 +101,7 @@ def run(config: ComplianceConfig, tokenizer: GrammarTokenizer) -> dict:
         for row in rows:
             schema = row["schema"]
             try:
-                check_schema(schema)
+                real.prepare_schema(schema)
             except GrammarError as err:
                 refused[err.feature] += 1
                 continue

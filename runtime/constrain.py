@@ -40,6 +40,7 @@ class GrammarStats:
     num_pruned_nodes: int = 0
     num_forced_stops: int = 0  # stop tokens committed without a forward (append_forced_stop)
     num_grammar_branch_tokens: int = 0  # draft nodes on the grammar's narrow choices (draft_paths)
+    num_span_tail_tokens: int = 0  # proposer draft nodes grafted after a forced span
 
 
 @dataclass
@@ -65,6 +66,10 @@ def resolve_matcher(request: Request):
 GRAMMAR_DRAFT_BUDGET = 32
 
 
+# Most proposer draft nodes after a forced span (what the span's last key or tool name leads to).
+SPAN_TAIL_BUDGET = 8
+
+
 def grammar_draft_paths(matcher, slots: int = GRAMMAR_DRAFT_BUDGET) -> list[list[int]]:
     """The grammar's draft paths (Matcher.draft_paths) for a request with `slots` KV slots: the
     full-budget tree when it fits (the scheduler reserved slots for it), else one sized to fit."""
@@ -77,6 +82,13 @@ def grammar_draft_paths(matcher, slots: int = GRAMMAR_DRAFT_BUDGET) -> list[list
 def tree_size(paths: list[list[int]]) -> int:
     """Draft nodes of the trie the paths make (shared prefixes counted once)."""
     return len({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)})
+
+
+def _graft(chain: DraftTree, tail: DraftTree) -> DraftTree:
+    """`tail` (rooted at the chain's last token) hung below the chain's last node."""
+    last = chain.num_nodes - 1
+    parents = [last if p == 0 else p + last for p in tail.parents[1:]]
+    return DraftTree(list(chain.tokens) + list(tail.tokens[1:]), list(chain.parents) + parents)
 
 
 def _bit(token: int) -> int:
@@ -92,9 +104,14 @@ class GrammarStep:
         self.num_words = (vocab_size + 31) // 32
         self.stats = GrammarStats()
 
-    def prepare(self, seqs, trees: list[DraftTree | None]) -> tuple[list[DraftTree | None], PreparedMasks | None]:
+    def prepare(self, seqs, trees: list[DraftTree | None], propose_after=None
+                ) -> tuple[list[DraftTree | None], PreparedMasks | None]:
         """Returns the (possibly pruned / forced) trees and the bitmask for the logits rows, or
-        None when no scheduled request is constrained."""
+        None when no scheduled request is constrained.
+
+        `propose_after(seq, span, budget) -> DraftTree | None` (Speculator.propose_after) drafts
+        what follows a forced span: a JSON key is forced, its value is often copied from the
+        prompt, and proposing both verifies them in one forward instead of two."""
         if not any(s.samples and s.request.grammar is not None for s in seqs):
             return trees, None
         t0 = time.perf_counter()
@@ -115,11 +132,19 @@ class GrammarStep:
             paths = grammar_draft_paths(matcher, seq.num_spec_slots) if request.params.speculate else []
             if paths:
                 # the forced span (shared by every path) and the grammar's narrow choices after it
-                tree = DraftTree.from_paths(root, paths)
                 span = len(matcher.forced_tokens()[:seq.num_spec_slots])
+                tail = None
+                if (propose_after is not None and len(paths) == 1 and len(paths[0]) == span
+                        and paths[0][-1] not in self.stop_token_ids):
+                    tail = propose_after(seq, paths[0], min(SPAN_TAIL_BUDGET, seq.num_spec_slots - span))
+                tree = _graft(DraftTree.chain(root, paths[0]), tail) if tail is not None \
+                    else DraftTree.from_paths(root, paths)
                 forced[i] = span
                 self.stats.num_forced_tokens_proposed += span
-                self.stats.num_grammar_branch_tokens += tree.num_nodes - 1 - span
+                if tail is not None:
+                    self.stats.num_span_tail_tokens += tail.num_nodes - 1
+                else:
+                    self.stats.num_grammar_branch_tokens += tree.num_nodes - 1 - span
             if tree is not None:
                 from prescient.grammar import prune_tree, tree_masks
 

@@ -162,7 +162,8 @@ class Engine:
             return []
         failed = self._resolve_grammars(sched.seqs)
         trees = self.speculator.propose(sched.seqs) if self.speculator else [None] * len(sched.seqs)
-        trees, masks = self.grammar_step.prepare(sched.seqs, trees)
+        trees, masks = self.grammar_step.prepare(
+            sched.seqs, trees, self.speculator.propose_after if self.speculator else None)
         batch = build_forward_batch(sched.seqs, trees, self.block_manager.block_size, self.model.device)
         logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
         apply_penalties(logits, sched.seqs, trees)

@@ -160,6 +160,10 @@ class _RequestState:
 class NgramProposer:
     """`Proposer` over the request's own tokens and its agent session's earlier turns."""
 
+    # A context may end in tokens that are not verified yet (a grammar's forced span): the index
+    # follows them and rolls back when the committed tokens differ (_sync).
+    drafts_past_unverified = True
+
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()
         self._levels = self.config.levels

@@ -75,6 +75,19 @@ class Speculator:
         self.stats.draft_seconds += time.perf_counter() - t0
         return trees
 
+    def propose_after(self, seq, span: list[int], budget: int) -> DraftTree | None:
+        """A draft of what follows `span` (tokens not yet verified: a grammar's forced span),
+        rooted at span[-1], at most `budget` nodes; None if the proposer has none or cannot
+        draft from a context it has not seen committed (a draft model keeps KV for it)."""
+        if budget <= 0 or not getattr(self.proposer, "drafts_past_unverified", False):
+            return None
+        r = seq.request
+        t0 = time.perf_counter()
+        ctx = ProposalContext(r.request_id, r.session_id, [*r.all_token_ids, *span], budget)
+        tree = self.proposer.propose([ctx])[0]
+        self.stats.draft_seconds += time.perf_counter() - t0
+        return tree if tree is not None and 1 < tree.num_nodes <= budget + 1 else None
+
     def verify(self, seqs, trees: list[DraftTree | None], logits: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[SeqResult | None]:
         """logits: [num_logits, vocab], rows in batch order: a tree's nodes, or one row for a

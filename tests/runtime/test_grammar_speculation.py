@@ -83,3 +83,18 @@ def test_lone_forced_stop_is_committed_without_a_forward(tiny):
     assert reason == "stop" and tokens[-1] == 1
     assert e.grammar_step.stats.num_forced_stops == 1
     assert e.num_steps == len(tokens) - 1  # one step per sampled token, none for the stop
+
+
+def test_proposer_drafts_past_a_forced_span(tiny):
+    """After the forced `{"a": "` the n-gram proposer drafts the value the prompt holds after
+    the same key; both are verified in one forward, and the output is still plain decoding's."""
+    grammar = ("json_schema", '{"type": "object", "properties": {"a": {"type": "string"}}, '
+                              '"required": ["a"], "additionalProperties": false}')
+    key = [7, 9, 3, 9, 10, 12, 9]  # {"a": "
+    for value in ([15, 16, 17], [13, 14, 13, 14, 15]):
+        prompt = [4, 5] + key + value + [9, 8] + [12, 4]
+        params = SamplingParams(temperature=0, max_tokens=12)
+        plain = generate(tiny, (1,), False, grammar, prompt, params)
+        spec = generate(tiny, (1,), True, grammar, prompt, params)
+        assert spec[:3] == plain[:3]
+        assert spec[3].grammar_step.stats.num_span_tail_tokens > 0

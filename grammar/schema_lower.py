@@ -1,0 +1,314 @@
+"""Rewrite a JSON schema into an equivalent (or narrower) one that xgrammar enforces exactly.
+
+schema_check.py refuses shapes xgrammar would silently weaken; many real-world schemas use them
+only as a way of writing, and a single schema says the same. Each rewrite is exact, or narrower
+where noted (every output still validates against the original schema, which is what the
+compliance benchmark checks with `jsonschema`). A node no rule can rewrite is left as it is, for
+check_schema to refuse with its usual message.
+
+- keywords next to `$ref` (2019+ drafts; drafts 4-7 ignore them, and so does the rewrite),
+  `allOf`, `anyOf`, `oneOf`: merged into the target / every branch (schema_merge.py);
+- `enum`/`const` next to other keywords: the values that satisfy those keywords;
+- object rules (schema_objects.py): undeclared required names declared, false properties
+  removed from closed objects, `not: {required}`, `dependencies`, `patternProperties`;
+- scalar rules (schema_scalars.py): `not: {type}`, a whole-number float `multipleOf`, a
+  repeated-atom `pattern` next to minLength/maxLength;
+- `oneOf` of closed objects whose branches may overlap: disjoint narrower branches, then `anyOf`
+  (schema_one_of.py).
+
+Below a `oneOf` (and in definitions, when the schema has one) only exact rewrites run: xgrammar
+treats `oneOf` as `anyOf`, which is exact only for disjoint branches, and check_schema's proof of
+that must see the branches as written, not narrowed. A schema proved to accept nothing is refused
+as "unsatisfiable". "Closed" means additionalProperties is false, or will be set false by
+closed_objects.py. Schemas with a `$ref` to anything but `#` or `#/definitions/<name>` (`$defs`)
+are left as they are: a rewrite moves subschemas, and such a reference could point into one.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prescient.grammar.closed_objects import closes
+from prescient.grammar.errors import GrammarError
+from prescient.grammar.schema_merge import Unmergeable, merge
+from prescient.grammar.schema_nodes import (
+    COMBINATORS,
+    NON_ASSERTIONS,
+    assertions,
+    combinator,
+    is_object,
+    without,
+)
+from prescient.grammar.schema_objects import object_rules
+from prescient.grammar.schema_one_of import disjoint_one_of
+from prescient.grammar.schema_scalars import (
+    integer_steps,
+    not_type,
+    pattern_with_length,
+    whole_step,
+)
+
+_SUBSCHEMA_MAPS = ("properties", "definitions", "$defs", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+# Not `not` or `if`: narrowing there would widen the schema. Left alone, check_schema refuses them.
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems",
+              "unevaluatedItems")
+_SIMPLE_REF = re.compile(r"^#(/(definitions|\$defs)/[^/]+)?$")
+_OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")  # keywords beside $ref ignored
+# A malformed schema (`"required": 5`) makes a rule fail in Python: leave it to check_schema.
+_CANNOT = (Unmergeable, TypeError, ValueError, AttributeError, KeyError, IndexError)
+
+
+def lower_schema(schema: Any, closing: bool = True) -> Any:
+    """A rewritten copy of `schema` (the input is not changed); `closing` says whether
+    closed_objects.py will close declared objects afterwards. Raises GrammarError when a
+    rewrite proves the schema unsatisfiable."""
+    if not isinstance(schema, dict) or not _refs_are_simple(schema):
+        return schema
+    try:
+        out = _Lowerer(schema, closing).run()
+    except RecursionError:
+        return schema  # check_schema refuses it for its depth
+    for _ in range(3):  # a definition lowered to false: its references are false too
+        dead = {f"#/{kind}/{name}" for kind in ("definitions", "$defs")
+                for name, sub in ((out.get(kind) if isinstance(out, dict) else None) or {}).items()
+                if sub is False}
+        if not dead or not isinstance(out, dict):
+            break
+        out = _without_refs_to(out, dead)
+        if isinstance(out, dict):
+            out = _Lowerer(out, closing).run()
+    if out is False:
+        # Narrowing rewrites may have left nothing; only the exact rules prove unsatisfiable.
+        if _Lowerer(schema, closing).run(exact=True) is not False:
+            raise GrammarError("the narrower schema this one needs (overlapping oneOf branches, "
+                               "dependencies, ...) leaves nothing to generate", feature="narrowing")
+        raise GrammarError("the schema is unsatisfiable: no instance satisfies it",
+                           feature="unsatisfiable")
+    return out
+
+
+class _Lowerer:
+    def __init__(self, root: dict, closing: bool):
+        self.root = root
+        self.closing = closing
+        draft = root.get("$schema")
+        self.ref_siblings_ignored = isinstance(draft, str) and any(d in draft for d in _OLD_DRAFTS)
+        # definitions may be the branches of some oneOf: only exact rewrites there
+        self.definitions_exact = _uses(root, ("oneOf",))
+        self._validator = None
+        self._budget = 256  # $ref inlines: a recursive schema must not grow without end
+
+    def run(self, exact: bool = False) -> Any:
+        return self.lower(self.root, frozenset(), 0, exact)
+
+    def _spend(self) -> None:
+        self._budget -= 1
+        if self._budget < 0:
+            raise Unmergeable("too many '$ref' inlines")
+
+    # --- walk -------------------------------------------------------------------------------
+
+    def lower(self, node: Any, inlined: frozenset[str], depth: int, exact: bool) -> Any:
+        if not isinstance(node, dict) or depth > 64:
+            return node
+        for _ in range(16):  # a rewrite may expose another (a merged $ref target with allOf, ...)
+            rewritten, inlined = self._rewrite(node, inlined, exact)
+            if rewritten is node:
+                break
+            node = rewritten
+            if not isinstance(node, dict):
+                return node
+        out = dict(node)
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                sub_exact = exact or (key in ("definitions", "$defs") and self.definitions_exact)
+                out[key] = {k: self.lower(v, inlined, depth + 1, sub_exact)
+                            for k, v in node[key].items()}
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                out[key] = [self.lower(v, inlined, depth + 1, exact or key == "oneOf")
+                            for v in node[key]]
+        for key in COMBINATORS:  # a branch that never matches changes no count: drop it
+            if isinstance(out.get(key), list) and False in out[key]:
+                live = [v for v in out[key] if v is not False]
+                if not live:
+                    return False
+                out[key] = live
+        for key in _SUBSCHEMA:
+            if isinstance(node.get(key), dict):
+                out[key] = self.lower(node[key], inlined, depth + 1, exact)
+        if isinstance(node.get("items"), list):
+            out["items"] = [self.lower(v, inlined, depth + 1, exact) for v in node["items"]]
+        props = out.get("properties")
+        if is_object(out) and isinstance(props, dict) and False in props.values():
+            try:  # a property lowered to false: only absent will do
+                return object_rules(self, out, inlined, exact)
+            except _CANNOT:
+                pass
+        return out
+
+    def _rewrite(self, node: dict, inlined: frozenset[str], exact: bool) -> tuple[Any, frozenset[str]]:
+        """One rewrite of `node` itself, or `node` unchanged (same object)."""
+        try:
+            if node.get("not") in ({}, True):
+                return False, inlined  # `not` of everything: nothing matches
+            if "$ref" in node and assertions(node, "$ref"):
+                ref = node["$ref"]
+                if self.ref_siblings_ignored:  # what drafts 4-7 say, and what jsonschema does
+                    return {k: v for k, v in node.items()
+                            if k == "$ref" or k in NON_ASSERTIONS}, inlined
+                if ref in inlined:
+                    return node, inlined
+                self._spend()
+                rest = without(node, "$ref")
+                return self.merge(self.resolve(ref), rest, inlined | {ref}), inlined | {ref}
+            if "allOf" in node:
+                out: Any = without(node, "allOf")
+                for sub in node["allOf"]:
+                    out = self.merge(out, sub, inlined)
+                return out, inlined
+            comb = next((c for c in COMBINATORS if c in node), None)
+            if comb and assertions(node, comb):
+                return self._distribute(node, comb, inlined), inlined
+            if ("enum" in node or "const" in node) and assertions(node, "enum", "const"):
+                return merge({k: v for k, v in node.items() if k in ("enum", "const")},
+                             without(node, "enum", "const"), self.keep_valid), inlined
+            if isinstance(node.get("not"), dict) and set(node["not"]) == {"type"}:
+                return not_type(node), inlined
+            if whole_step(node.get("multipleOf")):
+                return integer_steps(node), inlined
+            if "pattern" in node and ("minLength" in node or "maxLength" in node):
+                return pattern_with_length(node), inlined
+            if is_object(node):
+                rewritten = object_rules(self, node, inlined, exact)
+                if rewritten is not node:
+                    return rewritten, inlined
+            if comb == "oneOf" and len(node["oneOf"]) > 1:
+                return disjoint_one_of(self, node, inlined, exact), inlined
+        except _CANNOT:
+            pass
+        return node, inlined
+
+    # --- what the rule modules use ----------------------------------------------------------
+
+    def closed(self, node: dict) -> bool:
+        """No key beyond `properties` (patternProperties would let more in)."""
+        if node.get("patternProperties"):
+            return False
+        ap = node.get("additionalProperties")
+        return ap is False or (self.closing and ap is None and closes(node))
+
+    def object_rules(self, node: dict, inlined: frozenset[str], exact: bool) -> Any:
+        return object_rules(self, node, inlined, exact)
+
+    def merge(self, a: Any, b: Any, inlined: frozenset[str]) -> Any:
+        """allOf [a, b] as one schema: references inlined, anyOf/oneOf distributed."""
+        a, b = self.plain(a, inlined), self.plain(b, inlined)
+        for x, y in ((a, b), (b, a)):
+            if isinstance(x, dict):
+                comb = next((c for c in COMBINATORS if c in x), None)
+                if comb:
+                    rest = without(x, comb)
+                    branches = [self.merge(self.merge(rest, br, inlined), y, inlined)
+                                for br in x[comb]]
+                    return combinator(comb, branches)
+        return merge(a, b, self.keep_valid)
+
+    def plain(self, node: Any, inlined: frozenset[str]) -> Any:
+        """`node` without `$ref` or `allOf` at its top (inlined, merged)."""
+        for _ in range(8):
+            if not isinstance(node, dict):
+                return node
+            if "$ref" in node:
+                ref = node["$ref"]
+                if ref in inlined:
+                    raise Unmergeable(f"recursive '$ref' {ref}")
+                inlined = inlined | {ref}
+                self._spend()
+                rest = without(node, "$ref")
+                if self.ref_siblings_ignored:
+                    rest = {}
+                node = self.merge(self.resolve(ref), rest, inlined) if rest else self.resolve(ref)
+                continue
+            if "allOf" in node:
+                out: Any = without(node, "allOf")
+                for sub in node["allOf"]:
+                    out = self.merge(out, sub, inlined)
+                node = out
+                continue
+            return node
+        raise Unmergeable("references too deep")
+
+    def _distribute(self, node: dict, comb: str, inlined: frozenset[str]) -> Any:
+        rest = {k: v for k, v in node.items() if k != comb and k not in NON_ASSERTIONS}
+        notes = {k: v for k, v in node.items() if k in NON_ASSERTIONS}
+        out = combinator(comb, [self.merge(rest, br, inlined) for br in node[comb]])
+        return {**notes, **out} if isinstance(out, dict) and comb in out else out
+
+    def resolve(self, ref: str) -> Any:
+        if ref == "#":
+            return self.root
+        _, kind, name = ref.split("/", 2)
+        target = (self.root.get(kind) or {}).get(name.replace("~1", "/").replace("~0", "~"))
+        if target is None:
+            raise Unmergeable(f"'$ref' {ref} does not resolve")
+        return target
+
+    def keep_valid(self, values: list, schema: dict) -> list:
+        """The literals that satisfy `schema` (its $refs resolved against the root)."""
+        if self._validator is None:
+            import jsonschema
+
+            # the draft the schema names, else the newest (what the compliance check uses too)
+            cls = jsonschema.validators.validator_for(self.root)
+            self._validator = cls(self.root)
+        try:
+            check = self._validator.evolve(schema=schema)
+            return [v for v in values if check.is_valid(v)]
+        except Exception as err:  # a schema jsonschema cannot read: leave it to check_schema
+            raise Unmergeable(f"literal filter: {err}") from None
+
+
+def _uses(node: Any, keys: tuple[str, ...]) -> bool:
+    if isinstance(node, dict):
+        return any(k in node for k in keys) or any(
+            _uses(v, keys) for k, v in node.items() if k not in ("enum", "const", "default",
+                                                                   "examples", "example"))
+    if isinstance(node, list):
+        return any(_uses(v, keys) for v in node)
+    return False
+
+
+def _without_refs_to(node: Any, dead: set[str]) -> Any:
+    """`node` with every reference to a `dead` definition replaced by false (and those
+    definitions removed)."""
+    if isinstance(node, list):
+        return [_without_refs_to(v, dead) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("$ref") in dead:
+        return False
+    out = {}
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples", "example"):
+            out[key] = value
+        elif key in ("definitions", "$defs") and isinstance(value, dict):
+            out[key] = {n: _without_refs_to(v, dead) for n, v in value.items()
+                        if f"#/{key}/{n}" not in dead}
+        else:
+            out[key] = _without_refs_to(value, dead)
+    return out
+
+
+def _refs_are_simple(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if ref is not None and not (isinstance(ref, str) and _SIMPLE_REF.match(ref)):
+            return False
+        return all(_refs_are_simple(v) for k, v in node.items()
+                   if k not in ("enum", "const", "default", "examples", "example"))
+    if isinstance(node, list):
+        return all(_refs_are_simple(v) for v in node)
+    return True
