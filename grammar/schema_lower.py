@@ -12,7 +12,8 @@ check_schema to refuse with its usual message.
 - object rules (schema_objects.py): undeclared required names declared, false properties
   removed from closed objects, `not: {required}`, `dependencies`, `patternProperties`;
 - scalar rules (schema_scalars.py): `not: {type}`, a whole-number float `multipleOf`, a
-  repeated-atom `pattern` next to minLength/maxLength;
+  repeated-atom `pattern` next to minLength/maxLength, `format` next to them (email, uri),
+  string keywords without a `type` (made strings: narrower);
 - `oneOf` of closed objects whose branches may overlap: disjoint narrower branches, then `anyOf`
   (schema_one_of.py).
 
@@ -43,9 +44,11 @@ from prescient.grammar.schema_nodes import (
 from prescient.grammar.schema_objects import object_rules
 from prescient.grammar.schema_one_of import disjoint_one_of
 from prescient.grammar.schema_scalars import (
+    format_with_length,
     integer_steps,
     not_type,
     pattern_with_length,
+    string_keywords_without_type,
     whole_step,
 )
 
@@ -179,6 +182,11 @@ class _Lowerer:
                 return not_type(node), inlined
             if whole_step(node.get("multipleOf")):
                 return integer_steps(node), inlined
+            if string_keywords_without_type(node) and not exact:
+                return {**node, "type": "string"}, inlined  # narrower: other types pass them
+            if "format" in node and "pattern" not in node and (
+                    "minLength" in node or "maxLength" in node):
+                return format_with_length(node), inlined
             if "pattern" in node and ("minLength" in node or "maxLength" in node):
                 return pattern_with_length(node), inlined
             if is_object(node):

@@ -16,6 +16,13 @@ _REPEATED_ATOM = re.compile(
     r"^(\^?)(\[(?:\\.|[^\]\\])+\]|\\[wdsWDS]|[A-Za-z0-9])(\+|\*|\{(\d+)(,(\d*))?\})?(\$?)$")
 _MAX_REPEAT = 512  # a longer bounded repeat makes a slow grammar
 _ALL_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
+# The shortest string xgrammar's grammar for a format accepts ("a@b", "a:").
+_FORMAT_SHORTEST = {"email": 3, "uri": 2}
+# Common addresses, at most 95 characters and at least 6 ("a@b.cc"): every match is an email.
+_EMAIL = (r"^[a-z0-9]{1,16}([._+-][a-z0-9]{1,16})?@[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?"
+          r"(\.[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?){0,2}\.[a-z]{2,10}$")
+_EMAIL_LENGTHS = (6, 95)
+_STRING_ONLY = frozenset({"pattern", "minLength", "maxLength"})
 
 
 def pattern_with_length(node: dict) -> Any:
@@ -85,3 +92,27 @@ def integer_steps(node: dict) -> Any:
     step = int(node["multipleOf"])
     rest = {k: v for k, v in node.items() if k != "multipleOf"}
     return {**rest, "type": "integer", **({"multipleOf": step} if step != 1 else {})}
+
+
+def format_with_length(node: dict) -> Any:
+    """`format` next to minLength/maxLength: a minLength the format's own grammar already
+    implies is dropped (exact); an email under a maxLength of 95 or more becomes a pattern of
+    common addresses (narrower)."""
+    fmt, lo = node.get("format"), _length(node, "minLength", 0)
+    rest = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
+    if "maxLength" not in node and lo <= _FORMAT_SHORTEST.get(fmt, -1):
+        return rest
+    if fmt == "email" and lo <= _EMAIL_LENGTHS[0] and _length(node, "maxLength", 0) >= _EMAIL_LENGTHS[1]:
+        return {**{k: v for k, v in rest.items() if k != "format"}, "pattern": _EMAIL}
+    raise Unmergeable(f"format {fmt!r} with a length")
+
+
+def string_keywords_without_type(node: dict) -> bool:
+    """pattern/minLength/maxLength with no `type` (xgrammar ignores them there)."""
+    keys = {k for k in node if k in _STRING_ONLY or k == "format" or k == "type"}
+    return "type" not in node and bool(keys & _STRING_ONLY) and not (
+        set(node) - keys - _ANNOTATIONS)
+
+
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "example", "$comment",
+                          "deprecated", "readOnly", "writeOnly"})

@@ -103,6 +103,12 @@ CASES = [
      ['"s"', "{}"], True),
     ("a whole multipleOf on numbers", {"type": "number", "multipleOf": 1.0, "minimum": 0},
      ["3", "-1", "0"], False),  # 2.0 is valid too: integers only is narrower
+    ("email under a maxLength", {"type": "string", "format": "email", "maxLength": 1024},
+     ['"ab.cd@example.com"', '"x@y.io"', '"no-at-sign"'], False),
+    ("uri under a minLength its grammar implies", {"type": "string", "format": "uri",
+                                                   "minLength": 1},
+     ['"http://a"', '""'], False),
+    ("pattern without a type", {"pattern": "^[a-f0-9]{4}$"}, ['"ab12"', '"xyz"', "1"], False),
     ("a property that can never be there", {
         "type": "object", "properties": {"a": {"not": {}}, "b": {}}},
      ['{"a": 1}', '{"b": 1}', "{}"], True),
@@ -234,6 +240,13 @@ def test_compiler_lowers_before_checking(toy_compiler):
     with pytest.raises(GrammarError, match="unsatisfiable"):
         toy_compiler.compile(GrammarSpec("json_schema", json.dumps({"type": "string",
                                                                     "enum": [1]})))
+
+
+def test_email_pattern_compiles_through_the_compiler(toy_compiler):
+    from prescient.grammar import GrammarSpec
+
+    schema = {"type": "string", "format": "email", "minLength": 3, "maxLength": 255}
+    toy_compiler.compile(GrammarSpec("json_schema", json.dumps(schema)))
 
 
 def test_recursive_ref_with_siblings_stays_small():
