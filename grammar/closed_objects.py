@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_VALUE_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
+from prescient.grammar.schema_nodes import VALUE_KEYS
 
 
 def close_declared_objects(schema: Any) -> Any:
@@ -27,7 +27,7 @@ def close_declared_objects(schema: Any) -> Any:
         return schema
     out = {}
     for key, value in schema.items():
-        if key in _VALUE_KEYS:
+        if key in VALUE_KEYS:
             out[key] = value
         elif key == "properties" and isinstance(value, dict):
             out[key] = {name: close_declared_objects(sub) for name, sub in value.items()}

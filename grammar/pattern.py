@@ -24,6 +24,7 @@ from typing import Any, Callable
 import xgrammar as xgr
 
 from prescient.grammar.errors import GrammarError
+from prescient.grammar.schema_nodes import VALUE_KEYS
 
 _MAX_CHAR = 0x10FFFF
 _UNSAFE = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # must be escaped inside a JSON string
@@ -40,7 +41,6 @@ _LINE_TERMINATORS = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
 _PLACEHOLDER = "prescientpattern{}x"
 _PLACEHOLDER_RE = re.compile(r'Regex\("prescientpattern(\d+)x", json_string=true\)')
 _RULE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$")
-_NOT_SCHEMA_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
 
 
 def has_pattern(schema: Any) -> bool:
@@ -80,7 +80,7 @@ def _collect_patterns(node: Any, patterns: list[str], replace: bool = False) -> 
         if key == "pattern" and isinstance(value, str):
             out[key] = _PLACEHOLDER.format(len(patterns)) if replace else value
             patterns.append(value)
-        elif key in _NOT_SCHEMA_KEYS:
+        elif key in VALUE_KEYS:
             out[key] = value
         elif key == "properties" and isinstance(value, dict):
             out[key] = {k: _collect_patterns(v, patterns, replace) for k, v in value.items()}

@@ -36,6 +36,7 @@ from prescient.grammar.schema_merge import Unmergeable, merge
 from prescient.grammar.schema_nodes import (
     COMBINATORS,
     NON_ASSERTIONS,
+    VALUE_KEYS,
     assertions,
     combinator,
     is_object,
@@ -208,9 +209,6 @@ class _Lowerer:
         ap = node.get("additionalProperties")
         return ap is False or (self.closing and ap is None and closes(node))
 
-    def object_rules(self, node: dict, inlined: frozenset[str], exact: bool) -> Any:
-        return object_rules(self, node, inlined, exact)
-
     def merge(self, a: Any, b: Any, inlined: frozenset[str]) -> Any:
         """allOf [a, b] as one schema: references inlined, anyOf/oneOf distributed."""
         a, b = self.plain(a, inlined), self.plain(b, inlined)
@@ -282,8 +280,7 @@ class _Lowerer:
 def _uses(node: Any, keys: tuple[str, ...]) -> bool:
     if isinstance(node, dict):
         return any(k in node for k in keys) or any(
-            _uses(v, keys) for k, v in node.items() if k not in ("enum", "const", "default",
-                                                                   "examples", "example"))
+            _uses(v, keys) for k, v in node.items() if k not in VALUE_KEYS)
     if isinstance(node, list):
         return any(_uses(v, keys) for v in node)
     return False
@@ -300,7 +297,7 @@ def _without_refs_to(node: Any, dead: set[str]) -> Any:
         return False
     out = {}
     for key, value in node.items():
-        if key in ("enum", "const", "default", "examples", "example"):
+        if key in VALUE_KEYS:
             out[key] = value
         elif key in ("definitions", "$defs") and isinstance(value, dict):
             out[key] = {n: _without_refs_to(v, dead) for n, v in value.items()
@@ -316,7 +313,7 @@ def _refs_are_simple(node: Any) -> bool:
         if ref is not None and not (isinstance(ref, str) and _SIMPLE_REF.match(ref)):
             return False
         return all(_refs_are_simple(v) for k, v in node.items()
-                   if k not in ("enum", "const", "default", "examples", "example"))
+                   if k not in VALUE_KEYS)
     if isinstance(node, list):
         return all(_refs_are_simple(v) for v in node)
     return True

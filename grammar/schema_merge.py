@@ -145,18 +145,18 @@ def _merge_literals(a: dict, b: dict, literal_filter) -> Any:
                     raise Unmergeable("'enum' is not a list")
                 values = these if values is None else [v for v in values if _contains(these, v)]
     for side in (a, b):  # each side's other keywords judge the values on their own
-        rest = {k: v for k, v in side.items() if k not in ("enum", "const") and k not in _ANNOTATIONS}
+        rest = {k: v for k, v in side.items() if k not in ("enum", "const") and k not in ANNOTATIONS}
         if rest:
             if literal_filter is None:
                 raise Unmergeable("literals next to other keywords")
             values = literal_filter(values, rest)
     if not values:
         return False
-    keep = {k: v for k, v in {**b, **a}.items() if k in _ANNOTATIONS}
+    keep = {k: v for k, v in {**b, **a}.items() if k in ANNOTATIONS}
     return {**keep, "enum": values}
 
 
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "example", "$comment",
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "example", "$comment",
                           "deprecated", "readOnly", "writeOnly", "$id", "id", "$schema"})
 
 

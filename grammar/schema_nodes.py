@@ -7,6 +7,8 @@ from typing import Any
 from prescient.grammar.schema_merge import Unmergeable
 
 COMBINATORS = ("anyOf", "oneOf")
+# Keywords whose values are instances, not subschemas: never walked as schemas.
+VALUE_KEYS = frozenset({"enum", "const", "default", "examples", "example"})
 NON_ASSERTIONS = frozenset({"title", "description", "default", "examples", "example", "$comment",
                             "deprecated", "readOnly", "writeOnly", "$id", "id", "$schema",
                             "definitions", "$defs"})

@@ -23,6 +23,7 @@ from prescient.grammar.schema_nodes import (
     not_required,
     without,
 )
+from prescient.grammar.schema_objects import object_rules
 
 
 def disjoint_one_of(lw, node: dict, inlined: frozenset[str], exact_only: bool) -> Any:
@@ -32,7 +33,7 @@ def disjoint_one_of(lw, node: dict, inlined: frozenset[str], exact_only: bool) -
     originals, narrowed = [], []
     for b in node["oneOf"]:
         b = lw.plain(b, inlined)
-        nb = lw.object_rules(b, inlined, exact_only) if isinstance(b, dict) and is_object(b) else b
+        nb = object_rules(lw, b, inlined, exact_only) if isinstance(b, dict) and is_object(b) else b
         if nb is not False:  # a branch that never matches changes no count
             originals.append(b)
             narrowed.append(nb)

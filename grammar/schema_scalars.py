@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from prescient.grammar.schema_merge import Unmergeable
+from prescient.grammar.schema_merge import ANNOTATIONS, Unmergeable
 
 # One atom (a class, a shorthand, a letter or digit) under one quantifier, anchored or not.
 _REPEATED_ATOM = re.compile(
@@ -111,8 +111,5 @@ def string_keywords_without_type(node: dict) -> bool:
     """pattern/minLength/maxLength with no `type` (xgrammar ignores them there)."""
     keys = {k for k in node if k in _STRING_ONLY or k == "format" or k == "type"}
     return "type" not in node and bool(keys & _STRING_ONLY) and not (
-        set(node) - keys - _ANNOTATIONS)
+        set(node) - keys - ANNOTATIONS)
 
-
-_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "example", "$comment",
-                          "deprecated", "readOnly", "writeOnly"})

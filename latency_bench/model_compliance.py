@@ -13,7 +13,7 @@ Figures per file:
 - compliance = valid / compiled;
 - unfinished = outputs cut by max_tokens (inside a long string or array; not a grammar fault,
   counted as not valid and listed);
-- unsatisfiable = schemas whose every failure is a `oneOf` that the instance matched more than
+- oneOf overlap = schemas whose every failure is a `oneOf` that the instance matched more than
   once (xgrammar, like every engine, treats oneOf as anyOf; where the branches overlap no grammar
   can force exactly one match): listed, and reported apart rather than against the engine.
 Also: mask fill time per row (p50/p99 µs) and its share of the engine's step time, compile time.
