@@ -22,7 +22,7 @@ from prescient.grammar.errors import GrammarError
 from prescient.grammar.formats import spec_from_response_format
 from prescient.grammar.matcher import BatchMaskFiller, Matcher, allocate_bitmask
 from prescient.grammar.pattern import check_pattern
-from prescient.grammar.schema_check import check_schema
+from prescient.grammar.schema.check import check_schema
 from prescient.grammar.spec import GrammarSpec
 from prescient.grammar.tokenizer import GrammarTokenizer
 from prescient.grammar.tool_parser import (

@@ -8,9 +8,9 @@ with GrammarError (xgrammar cannot cancel a compile, so it finishes in the backg
 result still lands in the cache; a repeat of the same spec waits on that same compile).
 
 Every JSON schema that reaches xgrammar, tool argument schemas included, is first rewritten into
-a form xgrammar enforces exactly (schema_lower.py), passes `check_schema` (nothing is silently
-weakened), then has its declared objects closed (closed_objects.py) and, if it has a `pattern`,
-is compiled as EBNF (pattern.py).
+a form xgrammar enforces exactly (schema/lower.py), passes `check_schema` (schema/check.py:
+nothing is silently weakened), then has its declared objects closed (schema/closed_objects.py)
+and, if it has a `pattern`, is compiled as EBNF (pattern.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
-from prescient.grammar.closed_objects import close_declared_objects
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.matcher import Matcher
 from prescient.grammar.pattern import (
@@ -34,8 +33,9 @@ from prescient.grammar.pattern import (
     has_pattern,
     schema_ebnf_with_patterns,
 )
-from prescient.grammar.schema_check import check_schema
-from prescient.grammar.schema_lower import lower_schema
+from prescient.grammar.schema.check import check_schema
+from prescient.grammar.schema.closed_objects import close_declared_objects
+from prescient.grammar.schema.lower import lower_schema
 from prescient.grammar.spec import GrammarSpec
 from prescient.grammar.tokenizer import GrammarTokenizer
 from prescient.grammar.tools import tool_call_structural_tag
@@ -55,7 +55,7 @@ class CompilerConfig:
     any_whitespace: bool = False
     max_whitespace: int | None = None  # with any_whitespace: cap on one whitespace run
     # Objects that declare properties get additionalProperties: false when unset (see
-    # closed_objects.py): ~50x faster compiles, and the model writes only declared keys.
+    # schema/closed_objects.py): ~50x faster compiles, and the model writes only declared keys.
     close_declared_objects: bool = True
 
     def __post_init__(self) -> None:
@@ -162,7 +162,7 @@ class GrammarCompiler:
                     max_whitespace_cnt=self.config.max_whitespace)
 
     def prepare_schema(self, schema: object) -> object:
-        """The schema xgrammar gets: lowered (schema_lower.py), checked (GrammarError names a
+        """The schema xgrammar gets: lowered (schema/lower.py), checked (GrammarError names a
         feature xgrammar would drop), its declared objects closed."""
         closing = self.config.close_declared_objects
         schema = lower_schema(schema, closing=closing)

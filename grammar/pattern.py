@@ -24,7 +24,7 @@ from typing import Any, Callable
 import xgrammar as xgr
 
 from prescient.grammar.errors import GrammarError
-from prescient.grammar.schema_nodes import VALUE_KEYS
+from prescient.grammar.schema.nodes import VALUE_KEYS
 
 _MAX_CHAR = 0x10FFFF
 _UNSAFE = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # must be escaped inside a JSON string

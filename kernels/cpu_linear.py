@@ -1,7 +1,7 @@
 """Fast CPU linear for small M (decode M=1, speculative verify M<=16), fp32 or bf16 weights.
 
 ``F.linear`` at M=1 streams weights at roughly a third of DRAM bandwidth on the target CPUs
-(see shared/design/CPU_PERFORMANCE.md).  This module wraps ``cpu_gemv.c``: a plain-C,
+(see docs/CPU_PERFORMANCE.md).  This module wraps ``cpu_gemv.c``: a plain-C,
 multi-threaded, bandwidth-bound matrix-vector kernel (AVX512_BF16 ``vdpbf16ps`` for bf16
 weights, AVX-512 FMA for fp32, a portable path otherwise) that reuses each weight chunk for all
 M input rows.  The C file is compiled with the system C compiler at first use, cached per user
@@ -57,6 +57,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from prescient.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 #: Largest number of input rows the kernel handles; more rows go to F.linear (a GEMM).
@@ -92,11 +94,7 @@ class _WeightDesc(ctypes.Structure):
 # --------------------------------------------------------------------------------------------
 
 def _cache_dir() -> Path:
-    base = os.environ.get("PRESCIENT_CACHE_DIR")
-    if base:
-        return Path(base) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "prescient" / "kernels"
+    return cache_dir("kernels")
 
 
 def _cpu_signature() -> str:
@@ -127,6 +125,25 @@ def _flag_sets() -> list[list[str]]:
     # -march=native first; without it the AVX-512 kernels still exist (per-function target
     # attributes, chosen at run time) and only the portable path loses host tuning.
     return [common + ["-march=native"], common]
+
+
+def _so_path_for(cc: str, flags: list[str]) -> Path:
+    """The cached .so of one build: named by a hash of sources, flags, compiler and CPU."""
+    h = hashlib.sha256()
+    for part in (*(src.read_bytes() for src in (*_SOURCES, *_HEADERS)), " ".join(flags).encode(),
+                 cc.encode(), str(os.stat(cc).st_mtime_ns).encode(), _cpu_signature().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return _cache_dir() / f"cpu_gemv-{h.hexdigest()[:20]}.so"
+
+
+def is_built() -> bool:
+    """True when loading needs no compile: already loaded, or the preferred build is cached
+    (or there is no compiler, so nothing would be compiled)."""
+    if _lib_tried:
+        return True
+    cc = _compiler()
+    return cc is None or _so_path_for(cc, _flag_sets()[0]).exists()
 
 
 def _compile(cc: str, flags: list[str], so: Path) -> None:
@@ -206,14 +223,8 @@ def _load_library() -> None:
         if cc is None:
             errors.append("no C compiler (gcc/cc/$CC) on PATH")
         else:
-            st = os.stat(cc)
             for flags in _flag_sets():
-                h = hashlib.sha256()
-                for part in (*(src.read_bytes() for src in (*_SOURCES, *_HEADERS)), " ".join(flags).encode(),
-                             cc.encode(), str(st.st_mtime_ns).encode(), _cpu_signature().encode()):
-                    h.update(part)
-                    h.update(b"\0")
-                so = _cache_dir() / f"cpu_gemv-{h.hexdigest()[:20]}.so"
+                so = _so_path_for(cc, flags)
                 try:
                     if not so.exists():
                         _compile(cc, flags, so)
@@ -412,3 +423,11 @@ def pack_weight(w: torch.Tensor, bias: Optional[torch.Tensor] = None,
     if not _tried:
         _load()
     return PackedLinear(w.detach().to(dtype), bias)
+
+
+def build_signature() -> str:
+    """What a measurement on these kernels depends on: the CPU, the compiled .so (its name is a
+    hash of sources, flags and compiler) and the ISA tier in use. Cost tables are keyed by it."""
+    info = kernel_info()
+    return "|".join(str(x) for x in (_cpu_signature(), info.get("so"), info.get("isa"), info.get("threads"),
+                                      torch.__version__, len(os.sched_getaffinity(0))))

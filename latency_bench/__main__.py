@@ -1,6 +1,7 @@
 """`python -m prescient.latency_bench` / `prescient bench`: the latency benchmark's command line.
 
-    prescient bench --quick --out DIR        # <= 10 minutes on a quiet 2-core CPU
+    prescient bench --quick --out DIR        # prescient's own modes, <= 10 minutes on a quiet 2-core CPU
+    prescient bench --quick --peers          # ... beside transformers and llama.cpp (longer)
     prescient bench --out DIR                # the full run (every prompt, rate sweep; much longer)
     prescient bench --quick --server http://127.0.0.1:8000   # load phases against `prescient serve`
 
@@ -13,61 +14,99 @@ import argparse
 import dataclasses
 import sys
 
+from prescient.help_format import DefaultsHelpFormatter
 from prescient.runtime.slo import PRESETS
+
+
+def _preset(field: str, scale: float = 1.0, unit: str = "") -> str:
+    """'(default: X)' or '(default: quick X, full Y)' from the presets in config.py, so the help
+    states the value each preset really uses."""
+    from prescient.latency_bench.config import FULL, QUICK
+
+    def show(v):
+        if isinstance(v, tuple):
+            return ",".join(map(str, v)) or "none"
+        if v is None:
+            return "none"
+        if isinstance(v, float) or scale != 1.0:
+            v = round(v * scale, 6)
+        return f"{v}{unit}"
+
+    quick, full = show(getattr(QUICK, field)), show(getattr(FULL, field))
+    return f"(default: {quick})" if quick == full else f"(default: quick {quick}, full {full})"
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prescient bench", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the <= 10 minute subset (no rate sweep)")
+                                formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the <= 10 minute subset (no rate sweep); unset = the full run")
     p.add_argument("--out", default="bench_out", help="report folder")
     p.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workloads", default=None, help="workloads.jsonl (default: ../shared/workloads, else bundled)")
+    p.add_argument("--workloads", default=None, help="workloads.jsonl (default: the one bundled with the package)")
     p.add_argument("--dtypes", default=None, help="comma-separated dtypes for prescient vs transformers "
-                   "(default float32,bfloat16)")
+                   + _preset("dtypes"))
     p.add_argument("--spec-dtype", default=None, help="dtype of the speculation comparison and load phases "
-                   "(default bfloat16)")
+                   + _preset("spec_dtype"))
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the transformers and llama.cpp peers beside prescient's modes " + _preset("peers"))
     p.add_argument("--modes", default=None, help="comma-separated mode names to keep, e.g. "
                    "prescient-bf16,prescient-bf16-ngram,hf-bf16 (default: all)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft mode (default: early-exit self-draft)")
     p.add_argument("--llamacpp-model", default=None, help="GGUF for the llama.cpp peer (default: --model)")
-    p.add_argument("--prompts-per-kind", type=int, default=None, help="prompts per workload kind (0 = all)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions of the batch-1 phase")
-    p.add_argument("--max-tokens-cap", type=int, default=None, help="cap each workload's max_tokens")
-    p.add_argument("--concurrent", type=int, default=None, help="concurrent requests vs batch 1 (default 16)")
-    p.add_argument("--concurrent-max-tokens", type=int, default=None)
-    p.add_argument("--agents", type=int, default=None, help="closed-loop concurrent agents")
-    p.add_argument("--sessions-per-agent", type=int, default=None)
-    p.add_argument("--turns", type=int, default=None, help="turns per agent session")
-    p.add_argument("--tool-latency", type=float, default=None, help="simulated tool latency, seconds")
-    p.add_argument("--agent-max-tokens", type=int, default=None, help="max_tokens of each agent turn")
+    p.add_argument("--prompts-per-kind", type=int, default=None, help="prompts per workload kind, 0 = all "
+                   + _preset("prompts_per_kind").replace("none", "all"))
+    p.add_argument("--reps", type=int, default=None, help="repetitions of the batch-1 phase " + _preset("reps"))
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="cap each workload's max_tokens (default: none)")
+    p.add_argument("--concurrent", type=int, default=None, help="concurrent requests vs batch 1 "
+                   + _preset("num_concurrent"))
+    p.add_argument("--concurrent-max-tokens", type=int, default=None,
+                   help="max_tokens of each concurrent request " + _preset("concurrent_max_tokens"))
+    p.add_argument("--agents", type=int, default=None, help="closed-loop concurrent agents " + _preset("num_agents"))
+    p.add_argument("--sessions-per-agent", type=int, default=None,
+                   help="sessions each agent runs " + _preset("sessions_per_agent"))
+    p.add_argument("--turns", type=int, default=None, help="turns per agent session " + _preset("agent_turns"))
+    p.add_argument("--tool-latency", type=float, default=None, help="simulated tool latency, seconds "
+                   + _preset("tool_latency_s"))
+    p.add_argument("--agent-max-tokens", type=int, default=None, help="max_tokens of each agent turn "
+                   + _preset("agent_max_tokens"))
     p.add_argument("--rate", type=float, default=None,
                    help="open-loop rate, req/s (default: 2x the measured batch-1 capacity)")
-    p.add_argument("--open-requests", type=int, default=None)
-    p.add_argument("--arrival", choices=["poisson", "gamma"], default=None)
-    p.add_argument("--arrival-cv", type=float, default=None, help="gamma arrivals' coefficient of variation")
-    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None, help="run the rate sweep")
-    p.add_argument("--sweep-requests", type=int, default=None, help="requests per swept rate (16)")
+    p.add_argument("--open-requests", type=int, default=None, help="requests of the open-loop phase "
+                   + _preset("open_requests"))
+    p.add_argument("--arrival", choices=["poisson", "gamma"], default=None, help="open-loop arrival process "
+                   + _preset("arrival"))
+    p.add_argument("--arrival-cv", type=float, default=None, help="gamma arrivals' coefficient of variation "
+                   + _preset("arrival_cv"))
+    p.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the rate sweep " + _preset("sweep"))
+    p.add_argument("--sweep-requests", type=int, default=None, help="requests per swept rate "
+                   + _preset("sweep_requests"))
     p.add_argument("--load-speculate", default=None, help="comma-separated speculation settings for the load "
-                   "phases (off,ngram,draft); empty string = no load phases")
+                   "phases (off,ngram,draft); empty string = no load phases " + _preset("load_speculate"))
     p.add_argument("--slo", choices=sorted(PRESETS), default="cpu-interactive", help="SLO preset")
-    p.add_argument("--ttft-slo-ms", type=float, default=None)
-    p.add_argument("--itl-slo-ms", type=float, default=None, help="ITL p99 bound")
-    p.add_argument("--itl-basis", choices=["token", "emission"], default=None)
-    p.add_argument("--tpot-slo-ms", type=float, default=None)
-    p.add_argument("--e2e-slo-s", type=float, default=None)
-    p.add_argument("--server", default=None, help="base URL of a running `prescient serve` for the load phases")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT bound, ms (default: the preset's)")
+    p.add_argument("--itl-slo-ms", type=float, default=None, help="bound on the p99 of each request's "
+                   "per-emission ITL (gaps between deliveries), ms (default: the preset's)")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT bound, ms (default: the preset's)")
+    p.add_argument("--e2e-slo-s", type=float, default=None, help="end-to-end bound, s (default: the preset's)")
+    p.add_argument("--server", default=None, help="base URL of a running `prescient serve` for the load phases "
+                   "(default: an in-process server)")
     p.add_argument("--max-foreign-cpu", type=float, default=None, help="retry a batch-1 run when other "
-                   "processes used more than this share of the CPUs during it (0.2)")
-    p.add_argument("--retries", type=int, default=None, help="most retries of a disturbed batch-1 run (2)")
-    p.add_argument("--kv-cache-gb", type=float, default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--verify-context", type=int, default=None)
-    p.add_argument("--bandwidth-mb", type=int, default=None, help="buffer for the read-bandwidth measure (1024)")
-    p.add_argument("--gemm-n", type=int, default=None, help="matrix size of the GEMM peak measure (2048)")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
+                   "processes used more than this share of the CPUs during it " + _preset("max_foreign_cpu"))
+    p.add_argument("--retries", type=int, default=None, help="most retries of a disturbed batch-1 run "
+                   + _preset("contention_retries"))
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache of each engine, GiB "
+                   + _preset("kv_cache_gb"))
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--verify-context", type=int, default=None, help="cached tokens of the verify-cost "
+                   "measurement " + _preset("verify_context"))
+    p.add_argument("--bandwidth-mb", type=int, default=None, help="buffer for the read-bandwidth measure, MiB "
+                   + _preset("bandwidth_bytes", 1 / (1 << 20)).replace(".0", ""))
+    p.add_argument("--gemm-n", type=int, default=None, help="matrix size of the GEMM peak measure "
+                   + _preset("gemm_n"))
+    p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     return p
 
 
@@ -82,8 +121,8 @@ def config_from_args(args: argparse.Namespace):
     slo = PRESETS[args.slo]
     slo_over = {k: v for k, v in {
         "ttft_s": args.ttft_slo_ms / 1e3 if args.ttft_slo_ms else None,
-        "itl_p99_s": args.itl_slo_ms / 1e3 if args.itl_slo_ms else None,
-        "itl_basis": args.itl_basis, "tpot_s": args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None,
+        "itl_emission_p99_s": args.itl_slo_ms / 1e3 if args.itl_slo_ms else None,
+        "tpot_s": args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None,
         "e2e_s": args.e2e_slo_s}.items() if v is not None}
     if slo_over:
         slo = dataclasses.replace(slo, name=f"{slo.name}+custom", **slo_over)
@@ -91,7 +130,7 @@ def config_from_args(args: argparse.Namespace):
         "out": args.out, "model": args.model, "workloads": args.workloads, "draft_model": args.draft_model,
         "llamacpp_model": args.llamacpp_model, "slo": slo, "server": args.server,
         "dtypes": split(args.dtypes) if args.dtypes else None, "spec_dtype": args.spec_dtype,
-        "modes": split(args.modes) if args.modes else None,
+        "modes": split(args.modes) if args.modes else None, "peers": args.peers,
         "prompts_per_kind": args.prompts_per_kind,
         "reps": args.reps, "max_tokens_cap": args.max_tokens_cap, "num_concurrent": args.concurrent,
         "concurrent_max_tokens": args.concurrent_max_tokens, "num_agents": args.agents,

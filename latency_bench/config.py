@@ -1,8 +1,10 @@
 """Benchmark configuration: one frozen dataclass, with the --quick and full presets.
 
---quick fits in at most ten minutes on a quiet 2-core CPU: two prompts per workload kind, one
-repetition, a short closed-loop agent run and one open-loop rate per load mode, no rate sweep.
-The full run uses every prompt, two repetitions, longer load phases and the rate sweep; it takes
+--quick fits in at most ten minutes on a quiet 2-core CPU: prescient's own modes only (the
+transformers and llama.cpp peers take `--peers`: on a CPU without AVX-512 BF16 transformers in
+bf16 alone took most of the old quick run), two prompts per workload kind, one repetition, a
+short closed-loop agent run and one open-loop rate per load mode, no rate sweep. The full run
+adds the peers, every prompt, two repetitions, longer load phases and the rate sweep; it takes
 well over half an hour here and says so when it starts.
 """
 
@@ -25,6 +27,7 @@ class BenchConfig:
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     spec_dtype: str = "bfloat16"
     modes: tuple[str, ...] | None = None  # mode names to keep (None: all default modes)
+    peers: bool = False  # transformers and llama.cpp modes beside prescient's own
     prompts_per_kind: int | None = 2
     reps: int = 1
     max_tokens_cap: int | None = None
@@ -69,6 +72,6 @@ class BenchConfig:
 
 
 QUICK = BenchConfig()
-FULL = replace(QUICK, quick=False, prompts_per_kind=None, reps=2, contention_retries=2, verify_reps=11,
+FULL = replace(QUICK, quick=False, peers=True, prompts_per_kind=None, reps=2, contention_retries=2, verify_reps=11,
                concurrent_max_tokens=64, concurrent_reps=2, load_speculate=("off", "ngram", "draft"), num_agents=4,
                sessions_per_agent=2, agent_turns=4, agent_max_tokens=96, open_requests=16, sweep=True)

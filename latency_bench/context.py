@@ -1,16 +1,14 @@
 """What the benchmark loads once and shares between modes: checkpoint, tokenizer, models, engines.
 
-Loading a GGUF (dequantizing every tensor) is the slowest part of setting up, so the checkpoint
-is read once and each dtype's `LlamaModel` is built once; every prescient mode of that dtype is an
-`Engine` of its own (own KV cache, scheduler and speculator) over the shared, read-only model.
-Engines are configured the way `prescient.cli.build_engine` configures them, and speculators are
-attached through the same hook the CLI uses, so a mode measures what `prescient serve` runs.
+Each dtype's model is loaded once through `prescient.build.load_model` (the converted-weights
+cache); every prescient mode of that dtype is an `Engine` of its own (own KV cache, scheduler and
+speculator) built by `prescient.build.build_engine` over the shared, read-only model, so a mode
+measures what `prescient serve` runs.
 The transformers peer loads the same GGUF with `from_pretrained(dir, gguf_file=...)`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import logging
@@ -59,61 +57,59 @@ class BenchContext:
         # one thread for decode-sized batches (its GEMV kernel has its own pool) and leaves it so,
         # which must not leak into the transformers runs or the bandwidth probe
         self.default_threads = torch.get_num_threads()
-        self._ckpt = None
-        self._tokenizer = None
-        self._models: dict[str, object] = {}
+        self._loaded: dict[str, object] = {}  # dtype -> prescient.build.LoadedModel
         self._hf: dict[str, object] = {}
 
     # ---------------------------------------------------------------- prescient
 
-    @property
-    def checkpoint(self):
-        if self._ckpt is None:
-            from prescient.runtime.loader import load_checkpoint
+    def loaded(self, dtype: str):
+        """The model in `dtype`, loaded once through the builder (the converted-weights cache)."""
+        if dtype not in self._loaded:
+            from prescient.build import load_model
 
-            self._ckpt = load_checkpoint(self.model_path)
-        return self._ckpt
+            self._loaded[dtype] = load_model(self._spec(dtype, "off"))
+        return self._loaded[dtype]
+
+    @property
+    def _first(self):
+        return next(iter(self._loaded.values())) if self._loaded else self.loaded("bfloat16")
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from prescient.runtime.tokenizer import Tokenizer
-
-            ck = self.checkpoint
-            self._tokenizer = Tokenizer.load(ck.tokenizer_dir, ck.gguf_file, ck.eos_token_ids)
-        return self._tokenizer
+        return self._first.tokenizer
 
     @property
     def model_config(self):
-        return self.checkpoint.config
+        return self._first.config
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._first.eos_token_ids
 
     def model(self, dtype: str):
-        if dtype not in self._models:
-            from prescient.runtime.model import LlamaModel
+        return self.loaded(dtype).model
 
-            self._models[dtype] = LlamaModel(self.checkpoint.config, self.checkpoint.weights, dtype=DTYPES[dtype])
-        return self._models[dtype]
-
-    def engine(self, dtype: str, speculate: str = "off", prefix_caching: bool = True):
-        """A fresh engine over the shared model; `speculator` stays None when speculation is off
-        or could not be attached (the caller checks)."""
-        from prescient.cli import _attach_speculator
-        from prescient.runtime.config import CacheConfig, SchedulerConfig
-        from prescient.runtime.engine import Engine, EngineConfig
+    def _spec(self, dtype: str, speculate: str, prefix_caching: bool = True):
+        from prescient.build import EngineSpec
 
         k = self.knobs
-        config = EngineConfig(
-            dtype=dtype,
-            cache=CacheConfig(kv_cache_bytes=int(k.kv_cache_gb * (1 << 30)), enable_prefix_caching=prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens),
-        )
-        engine = Engine(self.model(dtype), self.tokenizer, config, eos_token_ids=self.checkpoint.eos_token_ids)
-        args = argparse.Namespace(speculate=speculate, draft_model=k.draft_model)
+        # calibrate now (or from the cache): a mode measures what `prescient serve` runs once
+        # its idle-time calibration is done, not the default table
+        return EngineSpec(model=self.model_path, dtype=dtype, speculate=speculate, draft_model=k.draft_model,
+                          max_num_seqs=k.max_num_seqs, max_num_batched_tokens=k.max_num_batched_tokens,
+                          kv_cache_gb=k.kv_cache_gb, enable_prefix_caching=prefix_caching, calibrate="now",
+                          progress=False)
+
+    def engine(self, dtype: str, speculate: str = "off", prefix_caching: bool = True):
+        """A fresh engine (own KV cache, scheduler and speculator) over the shared model."""
+        from prescient.build import build_engine
+
         try:
-            _attach_speculator(engine, args)
+            return build_engine(self._spec(dtype, speculate, prefix_caching), self.loaded(dtype))
         except Exception as e:  # speculation is optional per mode: report why, run the others
-            raise Unavailable(f"speculation {speculate!r} failed to attach: {type(e).__name__}: {e}") from e
-        return engine
+            if speculate == "off":
+                raise
+            raise Unavailable(f"speculation {speculate!r} failed to build: {type(e).__name__}: {e}") from e
 
     # ---------------------------------------------------------------- transformers
 

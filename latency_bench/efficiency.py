@@ -19,7 +19,7 @@ import torch
 
 def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5) -> float:
     """Bytes/s of torch.sum over a `num_bytes` float32 buffer (best of `reps`), as in
-    shared/design/CPU_PERFORMANCE.md."""
+    docs/CPU_PERFORMANCE.md."""
     buf = torch.ones(num_bytes // 4, dtype=torch.float32)
     buf.sum()
     best = float("inf")

@@ -1,7 +1,7 @@
 """Weight-streaming bandwidth of small-M CPU linears: F.linear vs prescient's cpu_linear kernel.
 
 Batch-1 decode on CPU is bound by how fast weights stream from DRAM, so the figure of merit is
-weight bytes read per second.  As in shared/design/CPU_PERFORMANCE.md, it streams 60 distinct
+weight bytes read per second.  As in docs/CPU_PERFORMANCE.md, it streams 60 distinct
 3072x576 matrices (212 MB bf16 / 425 MB fp32, far beyond the 32 MB L3) one after another, so
 every call reads its weights from DRAM, at M=1 (decode) and M=8 (speculative verify); then the
 49152x576 LM head (three copies in turn, so that it too comes from DRAM); then the per-call

@@ -1,21 +1,38 @@
 """One-shot GPU check for a lent CUDA machine: kernel tests, tree attention vs SDPA, decode tokens/s.
 
-    PYTHONPATH=. python latency_bench/gpu_check.py            # on the GPU machine
-    PYTHONPATH=. python latency_bench/gpu_check.py --cpu-smoke   # anywhere, tiny shapes, no GPU
+    PYTHONPATH=. python latency_bench/gpu_check.py --time-limit 480   # on the GPU machine
+    PYTHONPATH=. python latency_bench/gpu_check.py --cpu-smoke        # anywhere, tiny shapes, no GPU
+    python -m prescient.latency_bench.gpu_check --out /tmp/x.json     # no CUDA: all sections skipped
 
-Sections (each runs on its own; a failure is reported and the next section still runs):
-1. `pytest tests/kernels -q -x` in a subprocess with TRITON_INTERPRET unset, so the Triton
-   kernels compile for the GPU (skipped in --cpu-smoke and when pytest is missing).
-2. `prescient.kernels.ops.tree_attention` (Triton on CUDA) against PyTorch SDPA over KV gathered
-   from the paged cache into contiguous tensors, SmolLM2-135M attention shapes, bf16, timed with
-   CUDA events (median of N per-call latencies).
-3. End-to-end greedy decode tokens/s of a random-init model with the default model's config
-   (SmolLM2-135M), plain and with n-gram speculation, plus a short sampled-decoding probe.
+Sections, in order (`default_sections`; each one's code in latency_bench/gpu_sections_*.py):
+1. kernel_tests (gpu_sections_kernels): `pytest tests/kernels -q`, no -x, in a subprocess with
+   TRITON_INTERPRET unset so the Triton kernels compile for the GPU; outcome counts in the JSON.
+   Tolerance: 0 failed or erroring tests.
+2. tree_attention (gpu_sections_attention): `ops.tree_attention` against SDPA over KV gathered
+   from the paged cache, SmolLM2-135M attention shapes, bf16, CUDA-event timings.
+   Tolerance: max |tree_attention - SDPA| <= 2e-2 in bf16 (1e-4 in float32, --cpu-smoke).
+3. decode (gpu_sections_decode): greedy decode tokens/s of a random-init SmolLM2-135M, plain and
+   with n-gram speculation, plus sampled decoding. Tolerance: at the first token where speculative
+   greedy output leaves the plain one, its logit gap to the plain argmax <= 0.1 in bf16 (1e-3 in
+   float32); 0 when the outputs are identical.
+
+Nothing measured is lost: the JSON ($OUT/gpu_check.json, or --out) is rewritten atomically (temp
+file + os.replace) when the check starts, after every section and at checkpoints inside the long
+ones; the Markdown report goes to stdout section by section, flushed. Each section ends as
+`ok`, `fail` (its error above its tolerance: measured error and tolerance recorded), `error` (it
+raised; the exception is recorded and the next section runs) or `skipped` (with the reason: no
+CUDA device, --skip-tests, time limit). The exit status is 1 when a section failed or errored.
+Time: --time-limit bounds the whole check and each section has a budget (--budget NAME=SECONDS);
+the long sections stop their loops at their deadline, a section's deadline leaves the sections
+after it the minimum they need to start, and a section is skipped ("time limit") when less than
+half its minimum is left. On SIGTERM the running section is recorded as an error, the JSON
+written, and the exit status is 143.
 
 The GPU machine has no installed prescient, only the copied tree: setuptools' package-dir maps
 `prescient.runtime` -> runtime/ etc., which a plain PYTHONPATH cannot express, so
-`ensure_prescient_importable` builds that mapping as a directory of symlinks (see there).
-Output: a Markdown report on stdout; JSON to $OUT/gpu_check.json when OUT is set (or --json).
+`ensure_prescient_importable` builds that mapping as a directory of symlinks (see there). This
+file imports nothing of prescient at module level for that reason: the sections are imported by
+`default_sections`, after the alias exists.
 """
 
 from __future__ import annotations
@@ -33,21 +50,20 @@ if __name__ == "__main__" and sys.path and Path(sys.path[0] or ".").resolve() ==
 
 import argparse  # noqa: E402
 import atexit  # noqa: E402
-import gc  # noqa: E402
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
+import signal  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
+from typing import Callable  # noqa: E402
 
 # Fallback for when pyproject.toml cannot be read (no tomllib before Python 3.11).
 _DEFAULT_PACKAGE_DIRS = {
@@ -161,485 +177,344 @@ def _version(module: str) -> str | None:
         return None
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _fmt(x, digits=1) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
-def _failure(e: BaseException) -> dict:
-    return {"status": "failed", "error": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc()[-4000:]}
-
-
-def _sync(device) -> None:
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), a function of its own so that tests can pretend either way."""
     import torch
 
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return torch.cuda.is_available()
 
 
-# ---------------------------------------------------------------- 1. kernel tests on CUDA
+def _fmt_err(x) -> str:
+    # The same as gpu_sections_common.fmt_err, which this file cannot import before the alias.
+    if x is None:
+        return "–"
+    if isinstance(x, int) or (isinstance(x, float) and math.isfinite(x) and x == int(x) and (x >= 1 or x == 0)):
+        return str(int(x))
+    return f"{x:.2e}" if isinstance(x, float) and math.isfinite(x) else str(x)
 
 
-_PROBE = "gpu_check-probe:"
+def _jsonable(obj):
+    """`obj` with non-finite floats as strings ("nan", "inf"): json.dumps would write NaN and
+    Infinity, which strict JSON parsers reject, and a NaN error is exactly what must show."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
 
 
-def run_kernel_tests(timeout_s: float, alias: str | None, extra_args: list[str] | None = None) -> dict:
-    """`pytest tests/kernels -q -x` in a subprocess, TRITON_INTERPRET unset (compiled kernels)."""
-    if not _has("pytest"):
-        return {"status": "skipped", "reason": "pytest is not installed"}
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PRESCIENT_KERNELS")}
-    # Without an install, the checkout's bare prescient/ must not be found first. pytest puts the
-    # repo at sys.path[0] before the test modules import prescient, and `python -c` children of
-    # the tests put their cwd there; so the run starts in the alias directory and imports the
-    # alias's prescient before pytest starts (a package, once imported, keeps its __path__).
-    cwd = alias or str(REPO)
-    boot = "import sys; import prescient; " if alias else "import sys; "
-    # pyproject's addopts carries --benchmark-disable, an unknown option (a usage error before
-    # any test runs) where pytest-benchmark is missing; override addopts, drop the bench file.
-    has_bench = _has("pytest_benchmark")
-    addopts = "-p no:cacheprovider" + (" --benchmark-disable" if has_bench else "")
-    pytest_args = [str(REPO / "tests" / "kernels"), "--rootdir", str(REPO), "-q", "-x", "-o", f"addopts={addopts}",
-                   # this script's own CPU smoke test: it would only run this script again
-                   "--ignore", str(REPO / "tests" / "kernels" / "test_gpu_check_smoke.py")]
-    notes = []
-    if not has_bench:
-        pytest_args += ["--ignore", str(REPO / "tests" / "kernels" / "test_kernels_bench.py")]
-        notes.append("pytest-benchmark missing: test_kernels_bench.py ignored")
-    pytest_args += extra_args or []
-    # The conftests set TRITON_INTERPRET=1 only without CUDA; the run reports what the test
-    # process ended up with, since an interpreted run would "pass" without ever compiling a
-    # kernel for the GPU.
-    probe = ("import os, torch; print('\\n%s interpret=%s cuda=%s' % "
-             f"({_PROBE!r}, os.environ.get('TRITON_INTERPRET'), torch.cuda.is_available())); ")
-    cmd = [sys.executable, "-c", boot + "import pytest; rc = pytest.main(sys.argv[1:]); " + probe + "sys.exit(rc)",
-           *pytest_args]
-    t0 = time.perf_counter()
-    base = {"command": cmd, "cwd": cwd, "notes": notes}
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """Write to a temporary file beside `path`, then rename it over `path`: a reader (or a kill
+    mid-write) sees the previous complete file or the new one, never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return {"status": "timeout", "seconds": round(time.perf_counter() - t0, 1), **base,
-                "output_tail": out[-3000:]}
-    out = proc.stdout + proc.stderr
-    probe_line = next((line for line in out.splitlines() if line.startswith(_PROBE)), "")
-    # Only meaningful with a GPU: without one, the interpreter is the intended CPU path.
-    forced = ("interpret=1" in probe_line) if "cuda=True" in probe_line else None
-    base.update(conftest_forces_interpreter=forced, probe=probe_line[len(_PROBE):].strip())
-    summary = next((line.strip("= ") for line in reversed(out.splitlines())
-                    if re.search(r"\d+ (passed|failed|errors?|skipped|deselected)", line)), "")
-    return {
-        "status": "passed" if proc.returncode == 0 else "failed",
-        "returncode": proc.returncode,
-        "summary": summary,
-        "seconds": round(time.perf_counter() - t0, 1),
-        **base,
-        "output_tail": out[-3000:],
-    }
+        with os.fdopen(fd, "w") as f:
+            json.dump(_jsonable(obj), f, indent=2, default=str)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would differ from what a plain write gives
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
-# ---------------------------------------------------------------- 2. tree attention vs SDPA
+# ---------------------------------------------------------------- sections and their driver
+
+OK, FAIL, ERROR, SKIPPED = "ok", "fail", "error", "skipped"
 
 
-def _random_tree_parents(size: int, rng: random.Random) -> list[int]:
-    # A bushy chain, the shape n-gram and draft-model trees have: each node hangs below one of
-    # the 3 nodes before it.
-    return [-1] + [rng.randint(max(0, i - 3), i - 1) for i in range(1, size)]
+class Section:
+    """One step of the check. `run(ctx)` returns a dict of what it measured; the driver turns it
+    into the section's status: `measured_error` above `tolerance` (NaN included) is a fail, a
+    non-empty `errors` an error, {"status": "skipped", "reason": ...} a skip.
+
+    A plain class, not a dataclass: dataclasses look their module up in sys.modules, which a
+    file loaded by path (spec_from_file_location, as the alias test does) is not in."""
+
+    def __init__(self, name: str, title: str, run: Callable[["SectionContext"], dict], *, metric: str = "",
+                 tolerance: float | None = None, budget_s: float | None = None, min_s: float = 0.0,
+                 needs_cuda: bool = False, skip_reason: str | None = None,
+                 render: Callable[[dict], list[str]] | None = None):
+        self.name = name  # key in the JSON's "sections"
+        self.title = title  # Markdown heading
+        self.run = run
+        self.metric = metric  # what measured_error is
+        self.tolerance = tolerance  # None: no error measure (the section fails only by raising)
+        self.budget_s = budget_s  # the section's deadline is its start + this (within --time-limit)
+        self.min_s = min_s  # the least time worth starting with: reserved by the sections before
+        self.needs_cuda = needs_cuda  # skipped without a CUDA device
+        self.skip_reason = skip_reason  # skipped by the command line (--skip-tests, ...)
+        self.render = render  # Markdown lines for the section's record
+
+    def __repr__(self) -> str:
+        return f"Section({self.name!r})"
 
 
-def _ancestor_mask(parents: list[int]):
-    import torch
+class SectionContext:
+    """What a running section sees of the driver: its deadline and a way to save partial results."""
 
-    n = len(parents)
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        if i:
-            mask[i] = mask[parents[i]]
-        mask[i, i] = True
-    return mask
+    def __init__(self, deadline: float, on_checkpoint: Callable[[dict], None]):
+        self.deadline = deadline  # time.monotonic() value; math.inf without any limit
+        self._on_checkpoint = on_checkpoint
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.time_left() <= 0
+
+    def checkpoint(self, partial: dict) -> None:
+        """Record what the section has so far (status "running") and rewrite the JSON: a kill
+        before the section ends still leaves these numbers."""
+        self._on_checkpoint(partial)
 
 
-def _time_calls(fn, num_layers: int, iters: int, warmup: int, device) -> dict:
-    """Median per-call latency (µs) and the mean over back-to-back calls, cycling over the
-    per-layer caches as a decode step does (so a long context is not served from L2)."""
-    import torch
+class Terminated(BaseException):
+    """Raised by the SIGTERM handler: a BaseException, so that the sections' `except Exception`
+    blocks let it through to the driver, which records it."""
 
-    for i in range(warmup):
-        fn(i % num_layers)
-    _sync(device)
-    per_call = []
-    if device.type == "cuda":
-        # An event pair around each call: the latency a decode step pays, launch overhead
-        # included (the CPU issues each call, the GPU waits for it).
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(iters)]
-        for i, (start, end) in enumerate(events):
-            start.record()
-            fn(i % num_layers)
-            end.record()
-        torch.cuda.synchronize(device)
-        per_call = [start.elapsed_time(end) * 1e3 for start, end in events]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(iters):
-            fn(i % num_layers)
-        end.record()
-        torch.cuda.synchronize(device)
-        back_to_back = start.elapsed_time(end) * 1e3 / iters
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(signum)
+
+
+class Reporter:
+    """The report dict, its JSON file and the Markdown stream."""
+
+    def __init__(self, report: dict, json_path: str | None):
+        self.report = report
+        self.json_path = json_path
+        self._warned = False
+
+    def save(self) -> None:
+        if not self.json_path:
+            return
+        try:
+            write_json_atomic(self.json_path, self.report)
+        except (OSError, TypeError, ValueError) as e:
+            # A full disk must not stop the measurements (stdout still carries them).
+            if not self._warned:
+                print(f"gpu_check: cannot write {self.json_path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                self._warned = True
+
+    def print(self, *lines: str) -> None:
+        print("\n".join(lines), flush=True)  # flushed: a killed run keeps what was printed
+
+
+def _judge(section: Section, result: dict) -> dict:
+    """The section's record: its result plus status, measured error vs tolerance, verdict."""
+    record = dict(result)
+    if result.get("status") == SKIPPED:
+        record.setdefault("reason", "skipped by the section")
+        return record
+    measured, tol = result.get("measured_error"), section.tolerance
+    record["measured_error"] = measured
+    errors = result.get("errors")
+    if tol is not None and measured is not None and not measured <= tol:  # `not <=`: NaN fails
+        record["status"] = FAIL
+        record["verdict"] = f"{section.metric or 'error'} {_fmt_err(measured)} > tolerance {_fmt_err(tol)}"
+    elif errors:
+        record["status"] = ERROR
+        parts = [f"{k}: {v['error'] if isinstance(v, dict) else v}" for k, v in errors.items()] \
+            if isinstance(errors, dict) else [str(e) for e in errors]
+        record["error"] = "; ".join(parts)[:2000]
+    elif tol is not None and measured is None:
+        if result.get("truncated"):
+            record["status"], record["reason"] = SKIPPED, "time limit before anything to hold against the tolerance"
+        else:
+            record["status"], record["error"] = ERROR, "the section measured nothing to hold against its tolerance"
     else:
-        for i in range(iters):
-            t0 = time.perf_counter()
-            fn(i % num_layers)
-            per_call.append((time.perf_counter() - t0) * 1e6)
-        back_to_back = statistics.fmean(per_call)
-    return {"median_us": statistics.median(per_call), "back_to_back_us": back_to_back}
+        record["status"] = OK
+        if tol is not None:
+            record["verdict"] = f"{section.metric or 'error'} {_fmt_err(measured)} <= tolerance {_fmt_err(tol)}"
+    return record
 
 
-def bench_tree_attention(device, dtype, tree_sizes, contexts, num_heads, num_kv_heads, head_dim,
-                         block_size, num_layers, iters, warmup, seed=0) -> dict:
-    import torch
-    import torch.nn.functional as F
-
-    from prescient.kernels import ops
-    from prescient.kernels.reference import pack_bits
-
-    backend = "triton" if ops.use_triton(device) else "reference"
-    scale = head_dim ** -0.5
-    group = num_heads // num_kv_heads
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    rows = []
-    for ctx in contexts:
-        max_len = ctx + max(tree_sizes)
-        blocks_needed = -(-max_len // block_size)
-        num_blocks = blocks_needed + 1  # a spare block: the table is a strict subset, as in a server
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        # One cache pair per layer, as the model has; filled with noise so softmax is not flat.
-        caches = [(torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype))
-                  for _ in range(num_layers)]
-        # Shuffled blocks: a paged cache after some churn (Triton reads them in place, the
-        # SDPA path has to gather them).
-        order = list(range(num_blocks))
-        rng.shuffle(order)
-        block_table = torch.tensor([order[:blocks_needed]], dtype=torch.int32, device=device)
-        for size in tree_sizes:
-            context_len = ctx + size
-            q = torch.randn(size, num_heads, head_dim, device=device).to(dtype)
-            context_lens = torch.tensor([context_len], dtype=torch.int32, device=device)
-            cu = torch.tensor([0, size], dtype=torch.int32, device=device)
-            if size == 1:
-                mask_bits, sdpa_mask = None, None  # plain decode: the engine passes no mask
-            else:
-                tree = _ancestor_mask(_random_tree_parents(size, rng))
-                mask_bits = pack_bits(tree).to(device)
-                sdpa_mask = torch.ones(size, context_len, dtype=torch.bool)
-                sdpa_mask[:, ctx:] = tree
-                sdpa_mask = sdpa_mask.to(device)
-            used_blocks = block_table[0, : -(-context_len // block_size)].long()
-
-            def gather(layer: int):
-                k_cache, v_cache = caches[layer]
-                k = k_cache.index_select(0, used_blocks).flatten(0, 1)[:context_len]
-                v = v_cache.index_select(0, used_blocks).flatten(0, 1)[:context_len]
-                # [1, num_kv_heads, context_len, head_dim], contiguous for SDPA's fused kernels
-                return k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0).contiguous()
-
-            q4 = q.transpose(0, 1).unsqueeze(0)  # [1, num_heads, size, head_dim]
-
-            def sdpa(k, v):
-                return F.scaled_dot_product_attention(q4, k, v, attn_mask=sdpa_mask, scale=scale,
-                                                      enable_gqa=group > 1)
-
-            def run_tree(layer: int):
-                k_cache, v_cache = caches[layer]
-                return ops.tree_attention(q, k_cache, v_cache, block_table, context_lens, cu, mask_bits, scale)
-
-            def run_gather_sdpa(layer: int):
-                return sdpa(*gather(layer))
-
-            gathered = [gather(layer) for layer in range(num_layers)]
-            # The same KV with each kv head repeated for its query heads: SDPA without GQA, which
-            # every fused backend accepts (with enable_gqa torch may fall back to its math path).
-            expanded = [(k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
-                        for k, v in gathered]
-
-            def run_sdpa_only(layer: int):
-                return sdpa(*gathered[layer])
-
-            def run_sdpa_expanded(layer: int):
-                k, v = expanded[layer]
-                return F.scaled_dot_product_attention(q4, k, v, attn_mask=sdpa_mask, scale=scale)
-
-            # Each variant on its own: one that fails (a backend rejecting a shape) leaves the
-            # others' numbers standing.
-            row = {"tree_size": size, "context": ctx, "backend": backend, "errors": {}}
-            variants = {"tree_attention": run_tree, "gather_sdpa": run_gather_sdpa, "sdpa_only": run_sdpa_only,
-                        "sdpa_expanded": run_sdpa_expanded}
-            for name, fn in variants.items():
-                try:
-                    timing = _time_calls(fn, num_layers, iters, warmup, device)
-                except Exception as e:
-                    timing = {"median_us": None, "back_to_back_us": None}
-                    row["errors"][name] = f"{type(e).__name__}: {e}"[:500]
-                row[f"{name}_us"], row[f"{name}_b2b_us"] = timing["median_us"], timing["back_to_back_us"]
-            try:
-                want = run_sdpa_only(0)[0].transpose(0, 1).float()
-                row["max_abs_err"] = (run_tree(0).float() - want).abs().max().item()
-            except Exception as e:
-                row["max_abs_err"] = None
-                row["errors"].setdefault("compare", f"{type(e).__name__}: {e}"[:500])
-            ok = row["tree_attention_us"] and row["gather_sdpa_us"]
-            row["speedup_vs_gather_sdpa"] = row["gather_sdpa_us"] / row["tree_attention_us"] if ok else None
-            rows.append(row)
-            del gathered, expanded
-        del caches
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    failed = any(r["errors"] for r in rows)
-    return {"status": "failed" if failed else "ok", "backend": backend, "dtype": str(dtype).replace("torch.", ""),
-            "shapes": {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-                       "block_size": block_size, "layers_cycled": num_layers},
-            "iters": iters, "rows": rows}
+def _deadline(section: Section, start: float, deadline_all: float, reserve: float) -> tuple[float, str]:
+    """When `section` must stop, and what sets that time: its budget, the time the later sections
+    need at least (`reserve`, so the first sections cannot eat the whole --time-limit), or the
+    limit itself. Never less than the section's own minimum."""
+    candidates = [(deadline_all, "--time-limit"), (deadline_all - reserve, "the later sections' minimum")]
+    if section.budget_s is not None:
+        candidates.append((start + section.budget_s, "budget"))
+    deadline, why = min(candidates, key=lambda c: c[0])
+    return max(deadline, min(deadline_all, start + section.min_s)), why
 
 
-# ---------------------------------------------------------------- 3. end-to-end decode
+def _run_one(section: Section, base: dict, reporter: Reporter, deadline: float,
+             why: str) -> tuple[dict, Terminated | KeyboardInterrupt | None]:
+    records = reporter.report["sections"]
+    start = time.monotonic()
+
+    def checkpoint(partial: dict) -> None:
+        records[section.name] = {**base, **partial, "status": "running", "seconds": round(time.monotonic() - start, 1)}
+        reporter.save()
+
+    checkpoint({})
+    stop = None
+    try:
+        record = _judge(section, dict(section.run(SectionContext(deadline, checkpoint)) or {}))
+    except (Terminated, KeyboardInterrupt) as e:
+        stop = e
+        name = e.args[0] if isinstance(e, Terminated) else "SIGINT"
+        # What the last checkpoint saved stays in the record.
+        record = {**records[section.name], "status": ERROR,
+                  "error": f"gpu_check was terminated ({name}) {time.monotonic() - start:.1f} s into this section"}
+    except Exception as e:
+        record = {**records[section.name], "status": ERROR, "error": f"{type(e).__name__}: {e}"[:2000],
+                  "traceback": traceback.format_exc()[-4000:]}
+    record = {**base, **record, "seconds": round(time.monotonic() - start, 1)}
+    if record.get("truncated"):
+        record["deadline"] = why
+    return record, stop
 
 
-def smollm2_135m_config(name: str = "SmolLM2-135M (random init)"):
-    """The default model's architecture (SmolLM2-135M-Instruct's config.json)."""
-    from prescient.runtime.config import ModelConfig
-
-    return ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                       rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-                       name=name)
-
-
-def tiny_config():
-    from prescient.runtime.config import ModelConfig
-
-    return ModelConfig(architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                       rope_theta=10000.0, max_position_embeddings=512, tie_word_embeddings=True,
-                       name="tiny (random init)")
+def _status_line(record: dict) -> list[str]:
+    status = record["status"]
+    timing = f" ({record['seconds']} s" + (f" of a {record['budget_s']} s budget)" if record.get("budget_s") else ")") \
+        if "seconds" in record else ""
+    truncated = "; stopped early at its time limit" if record.get("truncated") else ""
+    if status == SKIPPED:
+        return [f"skipped: {record.get('reason')}" + (f" ({record['detail']})." if record.get("detail") else ".")]
+    if status == OK:
+        return [f"**ok**{': ' + record['verdict'] if record.get('verdict') else ''}{timing}{truncated}."]
+    if status == FAIL:
+        return [f"**FAIL**: {record['verdict']}{timing}{truncated}."]
+    lines = [f"**error**: {record.get('error')}{timing}."]
+    if record.get("traceback"):
+        lines += ["", "```", record["traceback"][-1500:], "```"]
+    return lines
 
 
-def random_weights(config, device, dtype, seed: int = 0) -> dict:
-    """Random weights under the canonical names runtime/loader.py produces, made on the device
-    (135M float32 parameters would take seconds on the host and a copy)."""
-    import torch
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-
-    def normal(*shape):
-        # std 0.02: SmolLM2's initializer_range, so activations have a trained model's scale
-        # (what matters here is the work per step, not what the model says).
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).mul_(0.02).to(dtype)
-
-    weights = {"embed": normal(config.vocab_size, h), "norm": torch.ones(h, device=device, dtype=dtype)}
-    if not config.tie_word_embeddings:
-        weights["lm_head"] = normal(config.vocab_size, h)
-    for layer in range(config.num_layers):
-        p = f"layers.{layer}."
-        weights.update({
-            p + "q": normal(config.num_heads * d, h), p + "k": normal(config.num_kv_heads * d, h),
-            p + "v": normal(config.num_kv_heads * d, h), p + "o": normal(h, config.num_heads * d),
-            p + "gate": normal(i, h), p + "up": normal(i, h), p + "down": normal(h, i),
-            p + "attn_norm": torch.ones(h, device=device, dtype=dtype),
-            p + "mlp_norm": torch.ones(h, device=device, dtype=dtype),
-        })
-    return weights
+def _render_section(section: Section, record: dict) -> list[str]:
+    lines = _status_line(record)
+    if section.render is not None:  # a skipped section may still carry partial results
+        try:
+            body = section.render(record)
+        except Exception as e:  # a report bug must not end the check
+            body = [f"(rendering this section failed: {type(e).__name__}: {e})"]
+        if body:
+            lines += [""] + body
+    return lines
 
 
-def _generate(engine, prompt: list[int], params, device) -> dict:
-    """One request to completion; decode rate counted from the first generated token on."""
-    t0 = time.perf_counter()
-    steps0 = engine.num_steps
-    engine.add_request(prompt, params)
-    tokens: list[int] = []
-    t_first = n_first = steps_first = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.error:
-                raise RuntimeError(f"request failed: {out.error}")
-            tokens.extend(out.new_token_ids)
-        if t_first is None and tokens:
-            _sync(device)
-            t_first, n_first, steps_first = time.perf_counter(), len(tokens), engine.num_steps
-    _sync(device)
-    t_end = time.perf_counter()
-    decoded = len(tokens) - (n_first or 0)
-    return {
-        "tokens": tokens,
-        "prefill_ms": (t_first - t0) * 1e3 if t_first else None,
-        "decode_tokens_per_s": decoded / (t_end - t_first) if t_first and t_end > t_first and decoded else None,
-        "decode_steps": engine.num_steps - (steps_first or steps0),
-        "decoded_tokens": decoded,
-    }
+def run_sections(sections: list[Section], reporter: Reporter, *, cuda: bool, time_limit: float | None,
+                 t_start: float) -> int:
+    """Run the sections in order, saving and printing after each; returns the exit status."""
+    report = reporter.report
+    records = report.setdefault("sections", {})
+    bases = {s.name: {"title": s.title, "metric": s.metric, "tolerance": s.tolerance, "budget_s": s.budget_s}
+             for s in sections}
+    for s in sections:
+        records[s.name] = {**bases[s.name], "status": "pending"}
+    reporter.save()  # a valid JSON from the start
+    deadline_all = math.inf if time_limit is None else t_start + time_limit
+    stop: Terminated | KeyboardInterrupt | None = None
+    for number, s in enumerate(sections, 1):
+        base = bases[s.name]
+        reporter.print("", f"## {number}. {s.title}", "")
+        left = deadline_all - time.monotonic()
+        if stop is not None:
+            record = {**base, "status": SKIPPED, "reason": "gpu_check was terminated before this section"}
+        elif s.skip_reason:
+            record = {**base, "status": SKIPPED, "reason": s.skip_reason}
+        elif s.needs_cuda and not cuda:
+            record = {**base, "status": SKIPPED, "reason": "no CUDA device"}
+        elif left <= 0 or left < s.min_s / 2:
+            # Half, not all, of its minimum: the section before may overrun the deadline that
+            # reserved this minimum by its last step, and half still buys a first result.
+            record = {**base, "status": SKIPPED, "reason": "time limit",
+                      "detail": f"{max(left, 0):.1f} s left of --time-limit {time_limit} s; the section needs "
+                                f"about {s.min_s} s to start"}
+        else:
+            # Sections after this one that will run, each needing its min_s.
+            reserve = sum(t.min_s for t in sections[number:]
+                          if not t.skip_reason and not (t.needs_cuda and not cuda))
+            deadline, why = _deadline(s, time.monotonic(), deadline_all, reserve)
+            record, stop = _run_one(s, base, reporter, deadline, why)
+        records[s.name] = record
+        reporter.save()
+        reporter.print(*_render_section(s, record))
+
+    bad = [name for name, r in records.items() if r["status"] in (FAIL, ERROR)]
+    if isinstance(stop, Terminated):
+        code = 128 + stop.signum
+    elif isinstance(stop, KeyboardInterrupt):
+        code = 130
+    else:
+        code = 1 if bad else 0
+    report["summary"] = {status: [n for n, r in records.items() if r["status"] == status]
+                         for status in (OK, FAIL, ERROR, SKIPPED)}
+    report["exit_code"] = code
+    report["total_seconds"] = round(time.monotonic() - t_start, 1)
+    report["finished"] = True
+    reporter.save()
+    rows = [[n, r["status"] + (f" ({r['reason']})" if r["status"] == SKIPPED else ""),
+             _fmt_err(r.get("measured_error")), _fmt_err(r.get("tolerance")), r.get("seconds", "–")]
+            for n, r in records.items()]
+    reporter.print("", "## Summary", "",
+                   "| section | status | measured error | tolerance | seconds |", "|---|---|---|---|---|",
+                   *["| " + " | ".join(str(c) for c in row) + " |" for row in rows], "",
+                   f"Exit status {code}" + (f": {', '.join(bad)} did not pass" if bad else "")
+                   + f". Total: {report['total_seconds']:.1f} s.")
+    return code
 
 
-def bench_decode(device, dtype, config, prompt_len: int, new_tokens: int, kv_cache_bytes: int,
-                 seed: int = 0, fast_linear: bool = True) -> dict:
+# ---------------------------------------------------------------- the registry
+
+
+def default_sections(args, cuda: bool, alias: str | None) -> list[Section]:
+    """The check's sections, configured from the command line (GPU shapes, or --cpu-smoke's)."""
     import torch
 
-    from prescient.runtime.config import CacheConfig
-    from prescient.runtime.engine import Engine, EngineConfig
-    from prescient.runtime.model import LlamaModel
-    from prescient.runtime.sampling_params import SamplingParams
-    from prescient.speculative.speculator import SpecStats, make_speculator
+    from prescient.latency_bench import gpu_sections_attention as attention
+    from prescient.latency_bench import gpu_sections_decode as decode
+    from prescient.latency_bench import gpu_sections_kernels as kernels
 
-    t0 = time.perf_counter()
-    weights = random_weights(config, device, dtype, seed)
-    model = LlamaModel(config, weights, dtype=dtype, device=device, fast_linear=fast_linear)
-    del weights
-    _sync(device)
-    build_s = time.perf_counter() - t0
-    # A repeated phrase: the n-gram proposer finds matches from the first decode step on.
-    rng = random.Random(seed)
-    phrase = [rng.randrange(config.vocab_size) for _ in range(32)]
-    prompt = (phrase * (prompt_len // len(phrase) + 1))[:prompt_len]
-    runs = {
-        "greedy": SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
-        # Sampling takes other code paths (plain: Engine._sample's noise; speculative: rejection
-        # sampling), and on a random model's near-flat distributions n-grams rarely hit: the
-        # speculative row then shows what speculation costs when it does not pay.
-        "t=0.8": SamplingParams(max_tokens=new_tokens, temperature=0.8, top_p=0.95, seed=seed, ignore_eos=True),
-    }
-    rows, errors, outputs = [], {}, {}
-    for sampling, params in runs.items():
-        for mode in ("off", "ngram"):
-            key = f"{sampling}/{mode}"
-            engine = None
-            try:
-                engine = Engine(model, None, EngineConfig(cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_bytes)),
-                                eos_token_ids=())
-                if mode != "off":
-                    # Calibrates the verify cost table on this model, as the CLI does at start-up.
-                    engine.speculator = make_speculator(engine, mode)
-                # A full-length warm-up run first: tree sizes and context lengths vary step to
-                # step, and each new Triton specialization compiles on first use (seconds).
-                _generate(engine, prompt, params, device)
-                if engine.speculator is not None:
-                    engine.speculator.stats = SpecStats()  # count the measured run only
-                result = _generate(engine, prompt, params, device)
-                outputs[key] = result.pop("tokens")
-                stats = engine.speculator.stats if engine.speculator is not None else None
-                rows.append({
-                    "sampling": sampling, "speculation": mode, "status": "ok", "prompt_tokens": prompt_len, **result,
-                    "ms_per_token": 1e3 / result["decode_tokens_per_s"] if result["decode_tokens_per_s"] else None,
-                    "acceptance_rate": stats.acceptance_rate if stats else None,
-                    "mean_accepted_length": stats.mean_accepted_length if stats else None,
-                    "distinct_output_tokens": len(set(outputs[key])),
-                })
-            except Exception as e:
-                errors[key] = _failure(e)
-                rows.append({"sampling": sampling, "speculation": mode, "status": "failed",
-                             "error": errors[key]["error"]})
-            finally:
-                engine = None  # frees this engine's KV cache before the next one
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    same = None
-    if "greedy/off" in outputs and "greedy/ngram" in outputs:
-        a, b = outputs["greedy/off"], outputs["greedy/ngram"]
-        diverge = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        same = {"identical": a == b, "first_divergence": diverge}
-    failed = [r for r in rows if r["status"] != "ok"]
-    return {"status": "failed" if failed else "ok", "model": config.name, "dtype": str(dtype).replace("torch.", ""),
-            "model_build_s": build_s, "rows": rows, "greedy_outputs_match": same, "errors": errors}
-
-
-# ---------------------------------------------------------------- report
-
-
-def render(report: dict) -> str:
-    out = [f"# prescient GPU check ({report['mode']})", ""]
-    env = report["environment"]
-    out.append(f"Device: {env.get('device_name')}; torch {env.get('torch')}, triton {env.get('triton')}, "
-               f"Python {env.get('python')}; prescient imported {report['import_mode']}. "
-               f"Missing: {', '.join(m for m, ok in env['packages'].items() if not ok) or 'nothing'}.")
-    out.append("")
-    s = report["sections"]
-
-    t = s.get("kernel_tests", {})
-    out += ["## 1. Kernel tests (`pytest tests/kernels -q -x`, TRITON_INTERPRET unset)", ""]
-    if t.get("status") == "skipped":
-        out.append(f"Skipped: {t.get('reason')}.")
+    smoke = args.cpu_smoke
+    device = torch.device("cuda" if cuda and not smoke else "cpu")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    dtype_name = str(dtype).replace("torch.", "")
+    if args.skip_tests:
+        tests_skip = "--skip-tests"
+    elif smoke and not args.run_tests:
+        tests_skip = "--cpu-smoke: the CPU suite runs in CI itself (--run-tests runs it here)"
     else:
-        out.append(f"**{t.get('status')}** in {t.get('seconds')} s: {t.get('summary') or '(no summary line)'}. "
-                   f"conftest forces the interpreter: {t.get('conftest_forces_interpreter')} ({t.get('probe')}).")
-        for note in t.get("notes", []):
-            out.append(f"Note: {note}.")
-        if t.get("status") != "passed":
-            out += ["", "```", (t.get("output_tail") or t.get("error") or "")[-1500:], "```"]
-    out.append("")
-
-    a = s.get("tree_attention", {})
-    out += ["## 2. Tree attention vs SDPA over gathered KV", ""]
-    if a.get("rows"):
-        sh = a["shapes"]
-        out.append(f"`ops.tree_attention` ({a['backend']}) vs `F.scaled_dot_product_attention` (enable_gqa, tree "
-                   f"mask) on KV gathered from shuffled paged blocks; {a['dtype']}, {sh['num_heads']} q heads, "
-                   f"{sh['num_kv_heads']} kv heads, head_dim {sh['head_dim']}, block {sh['block_size']}, cycling "
-                   f"{sh['layers_cycled']} per-layer caches. Median of {a['iters']} per-call latencies in µs "
-                   "(launch overhead included); the SDPA-only columns have the KV pre-gathered (KV contiguous: "
-                   "enable_gqa, as the torch reference path runs it; heads expanded: kv heads repeated, no GQA); "
-                   "b2b: mean over back-to-back calls, closer to pure GPU time.")
-        out.append("")
-        out.append(_table(
-            ["tree", "context", "tree_attention µs", "gather+SDPA µs", "SDPA µs (KV contiguous)",
-             "SDPA µs (heads expanded)", "speedup vs gather+SDPA", "b2b µs tree / gather+SDPA", "max abs err"],
-            [[r["tree_size"], r["context"], _fmt(r["tree_attention_us"]), _fmt(r["gather_sdpa_us"]),
-              _fmt(r["sdpa_only_us"]), _fmt(r["sdpa_expanded_us"]), _fmt(r["speedup_vs_gather_sdpa"], 2) + "x" if r["speedup_vs_gather_sdpa"] else "–",
-              f"{_fmt(r['tree_attention_b2b_us'])} / {_fmt(r['gather_sdpa_b2b_us'])}",
-              "–" if r["max_abs_err"] is None else f"{r['max_abs_err']:.2e}"]
-             for r in a["rows"]]))
-        for r in a["rows"]:
-            for name, err in r["errors"].items():
-                out.append(f"Failed: tree {r['tree_size']}, context {r['context']}, {name}: {err}")
+        tests_skip = None
+    if smoke:
+        attention_shapes = dict(tree_sizes=(1, 8), contexts=(64, 256), num_layers=2, iters=args.iters or 5, warmup=2)
+        decode_setup = dict(config=decode.tiny_config(), prompt_len=48, new_tokens=args.new_tokens or 24,
+                            kv_cache_bytes=8 << 20, fast_linear=False)
     else:
-        out.append(f"**{a.get('status')}**: {a.get('error') or a.get('reason')}")
-        if a.get("traceback"):
-            out += ["", "```", a["traceback"][-1500:], "```"]
-    out.append("")
-
-    d = s.get("decode", {})
-    out += ["## 3. End-to-end decode (random-init weights, batch 1)", ""]
-    if d.get("rows"):
-        out.append(f"{d['model']}, {d['dtype']}; decode rate from the first generated token on, after a "
-                   "full-length warm-up run, repetitive prompt. A random model's greedy output tends to repeat "
-                   "itself, which n-grams predict well: read the greedy speculative row as an upper bound and the "
-                   "sampled one (near-flat distributions, few n-gram hits) as the cost of speculating in vain; "
-                   "see acceptance and distinct tokens.")
-        out.append("")
-        out.append(_table(
-            ["sampling", "speculation", "status", "prompt", "decoded", "decode tok/s", "ms/token", "steps",
-             "acceptance", "mean accepted len", "distinct tokens", "prefill ms"],
-            [[r["sampling"], r["speculation"], r["status"], r.get("prompt_tokens", "–"), r.get("decoded_tokens", "–"),
-              _fmt(r.get("decode_tokens_per_s")), _fmt(r.get("ms_per_token"), 2), r.get("decode_steps", "–"),
-              _fmt(r.get("acceptance_rate"), 2), _fmt(r.get("mean_accepted_length"), 2),
-              r.get("distinct_output_tokens", "–"), _fmt(r.get("prefill_ms"))] for r in d["rows"]]))
-        m = d.get("greedy_outputs_match")
-        if m is not None:
-            out += ["", f"Greedy tokens identical with and without speculation: {m['identical']}"
-                    + ("" if m["identical"] else f" (first divergence at token {m['first_divergence']}; bf16 "
-                       "rounding differs between a 1-token and a tree forward, so near-ties can flip)")]
-        for key, err in d.get("errors", {}).items():
-            out += ["", f"Decode {key} failed:", "```", err["traceback"][-1500:], "```"]
-    else:
-        out.append(f"**{d.get('status')}**: {d.get('error') or d.get('reason')}")
-        if d.get("traceback"):
-            out += ["", "```", d["traceback"][-1500:], "```"]
-    out += ["", f"Total: {report['total_seconds']:.1f} s."]
-    return "\n".join(out)
+        attention_shapes = dict(tree_sizes=(1, 8, 32, 64), contexts=(512, 4096, 16384), num_layers=30,
+                                iters=args.iters or 100, warmup=10)
+        decode_setup = dict(config=decode.smollm2_135m_config(), prompt_len=256, new_tokens=args.new_tokens or 256,
+                            kv_cache_bytes=1 << 30)
+    extra_pytest_args = shlex.split(args.pytest_args)
+    return [
+        Section("kernel_tests", "Kernel tests (`pytest tests/kernels -q`, no -x, TRITON_INTERPRET unset)",
+                run=lambda ctx: kernels.run(ctx, REPO, alias, extra_pytest_args),
+                metric="failed + erroring tests", tolerance=0, budget_s=args.pytest_timeout, min_s=20.0,
+                needs_cuda=not smoke, skip_reason=tests_skip, render=kernels.render),
+        Section("tree_attention", "Tree attention vs SDPA over gathered KV",
+                run=lambda ctx: attention.run(ctx, device, dtype, num_heads=9, num_kv_heads=3, head_dim=64,
+                                              block_size=16, **attention_shapes),
+                metric="max |tree_attention - SDPA|", tolerance=attention.TOLERANCE[dtype_name], budget_s=120.0,
+                min_s=10.0, needs_cuda=not smoke, render=attention.render),
+        Section("decode", "End-to-end decode (random-init weights, batch 1)",
+                run=lambda ctx: decode.run(ctx, device, dtype, **decode_setup),
+                metric="logit gap at the first greedy divergence (speculative vs plain)",
+                tolerance=decode.TOLERANCE[dtype_name], budget_s=180.0, min_s=20.0, needs_cuda=not smoke,
+                render=decode.render),
+    ]
 
 
 # ---------------------------------------------------------------- main
@@ -651,91 +526,100 @@ def _parse_args(argv):
     p.add_argument("--skip-tests", action="store_true", help="skip section 1 (pytest)")
     p.add_argument("--run-tests", action="store_true", help="run section 1 under --cpu-smoke too")
     p.add_argument("--pytest-args", default="", help="extra pytest arguments for section 1, e.g. '-k dispatch'")
-    p.add_argument("--pytest-timeout", type=float, default=150.0, help="seconds for section 1")
+    p.add_argument("--pytest-timeout", type=float, default=150.0,
+                   help="seconds for section 1 (its budget; the same as --budget kernel_tests=S)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per attention case")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per decode run (default 256; 24 with --cpu-smoke)")
-    p.add_argument("--json", default=None, help="JSON path (default: $OUT/gpu_check.json when OUT is set)")
-    return p.parse_args(argv)
+    p.add_argument("--out", "--json", dest="out", default=None,
+                   help="JSON path (default: $OUT/gpu_check.json when OUT is set)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for the whole check: sections that would start later are skipped ('time limit')")
+    p.add_argument("--budget", action="append", default=[], metavar="NAME=SECONDS",
+                   help="a section's own time budget (kernel_tests 150, tree_attention 120, decode 180); repeatable")
+    args = p.parse_args(argv)
+    budgets = {}
+    for item in args.budget:
+        name, sep, value = item.partition("=")
+        try:
+            budgets[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            p.error(f"--budget takes NAME=SECONDS, got {item!r}")
+    args.budget = budgets
+    return args
 
 
-def main(argv=None) -> int:
+def _environment(torch, cuda: bool, on_gpu: bool) -> dict:
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "triton": _version("triton"),
+        "cuda": torch.version.cuda, "cuda_available": cuda,
+        "device_name": torch.cuda.get_device_name(0) if on_gpu else platform.processor() or "cpu",
+        "packages": {m: _has(m) for m in _OPTIONAL_PACKAGES},
+        "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PRESCIENT_KERNELS")},
+    }
+
+
+def main(argv=None, sections: list[Section] | None = None) -> int:
+    """The check; `sections` replaces the registry (tests pass small fake ones)."""
+    t_start = time.monotonic()
     args = _parse_args(argv)
-    t_start = time.perf_counter()
-    if not args.cpu_smoke:
-        # The Triton kernels read TRITON_INTERPRET when first imported: unset, they compile for
-        # the GPU, which is what this check is for.
-        os.environ.pop("TRITON_INTERPRET", None)
+    json_path = args.out or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
+    report = {"mode": "cpu-smoke" if args.cpu_smoke else "gpu",
+              "argv": list(sys.argv[1:] if argv is None else argv), "time_limit_s": args.time_limit,
+              "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "finished": False, "sections": {}}
+    reporter = Reporter(report, json_path)
     try:
         alias = ensure_prescient_importable()
+        import torch
+
+        cuda = cuda_available()
+        if cuda and not args.cpu_smoke:
+            # The Triton kernels read TRITON_INTERPRET when first imported: unset, they compile
+            # for the GPU, which is what this check is for. Only with a GPU: on a CPU the
+            # interpreter is the only way they run (and a test process keeps using them).
+            os.environ.pop("TRITON_INTERPRET", None)
     except Exception as e:
-        print(f"cannot import prescient from {REPO}: {type(e).__name__}: {e}", file=sys.stderr)
+        report.update(error=f"cannot import prescient or torch from {REPO}: {type(e).__name__}: {e}",
+                      exit_code=2, finished=True)
+        reporter.save()
+        print(report["error"], file=sys.stderr, flush=True)
         return 2
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if not args.cpu_smoke and not cuda:
-        print("no CUDA device: run with --cpu-smoke for the CPU smoke test", file=sys.stderr)
+    report["import_mode"] = f"through the alias {alias}" if alias else "as installed"
+    report["environment"] = env = _environment(torch, cuda, cuda and not args.cpu_smoke)
+    if sections is None:
+        sections = default_sections(args, cuda, alias)
+    unknown = set(args.budget) - {s.name for s in sections}
+    if unknown:
+        print(f"--budget: no section named {', '.join(sorted(unknown))} (sections: "
+              f"{', '.join(s.name for s in sections)})", file=sys.stderr)
         return 2
-    device = torch.device("cuda" if not args.cpu_smoke else "cpu")
-    report = {
-        "mode": "cpu-smoke" if args.cpu_smoke else "gpu",
-        "import_mode": f"through the alias {alias}" if alias else "as installed",
-        "environment": {
-            "python": platform.python_version(), "torch": torch.__version__, "triton": _version("triton"),
-            "cuda": torch.version.cuda,
-            "device_name": torch.cuda.get_device_name(0) if cuda and device.type == "cuda" else platform.processor() or "cpu",
-            "packages": {m: _has(m) for m in _OPTIONAL_PACKAGES},
-            "env": {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "PRESCIENT_KERNELS")},
-        },
-        "sections": {},
-    }
-    sections = report["sections"]
+    for s in sections:
+        s.budget_s = args.budget.get(s.name, s.budget_s)
 
-    if args.skip_tests:
-        sections["kernel_tests"] = {"status": "skipped", "reason": "--skip-tests"}
-    elif args.cpu_smoke and not args.run_tests:
-        sections["kernel_tests"] = {"status": "skipped", "reason": "--cpu-smoke (the CPU suite runs in CI itself)"}
-    else:
-        try:
-            sections["kernel_tests"] = run_kernel_tests(args.pytest_timeout, alias, shlex.split(args.pytest_args))
-        except Exception as e:
-            sections["kernel_tests"] = _failure(e)
-
+    reporter.print(f"# prescient GPU check ({report['mode']})", "",
+                   f"Device: {env['device_name']}; torch {env['torch']}, triton {env['triton']}, "
+                   f"Python {env['python']}; prescient imported {report['import_mode']}. "
+                   f"Missing: {', '.join(m for m, ok in env['packages'].items() if not ok) or 'nothing'}. "
+                   f"Time limit: {'none' if args.time_limit is None else f'{args.time_limit} s'}. "
+                   f"JSON: {json_path or 'not written'}.")
+    cuda_only = [s.name for s in sections if s.needs_cuda and not s.skip_reason]
+    if not cuda and cuda_only:
+        reporter.print("", f"No CUDA device (torch.cuda.is_available() is False): {', '.join(cuda_only)} "
+                       "recorded as skipped; --cpu-smoke runs tiny shapes on the CPU.")
     try:
-        t0 = time.perf_counter()
-        if args.cpu_smoke:
-            sections["tree_attention"] = bench_tree_attention(
-                device, torch.float32, tree_sizes=(1, 8), contexts=(64, 256), num_heads=9, num_kv_heads=3,
-                head_dim=64, block_size=16, num_layers=2, iters=args.iters or 5, warmup=2)
-        else:
-            sections["tree_attention"] = bench_tree_attention(
-                device, torch.bfloat16, tree_sizes=(1, 8, 32, 64), contexts=(512, 4096, 16384), num_heads=9,
-                num_kv_heads=3, head_dim=64, block_size=16, num_layers=30, iters=args.iters or 100, warmup=10)
-        sections["tree_attention"]["seconds"] = round(time.perf_counter() - t0, 1)
-    except Exception as e:
-        sections["tree_attention"] = _failure(e)
-
+        previous, installed = signal.signal(signal.SIGTERM, _raise_terminated), True
+    except ValueError:  # not the main thread: no handler, a SIGTERM then ends the run unrecorded
+        previous, installed = None, False
     try:
-        t0 = time.perf_counter()
-        if args.cpu_smoke:
-            sections["decode"] = bench_decode(device, torch.float32, tiny_config(), prompt_len=48,
-                                              new_tokens=args.new_tokens or 24, kv_cache_bytes=8 << 20,
-                                              fast_linear=False)
-        else:
-            sections["decode"] = bench_decode(device, torch.bfloat16, smollm2_135m_config(), prompt_len=256,
-                                              new_tokens=args.new_tokens or 256, kv_cache_bytes=1 << 30)
-        sections["decode"]["seconds"] = round(time.perf_counter() - t0, 1)
-    except Exception as e:
-        sections["decode"] = _failure(e)
-
-    report["total_seconds"] = time.perf_counter() - t_start
-    print(render(report))
-    json_path = args.json or (os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2, default=str))
-    failed = [name for name, sec in sections.items() if sec.get("status") not in ("ok", "passed", "skipped")]
-    return 1 if failed else 0
+        return run_sections(sections, reporter, cuda=cuda, time_limit=args.time_limit, t_start=t_start)
+    except Terminated as e:  # between sections (while saving or printing): record and stop
+        report.update(finished=True, exit_code=128 + e.signum, error=f"terminated ({e.args[0]})")
+        reporter.save()
+        return 128 + e.signum
+    finally:
+        if installed:  # `previous` is None for a handler not set from Python: back to the default
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 if __name__ == "__main__":

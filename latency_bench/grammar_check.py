@@ -11,13 +11,11 @@ workloads.Workload.constraint). Prints tok/s, the ratio to plain and the forced-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from prescient.grammar import spec_from_response_format
 from prescient.latency_bench.workloads import load_workloads
-from prescient.runtime.engine import Engine
+from prescient.build import EngineSpec, build_engine, load_model
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.speculator import make_speculator
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,9 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args(argv)
-    plain = Engine.from_pretrained(dtype=args.dtype)
-    spec = Engine(plain.model, plain.tokenizer, dataclasses.replace(plain.config))
-    spec.speculator = make_speculator(spec, "ngram")
+    loaded = load_model(EngineSpec(dtype=args.dtype))
+    plain = build_engine(EngineSpec(dtype=args.dtype, speculate="off"), loaded)
+    spec = build_engine(EngineSpec(dtype=args.dtype, speculate="ngram", calibrate="now"), loaded)
     modes = (("plain", plain, False), ("ngram", spec, False), ("grammar", plain, True), ("grammar+ngram", spec, True))
     totals = {name: [0, 0.0, 0] for name, _, _ in modes}  # tokens after the first, seconds, forced
     workloads = [w for w in load_workloads()[0] if w.kind == "tool_call"]

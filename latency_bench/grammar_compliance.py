@@ -7,7 +7,11 @@ allows; at each step a random allowed character, the stop token with probability
 allowed) must all be JSON that validates against the schema (`jsonschema`). A single invalid
 output is a grammar bug: the report lists it.
 
+The files default to the sample bundled with the package (latency_bench/jsonschemabench-sample,
+see its README.md); `--data DIR` reads the full JSONSchemaBench files from DIR instead.
+
     python -m prescient.latency_bench.grammar_compliance --limit 200 --out compliance.json
+    python -m prescient.latency_bench.grammar_compliance --data path/to/jsonschemabench
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from prescient.grammar import (
     GrammarTokenizer,
     allocate_bitmask,
 )
+from prescient.latency_bench.bundled import JSONSCHEMABENCH
 
 DEFAULT_FILES = ("maskbench_bfcl.jsonl", "Glaiveai2K.jsonl", "Github_trivial.jsonl",
                  "Github_easy.jsonl")
@@ -45,8 +50,7 @@ _CLOSERS = frozenset(_WALK_VOCAB.index(c) for c in '"}]')
 
 @dataclass(frozen=True)
 class ComplianceConfig:
-    data_dir: str = str(pathlib.Path(__file__).resolve().parents[2] / "shared" / "data"
-                        / "jsonschemabench")
+    data_dir: str = str(JSONSCHEMABENCH)  # the bundled sample; the full files via --data
     files: tuple[str, ...] = DEFAULT_FILES
     limit: int | None = None  # schemas per file
     walks_per_schema: int = 3
@@ -172,7 +176,8 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=ComplianceConfig.data_dir)
+    parser.add_argument("--data", default=ComplianceConfig.data_dir,
+                        help="folder of JSONSchemaBench .jsonl files (default: the bundled sample)")
     parser.add_argument("--files", default=",".join(DEFAULT_FILES))
     parser.add_argument("--limit", type=int, default=None, help="schemas per file")
     parser.add_argument("--walks", type=int, default=3, help="random walks per schema")

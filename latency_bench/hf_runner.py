@@ -44,7 +44,7 @@ class HFRunner:
         self.spec = spec
         self.model = ctx.hf_model(spec.dtype)
         self.threads = ctx.default_threads  # transformers' GEMMs/GEMVs use torch's threads
-        self.eos = list(ctx.checkpoint.eos_token_ids or ctx.tokenizer.eos_token_ids)
+        self.eos = list(ctx.eos_token_ids or ctx.tokenizer.eos_token_ids)
         self.weight_bytes = hf_model_bytes(self.model)
         self.kv_bytes_per_token = kv_bytes_per_token(ctx.model_config, next(self.model.parameters()).dtype)
         self._num_runs = 0

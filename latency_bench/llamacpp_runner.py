@@ -32,7 +32,7 @@ class LlamaCppRunner:
         self.spec = spec
         self.path = path
         self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=os.cpu_count(), flash_attn=True, verbose=False)
-        self.eos = set(ctx.checkpoint.eos_token_ids) | {self.llm.token_eos()}
+        self.eos = set(ctx.eos_token_ids) | {self.llm.token_eos()}
         self.weight_bytes = os.path.getsize(path)  # the file is the weights as llama.cpp streams them
         self.kv_bytes_per_token = kv_bytes_per_token(ctx.model_config, ctx.model(spec.dtype).dtype)
 

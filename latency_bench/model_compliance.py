@@ -9,7 +9,7 @@ time through one engine (continuous batching), optionally with n-gram speculatio
 Figures per file:
 - declared coverage = compiled / schemas;
 - empirical coverage = valid outputs / schemas, and over the satisfiable ones (schemas that
-  schema_lower.py proves unsatisfiable are refused with feature "unsatisfiable" and listed);
+  grammar/schema/lower.py proves unsatisfiable are refused with feature "unsatisfiable" and listed);
 - compliance = valid / compiled;
 - unfinished = outputs cut by max_tokens (inside a long string or array; not a grammar fault,
   counted as not valid and listed);
@@ -18,7 +18,11 @@ Figures per file:
   can force exactly one match): listed, and reported apart rather than against the engine.
 Also: mask fill time per row (p50/p99 µs) and its share of the engine's step time, compile time.
 
+The files default to the sample bundled with the package (latency_bench/jsonschemabench-sample,
+see its README.md); `--data DIR` reads the full JSONSchemaBench files from DIR instead.
+
     python -m prescient.latency_bench.model_compliance --files Glaiveai2K.jsonl --limit 100
+    python -m prescient.latency_bench.model_compliance --data path/to/jsonschemabench
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import jsonschema
 
 from prescient.grammar import GrammarError, spec_from_response_format
 from prescient.latency_bench.grammar_compliance import ComplianceConfig, _percentiles
+from prescient.build import EngineSpec, build_engine
 from prescient.runtime.engine import Engine
 from prescient.runtime.sampling_params import SamplingParams
 
@@ -72,7 +77,7 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
     refused: dict[str, int] = {}
     compile_errors: list[str] = []
     compile_s: list[float] = []
-    unsatisfiable: list[str] = []  # proved by schema_lower.py: no instance validates
+    unsatisfiable: list[str] = []  # proved by grammar/schema/lower.py: no instance validates
     pending: list[tuple[dict, object]] = []  # (row, PendingGrammar)
     for row in rows:
         try:
@@ -184,7 +189,8 @@ def markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=ComplianceConfig.data_dir)
+    parser.add_argument("--data", default=ComplianceConfig.data_dir,
+                        help="folder of JSONSchemaBench .jsonl files (default: the bundled sample)")
     parser.add_argument("--files", default=",".join(FILES))
     parser.add_argument("--limit", type=int, default=None, help="schemas per file (default: all)")
     parser.add_argument("--max-tokens", type=int, default=512)
@@ -199,11 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
-    engine = Engine.from_pretrained(dtype=args.dtype)
-    if args.speculate != "off":
-        from prescient.speculative.speculator import make_speculator
-
-        engine.speculator = make_speculator(engine, args.speculate)
+    engine = build_engine(EngineSpec(dtype=args.dtype, speculate=args.speculate, calibrate="now"))
     report = {"config": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                          "speculate": args.speculate, "concurrency": args.concurrency, "limit": args.limit,
                          "dtype": args.dtype, "presence_penalty": args.presence_penalty,

@@ -104,19 +104,17 @@ def register_runner(engine: str):
     return register
 
 
-def default_modes(dtypes: tuple[str, ...], spec_dtype: str, llamacpp: bool = True) -> list[ModeSpec]:
+def default_modes(dtypes: tuple[str, ...], spec_dtype: str, peers: bool = True) -> list[ModeSpec]:
     """Plain prescient and transformers in every dtype (issue 2), speculation in `spec_dtype`
     (issue 3): n-gram, draft, transformers prompt lookup; the output grammar with n-gram speculation
 and alone (issue 5);
-    llama.cpp when installed."""
+    llama.cpp when installed. Without `peers`, prescient's modes alone."""
     modes = []
     for dtype in dtypes:
         modes += [ModeSpec("prescient", dtype), ModeSpec("hf", dtype)]
     modes += [ModeSpec("prescient", spec_dtype, "ngram"), ModeSpec("prescient", spec_dtype, "draft"),
               ModeSpec("hf", spec_dtype, prompt_lookup=10), ModeSpec("prescient", spec_dtype, "ngram", grammar=True),
-              ModeSpec("prescient", spec_dtype, grammar=True)]
-    if llamacpp:
-        modes.append(ModeSpec("llamacpp", spec_dtype))
+              ModeSpec("prescient", spec_dtype, grammar=True), ModeSpec("llamacpp", spec_dtype)]
     if spec_dtype not in dtypes:
         modes += [ModeSpec("prescient", spec_dtype), ModeSpec("hf", spec_dtype)]
-    return modes
+    return modes if peers else [m for m in modes if m.engine == "prescient"]

@@ -17,7 +17,7 @@ import argparse
 import collections
 
 from prescient.latency_bench.workloads import load_workloads
-from prescient.runtime.engine import Engine
+from prescient.build import EngineSpec, build_engine
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.ngram import NgramConfig, NgramProposer
 from prescient.speculative.proposer import ProposalContext
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--budgets", default="4,8,16,32,64")
     args = parser.parse_args(argv)
-    engine = Engine.from_pretrained(dtype=args.dtype)
+    engine = build_engine(EngineSpec(dtype=args.dtype, speculate="off"))
     runs = []
     for w in load_workloads()[0]:
         ids = engine.tokenizer.apply_chat_template(list(w.messages))

@@ -16,6 +16,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from prescient.runtime.slo import Emission, delivery  # noqa: E402
+
 
 def _cdf(ax, values, label, **kw):
     xs = sorted(values)
@@ -29,9 +31,10 @@ def _runs(report, mode):
     return [r for r in report["batch1"]["runs"] if r["mode"] == mode]
 
 
-def _gaps(run):
-    t = run["emission_offsets_s"]
-    return [(t[i] - t[i - 1], run["emission_tokens"][i]) for i in range(1, len(t))]
+def _gaps(run) -> list[Emission]:
+    """The run's emissions after the first, by runtime/slo.py's `delivery` (the reports' ITL)."""
+    t, k = run["emission_offsets_s"], run["emission_tokens"]
+    return [delivery(0.0, t[i - 1], t[i], k[i]) for i in range(1, len(t))]
 
 
 def plot_all(report: dict, out: Path) -> list[str]:
@@ -52,10 +55,11 @@ def plot_all(report: dict, out: Path) -> list[str]:
     for i, m in enumerate(modes):
         gaps = [g for r in _runs(report, m) for g in _gaps(r)]
         c = colors[i % len(colors)]
-        _cdf(ax, [1e3 * g / n for g, n in gaps for _ in range(n)], f"{m} per token", color=c)
-        if any(n > 1 for _, n in gaps):
-            _cdf(ax, [1e3 * g for g, _ in gaps], f"{m} per emission", color=c, ls="--")
-    ax.axvline(1e3 * (report["slo"]["itl_p99_s"] or 0), color="grey", ls=":", label="ITL p99 SLO")
+        _cdf(ax, [1e3 * x for g in gaps for x in g.itl_token_s], f"{m} per token", color=c)
+        if any(g.num_tokens > 1 for g in gaps):
+            _cdf(ax, [1e3 * g.itl_emission_s for g in gaps], f"{m} per emission", color=c, ls="--")
+    ax.axvline(1e3 * (report["slo"]["itl_emission_p99_s"] or 0), color="grey", ls=":",
+               label="per-emission ITL p99 SLO")
     ax.set(xlabel="inter-token latency (ms)", ylabel="fraction", title="ITL, batch 1", xscale="log")
     ax.legend(fontsize=6)
     written.append(_save(fig, out / "itl_cdf.png"))
@@ -113,11 +117,11 @@ def _timeline(report: dict, modes: list[str], path: Path) -> str | None:
         if run is None:
             continue
         xs, ys, sizes, tok = [], [], [], run["emission_tokens"][0]
-        for gap, n in _gaps(run):
-            tok += n
+        for g in _gaps(run):
+            tok += g.num_tokens
             xs.append(tok)
-            ys.append(1e3 * gap)
-            sizes.append(8 * n)
+            ys.append(1e3 * g.itl_emission_s)
+            sizes.append(8 * g.num_tokens)
         (line,) = ax.plot(xs, ys, lw=0.6, alpha=0.6)
         ax.scatter(xs, ys, s=sizes, label=m, alpha=0.7, color=line.get_color())
     ax.set(xlabel="output token index", ylabel="gap before emission (ms)", yscale="log",

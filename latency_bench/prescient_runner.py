@@ -23,7 +23,7 @@ class PrescientRunner:
         self.engine = ctx.engine(spec.dtype, spec.speculate)
         if spec.speculate != "off" and self.engine.speculator is None:
             raise Unavailable(f"speculation {spec.speculate!r} did not attach to the engine "
-                              "(prescient.cli._attach_speculator found no speculator hook)")
+                              "(the builder made no speculator)")
         self.weight_bytes = prescient_model_bytes(self.engine.model)
         self.kv_bytes_per_token = kv_bytes_per_token(ctx.model_config, self.engine.model.dtype)
 

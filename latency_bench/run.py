@@ -76,7 +76,7 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     selected = select(all_workloads, cfg.prompts_per_kind, cfg.max_tokens_cap)
     wmeta["selected"] = [w.name for w in selected]
 
-    specs = default_modes(cfg.dtypes, cfg.spec_dtype)
+    specs = default_modes(cfg.dtypes, cfg.spec_dtype, cfg.peers)
     if cfg.modes:
         specs = [s for s in specs if s.name in cfg.modes]
     _log(cfg, f"loading {ctx.model_path} and building {len(specs)} modes")
@@ -104,8 +104,7 @@ def run_bench(cfg: BenchConfig, command: list[str]) -> dict:
     verify = []
     for dtype in verify_dtypes:
         _log(cfg, f"verify cost, {dtype}")
-        verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps,
-                                          seed=cfg.seed))
+        verify.append(measure_verify_cost(ctx.model(dtype), cfg.verify_context, cfg.verify_ks, cfg.verify_reps))
 
     # ------------------------------------------------------------ concurrency
     _log(cfg, "concurrency")
@@ -207,7 +206,7 @@ def _load_phases(cfg: BenchConfig, ctx, all_workloads, selected, modes: dict, no
                 client.close()
                 points.append({"mode": name, "rate_rps": info["rate_rps"], "throughput_rps": s["throughput_rps"],
                                "goodput_rps": s["goodput_rps"], "slo_attainment": s["slo_attainment"],
-                               "ttft_p99_s": s["ttft_s"]["p99"], "itl_p99_s": s["itl_p99_overall_s"]})
+                               "ttft_p99_s": s["ttft_s"]["p99"], "itl_emission_p99_s": s["itl_emission_s"]["p99"]})
                 if (s["slo_attainment"] or 0) < 0.5:
                     break  # past saturation: higher rates only queue longer
             bar.close()
@@ -241,6 +240,8 @@ def _client_factory(cfg: BenchConfig, ctx, speculate: str):
 
 def _standard_notes(cfg: BenchConfig, specs, runners) -> list[str]:
     notes = []
+    if not cfg.peers:
+        notes.append("Peers not run (transformers, llama.cpp): pass --peers to run them beside prescient's modes.")
     if cfg.quick:
         notes.append("Quick run: a subset of the prompts (first "
                      f"{cfg.prompts_per_kind} per kind), one repetition, short load phases, no rate sweep.")

@@ -6,7 +6,7 @@ seconds, rates per second, bandwidth bytes per second, ratios plain numbers (1.0
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: one latency model (per-emission SLO, no itl_basis / itl_p99_overall_s)
 
 NUM = {"type": ["number", "null"]}
 INT = {"type": "integer"}
@@ -22,14 +22,13 @@ SUMMARY = {
     "type": "object",
     "required": ["num_requests", "num_output_tokens", "duration_s", "queue_s", "ttft_s", "itl_token_s",
                  "itl_emission_s", "tpot_s", "e2e_s", "accepted_len", "decode_tok_s", "output_tok_s",
-                 "throughput_rps", "goodput_rps", "slo_attainment", "slo_attainment_by_slo", "itl_p99_overall_s"],
+                 "throughput_rps", "goodput_rps", "slo_attainment", "slo_attainment_by_slo"],
     "properties": {
         "num_requests": INT, "num_output_tokens": INT, "duration_s": NUM,
         **{k: {"$ref": "#/$defs/distribution"} for k in
            ("queue_s", "ttft_s", "itl_token_s", "itl_emission_s", "tpot_s", "e2e_s", "accepted_len")},
         "decode_tok_s": NUM, "output_tok_s": NUM, "throughput_rps": NUM, "goodput_rps": NUM,
         "slo_attainment": NUM, "slo_attainment_by_slo": {"type": "object", "additionalProperties": {"type": "number"}},
-        "itl_p99_overall_s": NUM,
     },
 }
 
@@ -61,7 +60,7 @@ RUN = {
     "properties": {
         "mode": STR, "workload": STR, "prompt": STR, "rep": INT, "num_prompt_tokens": INT, "num_output_tokens": INT,
         "queue_s": NUM, "ttft_s": NUM, "tpot_s": NUM, "e2e_s": NUM, "decode_tok_s": NUM, "mean_accepted_len": NUM,
-        "itl_p99_s": NUM, "met_all": {"type": "boolean"}, "foreign_cpu": NUM, "attempts": INT,
+        "itl_emission_p99_s": NUM, "met_all": {"type": "boolean"}, "foreign_cpu": NUM, "attempts": INT,
         "emission_offsets_s": {"type": "array", "items": {"type": "number"}},
         "emission_tokens": {"type": "array", "items": INT},
     },
@@ -93,7 +92,7 @@ REPORT_SCHEMA = {
         },
         "model": {"type": "object", "required": ["path", "name", "matmul_params", "kv_bytes_per_token"]},
         "workloads": {"type": "object", "required": ["path", "sha256", "selected"]},
-        "slo": {"type": "object", "required": ["name", "ttft_s", "itl_p99_s", "itl_basis", "tpot_s", "e2e_s"]},
+        "slo": {"type": "object", "required": ["name", "ttft_s", "itl_emission_p99_s", "tpot_s", "e2e_s"]},
         "modes": {"type": "array", "items": {"$ref": "#/$defs/mode_spec"}},
         "batch1": {
             "type": "object", "required": ["reps", "modes", "runs"],

@@ -12,24 +12,22 @@ speculative outputs against the plain ones (in bf16 a k-token verify rounds diff
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from prescient.latency_bench.workloads import load_workloads
-from prescient.runtime.engine import Engine
+from prescient.build import EngineSpec, build_engine, load_model
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.speculator import make_speculator
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
-    plain = Engine.from_pretrained(dtype=args.dtype)
-    spec = Engine(plain.model, plain.tokenizer, dataclasses.replace(plain.config))
-    spec.speculator = make_speculator(spec, "ngram")
+    loaded = load_model(EngineSpec(dtype=args.dtype))
+    plain = build_engine(EngineSpec(dtype=args.dtype, speculate="off"), loaded)
+    spec = build_engine(EngineSpec(dtype=args.dtype, speculate="ngram", calibrate="now"), loaded)
     import numpy as np
 
-    from prescient.speculative.speculator import LONG_CONTEXT, SHORT_CONTEXT
+    from prescient.speculative.verify_cost import LONG_CONTEXT, SHORT_CONTEXT
 
     for context in (SHORT_CONTEXT, LONG_CONTEXT):
         sizes = (1, 2, 4, 8, 16, 32)

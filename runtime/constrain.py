@@ -2,20 +2,15 @@
 
 For every scheduled request that samples this step and carries a grammar:
 
-1. `prepare` resolves its compile (started when the request arrived, so it overlapped queueing
-   and prefill), then shapes its draft tree: a *forced span* (the grammar admits one
-   continuation: JSON keys, punctuation, tool-call scaffolding) becomes the draft chain itself,
-   tokens the target then verifies for free in the same forward, branching where the span ends
-   at a narrow choice (an enum value, a tool name: one branch per allowed token, each with the
-   span it forces, `Matcher.draft_paths`); otherwise the proposer's tree
-   is cut to its grammar-valid subtree before verification (no target compute on forbidden
-   tokens), and every surviving node gets its own next-token mask.
+1. `prepare` cuts its draft tree (the proposer's, or the grammar-shaped one the speculator built
+   from a forced span: speculative/grammar_drafts.py) to its grammar-valid subtree before
+   verification (no target compute on forbidden tokens), and gives every surviving node its own
+   next-token mask.
 2. `apply` masks the logits rows (forbidden -> -inf) before sampling / verification, so plain
    and speculative decoding pick from the same constrained distribution (lossless).
 3. `advance` moves the matcher over the committed tokens; a completed grammar finishes the request.
    When the grammar then allows nothing but the stop token, `append_forced_stop` commits it at
-   once instead of spending a forward on a foregone conclusion; a forced span that runs to the
-   end of the grammar ends with the stop token (matcher.forced_tokens).
+   once instead of spending a forward on a foregone conclusion.
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from prescient.kernels import ops
@@ -36,17 +30,13 @@ class GrammarStats:
     num_masked_rows: int = 0
     mask_seconds: float = 0.0
     mask_seconds_per_row: list[float] = field(default_factory=list)  # recent, for p50/p99
-    num_forced_tokens_proposed: int = 0
     num_pruned_nodes: int = 0
     num_forced_stops: int = 0  # stop tokens committed without a forward (append_forced_stop)
-    num_grammar_branch_tokens: int = 0  # draft nodes on the grammar's narrow choices (draft_paths)
-    num_span_tail_tokens: int = 0  # proposer draft nodes grafted after a forced span
 
 
 @dataclass
 class PreparedMasks:
     bitmask: torch.Tensor  # [num_logits, num_words] int32, rows of unconstrained requests all-ones
-    forced: list[int]  # per seq: its tree starts with a forced span of this many tokens
 
 
 def resolve_matcher(request: Request):
@@ -59,36 +49,6 @@ def resolve_matcher(request: Request):
         g = g.matcher()
     request.grammar = g
     return g
-
-
-# Most draft nodes a constrained request gets for its forced span and the grammar's narrow
-# choices after it, whatever the adaptive planner gives its proposer's drafts.
-GRAMMAR_DRAFT_BUDGET = 32
-
-
-# Most proposer draft nodes after a forced span (what the span's last key or tool name leads to).
-SPAN_TAIL_BUDGET = 8
-
-
-def grammar_draft_paths(matcher, slots: int = GRAMMAR_DRAFT_BUDGET) -> list[list[int]]:
-    """The grammar's draft paths (Matcher.draft_paths) for a request with `slots` KV slots: the
-    full-budget tree when it fits (the scheduler reserved slots for it), else one sized to fit."""
-    if slots <= 0:
-        return []
-    paths = matcher.draft_paths(GRAMMAR_DRAFT_BUDGET)
-    return paths if tree_size(paths) <= slots else matcher.draft_paths(slots)
-
-
-def tree_size(paths: list[list[int]]) -> int:
-    """Draft nodes of the trie the paths make (shared prefixes counted once)."""
-    return len({tuple(p[:i]) for p in paths for i in range(1, len(p) + 1)})
-
-
-def _graft(chain: DraftTree, tail: DraftTree) -> DraftTree:
-    """`tail` (rooted at the chain's last token) hung below the chain's last node."""
-    last = chain.num_nodes - 1
-    parents = [last if p == 0 else p + last for p in tail.parents[1:]]
-    return DraftTree(list(chain.tokens) + list(tail.tokens[1:]), list(chain.parents) + parents)
 
 
 def _bit(token: int) -> int:
@@ -104,19 +64,13 @@ class GrammarStep:
         self.num_words = (vocab_size + 31) // 32
         self.stats = GrammarStats()
 
-    def prepare(self, seqs, trees: list[DraftTree | None], propose_after=None
-                ) -> tuple[list[DraftTree | None], PreparedMasks | None]:
-        """Returns the (possibly pruned / forced) trees and the bitmask for the logits rows, or
-        None when no scheduled request is constrained.
-
-        `propose_after(seq, span, budget) -> DraftTree | None` (Speculator.propose_after) drafts
-        what follows a forced span: a JSON key is forced, its value is often copied from the
-        prompt, and proposing both verifies them in one forward instead of two."""
+    def prepare(self, seqs, trees: list[DraftTree | None]) -> tuple[list[DraftTree | None], PreparedMasks | None]:
+        """Returns the pruned trees and the bitmask for the logits rows, or None when no
+        scheduled request is constrained."""
         if not any(s.samples and s.request.grammar is not None for s in seqs):
             return trees, None
         t0 = time.perf_counter()
         trees = list(trees)
-        forced = [0] * len(seqs)
         blocks: list[torch.Tensor] = []
         for i, seq in enumerate(seqs):
             if not seq.samples:
@@ -128,23 +82,6 @@ class GrammarStep:
                 blocks.append(torch.full((num_rows, self.num_words), -1, dtype=torch.int32))
                 continue
             matcher = request.grammar
-            root = request.all_token_ids[-1]
-            paths = grammar_draft_paths(matcher, seq.num_spec_slots) if request.params.speculate else []
-            if paths:
-                # the forced span (shared by every path) and the grammar's narrow choices after it
-                span = len(matcher.forced_tokens()[:seq.num_spec_slots])
-                tail = None
-                if (propose_after is not None and len(paths) == 1 and len(paths[0]) == span
-                        and paths[0][-1] not in self.stop_token_ids):
-                    tail = propose_after(seq, paths[0], min(SPAN_TAIL_BUDGET, seq.num_spec_slots - span))
-                tree = _graft(DraftTree.chain(root, paths[0]), tail) if tail is not None \
-                    else DraftTree.from_paths(root, paths)
-                forced[i] = span
-                self.stats.num_forced_tokens_proposed += span
-                if tail is not None:
-                    self.stats.num_span_tail_tokens += tail.num_nodes - 1
-                else:
-                    self.stats.num_grammar_branch_tokens += tree.num_nodes - 1 - span
             if tree is not None:
                 from prescient.grammar import prune_tree, tree_masks
 
@@ -176,7 +113,7 @@ class GrammarStep:
         self.stats.mask_seconds += dt
         self.stats.mask_seconds_per_row.append(dt / max(1, bitmask.shape[0]))
         del self.stats.mask_seconds_per_row[:-4096]
-        return trees, PreparedMasks(bitmask, forced)
+        return trees, PreparedMasks(bitmask)
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:
         """Grammar vocab -> model vocab width (tokens the tokenizer lacks are never allowed)."""

@@ -1,7 +1,7 @@
 """The engine: `add_request`, `abort`, `step`. Only `step` sequences the parts.
 
     sched   = scheduler.schedule()          continuous batching, chunked prefill, preemption
-    trees   = proposer.propose(...)         draft trees for decoding requests (speculation on)
+    drafts  = speculator.propose(seqs)      draft trees for decoding requests (speculation on)
     batch   = build_forward_batch(...)      one target forward for everything scheduled
     logits  = model.forward(batch, kv)
     tokens  = sampler / verifier            plain sampling, or tree verification
@@ -21,12 +21,13 @@ from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.penalties import apply_penalties
-from prescient.runtime.constrain import GrammarStep, grammar_draft_paths, resolve_matcher, tree_size
+from prescient.runtime.constrain import GrammarStep, resolve_matcher
 from prescient.runtime.request import SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, Request, RequestOutput
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import Scheduler
 from prescient.runtime.sessions import SessionPins
+from prescient.runtime.speculation import Drafts, Speculation
 from prescient.runtime.step_result import SeqResult, commit_tokens
 from prescient.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -36,7 +37,6 @@ class EngineConfig:
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    num_threads: int | None = None  # torch intra-op threads; None = leave as is
     session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
 
 
@@ -45,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer | None, config: EngineConfig = EngineConfig(),
-                 eos_token_ids: tuple[int, ...] = (), speculator=None):
+                 eos_token_ids: tuple[int, ...] = (), speculator: Speculation | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -65,21 +65,6 @@ class Engine:
         self._grammar_compiler = None
         self._ids = itertools.count()
         self.num_steps = 0
-
-    @classmethod
-    def from_pretrained(cls, path: str | None = None, dtype: str = "float32", config: EngineConfig | None = None,
-                        device: str = "cpu", **kwargs) -> "Engine":
-        from prescient.runtime.loader import load_checkpoint
-
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
-        config = config or EngineConfig(dtype=dtype)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        ckpt = load_checkpoint(path)
-        model = LlamaModel(ckpt.config, ckpt.weights, dtype=DTYPES[dtype], device=device)
-        tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file, ckpt.eos_token_ids)
-        return cls(model, tokenizer, config, **kwargs)
 
     # ---------------------------------------------------------------- requests
 
@@ -161,9 +146,9 @@ class Engine:
         if not sched.seqs:
             return []
         failed = self._resolve_grammars(sched.seqs)
-        trees = self.speculator.propose(sched.seqs) if self.speculator else [None] * len(sched.seqs)
-        trees, masks = self.grammar_step.prepare(
-            sched.seqs, trees, self.speculator.propose_after if self.speculator else None)
+        drafts = (self.speculator.propose(sched.seqs) if self.speculator
+                  else Drafts([None] * len(sched.seqs), [0] * len(sched.seqs)))
+        trees, masks = self.grammar_step.prepare(sched.seqs, drafts.trees)
         batch = build_forward_batch(sched.seqs, trees, self.block_manager.block_size, self.model.device)
         logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
         apply_penalties(logits, sched.seqs, trees)
@@ -171,7 +156,7 @@ class Engine:
         results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator
                    else self._sample(sched.seqs, logits))
         self.num_steps += 1
-        return failed + self._commit(sched.seqs, results, masks)
+        return failed + self._commit(sched.seqs, results, drafts.forced)
 
     def _resolve_grammars(self, seqs) -> list[RequestOutput]:
         """Requests about to sample their first token wait for their grammar compile here; a
@@ -214,7 +199,12 @@ class Engine:
             row += 1
         return results
 
-    def _commit(self, seqs, results: list[SeqResult | None], masks) -> list[RequestOutput]:
+    def idle_work(self) -> bool:
+        """Background work for a moment with no requests (the speculator's calibration, one
+        forward at a time); True while more remains. Callers run it only when idle."""
+        return self.speculator is not None and self.speculator.idle_work()
+
+    def _commit(self, seqs, results: list[SeqResult | None], forced: list[int]) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
         for i, (seq, result) in enumerate(zip(seqs, results)):
@@ -223,9 +213,9 @@ class Engine:
             request.num_computed_tokens += seq.num_new_tokens + n_accepted
             out = None
             if result is not None:
-                if masks is not None and masks.forced[i]:
+                if forced[i]:
                     # the first accepted drafts are the forced span; past it, grammar-branch drafts
-                    span = masks.forced[i]
+                    span = forced[i]
                     result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT and j < span else s
                                       for j, s in enumerate(result.sources)]
                 taken = self.grammar_step.advance(request, result.tokens)
@@ -245,12 +235,8 @@ class Engine:
                 self.requests.pop(request.request_id, None)
                 self._release(request)
                 continue
-            if self.speculator is not None and len(request.output_token_ids) == len(result.tokens):
-                self.speculator.on_prefilled(request)
-            if request.grammar is not None and self.speculator is not None and request.params.speculate:
-                # room for the next forced span and the grammar's narrow choices after it, even
-                # when drafts are not paying
-                request.spec_budget = max(request.spec_budget, tree_size(grammar_draft_paths(request.grammar)))
+            if self.speculator is not None:
+                self.speculator.on_committed(request, first=len(request.output_token_ids) == len(result.tokens))
         return outputs
 
     # ---------------------------------------------------------------- convenience

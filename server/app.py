@@ -1,7 +1,7 @@
 """The Starlette app and `prescient serve`.
 
     build_app(aengine, ServerConfig(...)) -> Starlette app over one AsyncEngine
-    run_server(args)                      -> `prescient serve`: build the engine, serve under uvicorn
+    run_server(spec, config, host, port)  -> `prescient serve`: bind, build the engine, serve under uvicorn
 
 Routes: `GET /health`, `GET /metrics`, `GET /v1/models[/{model}]`, `POST /v1/chat/completions`,
 `POST /v1/completions`, `POST /v1/responses`, WebSocket `/v1/responses`. The app's lifespan warms
@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
+import sys
 import threading
 
 import msgspec
@@ -132,27 +134,38 @@ def bound_port(server) -> int:
     return server.servers[0].sockets[0].getsockname()[1]
 
 
-def run_server(args) -> int:
-    from prescient.cli import build_engine
-    from prescient.runtime.async_engine import AsyncEngine
-    from prescient.runtime.loader import ModelLoadError
-
-    print(f"prescient: loading {args.model or 'the default model'} ({args.dtype}) ...", flush=True)
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind before loading the model, so a port in use is reported at once (OSError naming it)
+    rather than after the load; uvicorn serves on this socket."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        engine = build_engine(args)
-    except ModelLoadError as err:
-        print(f"prescient: {err}", flush=True)
-        return 1
-    config = ServerConfig(api_key=args.api_key, max_connections=args.max_connections)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000, quiet: bool = False) -> int:
+    """`prescient serve`: build the engine for `spec` (an EngineSpec), serve until a signal."""
+    from prescient.build import build_engine
+    from prescient.runtime.async_engine import AsyncEngine
+
+    sock = listening_socket(host, port)
+    engine = build_engine(spec)
     app = build_app(AsyncEngine(engine), config)
-    server = GracefulServer(uvicorn_config(app, args.host, args.port, config))
+    server = GracefulServer(uvicorn_config(app, host, port, config))
 
     async def serve() -> None:
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            base = f"http://{args.host}:{bound_port(server)}"
+            base = f"http://{host}:{sock.getsockname()[1]}"
             ws = base.replace("http://", "ws://", 1)
             print(f"prescient: serving {app.state.ctx.model_name!r}\n"
                   f"  OpenAI API          {base}/v1\n"
@@ -161,5 +174,6 @@ def run_server(args) -> int:
         await task
 
     asyncio.run(serve())
-    print("prescient: stopped", flush=True)
+    if not quiet:
+        print("prescient: stopped", file=sys.stderr, flush=True)
     return 0 if server.started else 1

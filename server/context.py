@@ -2,8 +2,8 @@
 
 The context holds the one `AsyncEngine` the server talks to and the per-server helpers built
 around it: the chat renderer, the grammar constraints, the response store for
-`previous_response_id`, and the metrics. It also turns a request's sampling fields into
-`SamplingParams` and checks the requested model name.
+`previous_response_id`, and the metrics (requests judged against the config's `slo_*`). It also
+turns a request's sampling fields into `SamplingParams` and checks the requested model name.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.runtime.slo import SLOConfig
 from prescient.server.chat import ChatRenderer
 from prescient.server.constraints import Constraints
 from prescient.server.errors import APIError, bad_request
@@ -35,12 +36,37 @@ class ServerConfig:
     response_store_size: int = 4096  # conversations kept for previous_response_id
     response_ttl_s: float = 3600.0
     shutdown_grace_s: int = 10  # in-flight HTTP requests get this long to finish on shutdown
+    # The SLO /metrics judges requests against (runtime/slo.py defines the verdict). The defaults
+    # are latency_bench's cpu-interactive preset, for this CPU-first server: a ~900-token prompt
+    # takes most of a second to prefill on 2 cores, so 1 s TTFT; per-emission gaps run 12-31 ms
+    # at batch 1 (a speculative verify step the longest) and approach 100 ms with 16 concurrent
+    # streams, so 100 ms for the p99 of a request's gaps between deliveries. TPOT is off by
+    # default: TPOT is a request's mean per-token gap, at most its mean per-emission gap, so the
+    # ITL bound nearly implies TPOT <= 100 ms; set it tighter to require a reading speed.
+    slo_ttft_ms: float | None = 1000.0  # None switches an objective off
+    slo_itl_ms: float | None = 100.0  # p99 of a request's per-emission gaps
+    slo_tpot_ms: float | None = None
+    slo_window_s: float = 60.0  # span of the live attainment / goodput gauges
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_body_bytes", "max_frame_bytes", "ws_buffer_bytes",
                      "max_responses_per_connection", "default_max_tokens", "default_completion_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 (or None: off)")
+        if not self.slo_window_s > 0:
+            raise ValueError("slo_window_s must be > 0")
+
+    @property
+    def slo(self) -> SLOConfig:
+        def seconds(ms: float | None) -> float | None:
+            return None if ms is None else ms / 1e3
+
+        return SLOConfig(name="server", ttft_s=seconds(self.slo_ttft_ms), itl_emission_p99_s=seconds(self.slo_itl_ms),
+                         tpot_s=seconds(self.slo_tpot_ms))
 
 
 class ServerContext:
@@ -54,7 +80,7 @@ class ServerContext:
         self.model_name = config.model_name or engine.model.config.name
         self.tokenizer = engine.tokenizer
         self.renderer = ChatRenderer(engine.tokenizer)
-        self.metrics = ServerMetrics(engine)
+        self.metrics = ServerMetrics(engine, config.slo, config.slo_window_s)
         aengine.step_hooks.append(self.metrics.step_hook)
         self.constraints = Constraints(engine, self.metrics)
         self.store = ResponseStore(config.response_store_size, config.response_ttl_s)

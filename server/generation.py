@@ -15,7 +15,9 @@ frees its KV within one engine step.
 Token timing: each delta carries the tokens whose text it completes, with their engine times
 in seconds since submission and their source (target / draft / forced). A token whose text is
 not yet visible (an unfinished UTF-8 character, a tool-call header) rides with the next delta;
-what is left at the end (the stop token) rides with `Finished`.
+what is left at the end (the stop token) rides with `Finished`. For /metrics, each engine
+output that carried tokens is one emission at its engine stamp (server/metrics.py, whose latency
+arithmetic is runtime/slo.py's, the reports' own).
 
 Tool calls are found by `ToolCallStreamParser` (grammar/tool_parser.py) on the hermes format
 the tool grammar enforces: a call's name is reported once its header is complete (the grammar
@@ -115,7 +117,6 @@ class Generation:
         self._parser = ToolCallStreamParser() if parse_calls else None
         self._queue: asyncio.Queue | None = None
         self._pending = Tokens()
-        self._last_time: float | None = None
         self.t_submit = 0.0
         self.ttft: float | None = None
         self.output_ids: list[int] = []
@@ -133,6 +134,8 @@ class Generation:
             message = str(err)
             param = "max_tokens" if "max_tokens" in message else self.prompt_param if "prompt" in message else None
             raise bad_request(message, param=param) from None
+        if self.metrics is not None:
+            self.metrics.on_submit(self.request_id, self.t_submit, len(self.prompt_ids))
 
     async def events(self):
         if self._queue is None:
@@ -145,6 +148,8 @@ class Generation:
         finally:
             if self.finished is None:  # left early: free the engine request (and its KV)
                 self.aengine.abort(self.request_id)
+                if self.metrics is not None:
+                    self.metrics.discard(self.request_id)
 
     # ---------------------------------------------------------------- per engine output
 
@@ -163,7 +168,7 @@ class Generation:
             usage = Usage(out.num_prompt_tokens or len(self.prompt_ids), out.num_cached_tokens,
                           out.num_output_tokens or len(self.output_ids))
             self.finished = Finished(reason, error, self._claim(), usage)
-            self._observe_finish()
+            self._observe_finish(out.token_times[-1] if out.token_times else None)
             events.append(self.finished)
         return events
 
@@ -174,13 +179,10 @@ class Generation:
         times = [t - self.t_submit for t in out.token_times]
         if times and self.ttft is None:
             self.ttft = times[0]
-            if self.metrics is not None:
-                self.metrics.ttft.observe(self.ttft)
-        if self.metrics is not None and times:
-            seq = ([self._last_time] if self._last_time is not None else []) + times
-            self.metrics.observe_tokens([b - a for a, b in zip(seq, seq[1:])], out.token_sources)
-        if times:
-            self._last_time = times[-1]
+        if self.metrics is not None and out.new_token_ids:
+            # one output = one emission: the tokens of a step share its stamp
+            self.metrics.observe_output(self.request_id, len(out.new_token_ids),
+                                        out.token_times[0] if out.token_times else None, out.token_sources)
         self._pending.times.extend(round(t, 6) for t in times)
         self._pending.sources.extend(out.token_sources)
         if out.logprobs:
@@ -212,15 +214,13 @@ class Generation:
                 events.append(CallEnd(p.index, self._parser.calls[p.index].arguments))
         return events
 
-    def _observe_finish(self) -> None:
+    def _observe_finish(self, stamp: float | None) -> None:
+        """`stamp`: the finishing output's token time (the engine commits the last tokens and
+        finishes in one step); None for a finish without tokens (an error, a shutdown): now."""
         if self.metrics is None or self.finished is None:
             return
-        n = len(self.output_ids)
-        first, last = self.ttft, self._last_time
-        tpot = (last - first) / (n - 1) if n > 1 and first is not None and last is not None else None
         u = self.finished.usage
-        self.metrics.observe_finish(self.finished.reason, time.perf_counter() - self.t_submit, tpot,
-                                    u.prompt_tokens, u.cached_tokens)
+        self.metrics.observe_finish(self.request_id, self.finished.reason, stamp, u.prompt_tokens, u.cached_tokens)
 
     def usage_so_far(self) -> Usage:
         """For a generation stopped early (its engine request aborted, so no final output)."""

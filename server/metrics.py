@@ -1,18 +1,30 @@
 """Prometheus metrics for `GET /metrics`, on a registry of the app's own.
 
-Per-request latencies are observed by the server from the engine's per-token times
-(`RequestOutput.token_times`, the engine's `perf_counter` clock, the same clock the server reads
-at submission): TTFT = first token - submission, ITL = gap between consecutive tokens (0 for the
-tokens of one speculative step: they arrive together), TPOT = (last - first) / (tokens - 1),
-E2E = finish - submission. Buckets start at 1 ms. Engine state (running / waiting requests, KV
-usage, prefix-cache hit rate, pinned sessions, speculation acceptance, grammar mask time) is read
-from the engine's own counters when scraped; the step time comes from `AsyncEngine.step_hooks`.
+Request latencies come from runtime/slo.py, the code latency_bench's reports use, so /metrics and
+a report agree on every figure. Each `Generation` feeds its engine outputs into the `SLOTracker`
+here: the arrival is the server's submission time, each output that carried tokens is one
+emission at the engine's stamp for it (`RequestOutput.token_times`, the engine's `perf_counter`
+clock, the one the server reads at submission), the finish is the finishing output's stamp (or
+the time it arrives, when it carried no token). From the samples the tracker returns: TTFT; ITL
+on both bases, per emission (`prescient_itl_emission_seconds`: one sample per output after the
+first, the gap a reader waits) and per token (`prescient_itl_token_seconds`: that gap split
+evenly over the tokens the output carried); TPOT and E2E when a request finishes. Buckets start
+at 1 ms.
+
+SLO (the server's `ServerConfig.slo_*`, judged as runtime/slo.py defines): counters of judged and
+SLO-meeting requests (and per objective), and gauges of the attainment and goodput (SLO-meeting
+requests per second) over the last `slo_window_s` seconds. Requests the client abandoned before
+the engine finished them are not judged. Engine state (running / waiting requests, KV usage,
+prefix-cache hit rate, pinned sessions, speculation acceptance, grammar mask time) is read from
+the engine's own counters when scraped; the step time comes from `AsyncEngine.step_hooks`.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from prescient.runtime.slo import CLOCK, CPU_INTERACTIVE, SLOConfig, SLOTracker
 
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
@@ -65,17 +77,61 @@ class EngineCollector:
         yield rows
 
 
+class SLOCollector:
+    """The SLO series, read from the tracker at scrape time."""
+
+    def __init__(self, tracker: SLOTracker, window_s: float):
+        self.tracker = tracker
+        self.window_s = window_s
+
+    def collect(self):
+        t = self.tracker
+        live = t.live(self.window_s)
+        finished = CounterMetricFamily("prescient_slo_requests_finished", "requests the engine finished, judged "
+                                       "against the SLO")
+        finished.add_metric([], t.num_finished_total)
+        yield finished
+        met = CounterMetricFamily("prescient_slo_requests_met", "finished requests that met every SLO objective")
+        met.add_metric([], t.num_met_total)
+        yield met
+        by_objective = CounterMetricFamily("prescient_slo_objective_met", "finished requests that met one "
+                                           "objective", labels=["objective"])
+        for name, count in t.num_met_by_slo_total.items():
+            by_objective.add_metric([name], count)
+        yield by_objective
+        bounds = GaugeMetricFamily("prescient_slo_bound_seconds", "the SLO: ttft = TTFT, itl_emission = p99 of a "
+                                   "request's per-emission gaps, tpot = TPOT, e2e = E2E", labels=["objective"])
+        for name, bound in t.slo.bounds().items():
+            bounds.add_metric([name], bound)
+        yield bounds
+        attainment = live["slo_attainment"]
+        yield GaugeMetricFamily("prescient_slo_attainment_ratio", f"SLO-meeting / finished requests over the last "
+                                f"{self.window_s:g} s (NaN: none finished)",
+                                value=float("nan") if attainment is None else attainment)
+        yield GaugeMetricFamily("prescient_slo_goodput_requests_per_second", f"SLO-meeting requests finished in "
+                                f"the last {self.window_s:g} s per second of it", value=live["goodput_rps"] or 0.0)
+        yield GaugeMetricFamily("prescient_slo_window_seconds", "the span of the attainment and goodput gauges "
+                                "(shorter while the server is younger)", value=live["duration_s"])
+
+
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, engine, slo: SLOConfig = CPU_INTERACTIVE, slo_window_s: float = 60.0,
+                 clock=CLOCK):
+        """`engine` None registers no engine gauges (tests of the latency path alone)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        # verdicts only: a server runs for days, and the gauges need no per-token history
+        self.tracker = SLOTracker(slo, clock=clock, keep_traces=False)
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=r)
 
-        self.ttft = hist("prescient_time_to_first_token_seconds", "submission to first token")
-        self.itl = hist("prescient_inter_token_latency_seconds", "gap between consecutive tokens of a request")
-        self.tpot = hist("prescient_time_per_output_token_seconds", "(last - first token time) / (tokens - 1)")
+        self.ttft = hist("prescient_time_to_first_token_seconds", "submission to the first emission")
+        self.itl_emission = hist("prescient_itl_emission_seconds", "gap between consecutive emissions of a request "
+                                 "(one sample per engine output that carried tokens)")
+        self.itl_token = hist("prescient_itl_token_seconds", "each emission's gap split evenly over the tokens it "
+                              "carried (one sample per token after the first emission)")
+        self.tpot = hist("prescient_time_per_output_token_seconds", "(E2E - TTFT) / (tokens - 1)")
         self.e2e = hist("prescient_e2e_request_latency_seconds", "submission to finish")
         self.step = hist("prescient_engine_step_seconds", "one engine step")
         self.grammar_compile = hist("prescient_grammar_compile_seconds",
@@ -89,27 +145,47 @@ class ServerMetrics:
                                          "(target model, accepted draft, grammar-forced)", ["source"], registry=r)
         self.connections = Gauge("prescient_open_connections", "HTTP requests in flight + open WebSockets",
                                  registry=r)
-        r.register(EngineCollector(engine))
+        r.register(SLOCollector(self.tracker, slo_window_s))
+        if engine is not None:
+            r.register(EngineCollector(engine))
 
     def step_hook(self, engine, outputs, step_seconds: float) -> None:
         """For `AsyncEngine.step_hooks` (runs on the engine thread; prometheus_client is thread-safe)."""
         if outputs:
             self.step.observe(step_seconds)
 
-    def observe_tokens(self, gaps: list[float], sources: list[str]) -> None:
-        for gap in gaps:
-            self.itl.observe(gap)
+    def on_submit(self, request_id: str, t: float, num_prompt_tokens: int) -> None:
+        self.tracker.on_arrival(request_id, t, num_prompt_tokens=num_prompt_tokens)
+
+    def observe_output(self, request_id: str, num_tokens: int, t: float | None, sources: list[str]) -> None:
+        """One engine output that carried `num_tokens` tokens, stamped `t` (engine clock)."""
+        sample = self.tracker.on_emission(request_id, num_tokens, t, sources)
+        if sample is not None:
+            if sample.ttft_s is not None:
+                self.ttft.observe(sample.ttft_s)
+            else:
+                self.itl_emission.observe(sample.itl_emission_s)
+                for gap in sample.itl_token_s:
+                    self.itl_token.observe(gap)
         for source in sources:
             self.generation_tokens.labels(source).inc()
 
-    def observe_finish(self, reason: str, e2e: float, tpot: float | None, num_prompt_tokens: int,
+    def observe_finish(self, request_id: str, reason: str, t: float | None, num_prompt_tokens: int,
                        num_cached_tokens: int) -> None:
+        """The engine finished the request at `t` (its last token's stamp; None: now)."""
         self.requests.labels(reason).inc()
-        if tpot is not None:
-            self.tpot.observe(tpot)
-        self.e2e.observe(e2e)
+        m = self.tracker.on_finish(request_id, t)
+        if m is not None:
+            if m.tpot_s is not None:
+                self.tpot.observe(m.tpot_s)
+            if m.e2e_s is not None:
+                self.e2e.observe(m.e2e_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_prompt_tokens.inc(num_cached_tokens)
+
+    def discard(self, request_id: str) -> None:
+        """The request was abandoned before the engine finished it: not judged."""
+        self.tracker.discard(request_id)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prescient.kernels.reference import pack_bits
-from prescient.runtime.batch import ForwardBatch
+from prescient.runtime.batch import SeqRows, pack_forward_batch
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.loader import ModelLoadError, load_checkpoint
 from prescient.runtime.model import LlamaModel
@@ -105,7 +105,7 @@ def _common_prefix(kv: _RequestKV, token_ids: Sequence[int]) -> int:
 
 @dataclass
 class _Rows:
-    """One sequence's rows of a draft forward."""
+    """One sequence's rows of a draft forward (`_forward` turns it into the builder's `SeqRows`)."""
 
     kv: _RequestKV
     input_ids: list[int]
@@ -286,56 +286,26 @@ class DraftModelProposer:
     def _forward(self, seqs: list[_Rows]) -> torch.Tensor:
         """Run the draft over the rows of several sequences. -> logits [num_logits, vocab] for
         each sequence's logits_rows, sequences in order."""
-        block_size = self.block_manager.block_size
-        input_ids, positions, slots, context_lens, cu, logits_indices = [], [], [], [], [0], []
-        max_blocks = max(len(s.kv.block_ids) for s in seqs)
-        block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-        any_tree = any(s.attend is not None for s in seqs)
-        masks = []
-        for i, s in enumerate(seqs):
-            num_rows = len(s.input_ids)
-            block_tables[i, : len(s.kv.block_ids)] = torch.tensor(s.kv.block_ids, dtype=torch.int32)
-            logits_indices += [cu[-1] + r for r in s.logits_rows]
-            input_ids += s.input_ids
-            positions += s.positions
-            slots += [s.kv.block_ids[p // block_size] * block_size + p % block_size
-                      for p in range(s.start, s.start + num_rows)]
-            context_lens.append(s.start + num_rows)
-            cu.append(cu[-1] + num_rows)
-            if any_tree:
-                attend = s.attend if s.attend is not None else torch.ones(num_rows, num_rows, dtype=torch.bool).tril()
-                masks.append(pack_bits(attend))  # [num_rows, ceil(num_rows / 32)]
-        mask_bits = None
-        if any_tree:
-            num_words = max(m.shape[1] for m in masks)
-            mask_bits = torch.cat([torch.nn.functional.pad(m, (0, num_words - m.shape[1])) for m in masks])
-        device = self.model.device
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        batch = ForwardBatch(
-            input_ids=as_long(input_ids), positions=as_long(positions), slot_mapping=as_long(slots),
-            block_tables=block_tables.to(device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            mask_bits=None if mask_bits is None else mask_bits.to(device),
-            logits_indices=as_long(logits_indices),
-        )
+        rows = [SeqRows(s.input_ids, s.positions, s.start, s.kv.block_ids,
+                        None if s.attend is None else pack_bits(s.attend),  # [num_rows, ceil(num_rows / 32)]
+                        s.logits_rows) for s in seqs]
+        batch = pack_forward_batch(rows, self.block_manager.block_size, self.model.device)
         self.num_forwards += 1
         return self.model.forward(batch, self.kv_caches)
 
 
-def draft_config_for(engine, draft_model_path: str | None = None, **overrides) -> DraftModelConfig:
+def draft_config_for(target, tokenizer=None, draft_model_path: str | None = None, **overrides) -> DraftModelConfig:
     """The config `--speculate draft [--draft-model PATH]` runs with: the checkpoint at PATH,
-    loaded like the target (same dtype and device), or without one the target's early-exit
-    draft. A draft must share the target's tokenizer: ids are compared, not text."""
-    target = engine.model
+    loaded like the `target` model (same dtype and device), or without one the target's
+    early-exit draft. A draft must share the target's `tokenizer`: ids are compared, not text."""
     if draft_model_path is None:
         return DraftModelConfig(target_model=target, **overrides)
     ckpt = load_checkpoint(draft_model_path)
-    if engine.tokenizer is not None:
+    if tokenizer is not None:
         from prescient.runtime.tokenizer import Tokenizer
 
         draft_vocab = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file).hf
-        target_vocab = engine.tokenizer.hf
+        target_vocab = tokenizer.hf
         ids = list(range(min(len(draft_vocab), len(target_vocab))))
         same = sum(a == b for a, b in zip(draft_vocab.convert_ids_to_tokens(ids),
                                           target_vocab.convert_ids_to_tokens(ids)))

@@ -1,10 +1,17 @@
 """The engine's view of speculation: propose trees, verify them, keep KV and budgets in step.
 
-`Engine.step` calls three things and nothing else of speculative/:
+`Speculator` implements runtime/speculation.py's protocol; `Engine.step` calls nothing else of
+speculative/:
 
-    trees   = speculator.propose(seqs)                       # a DraftTree or None per seq
+    drafts  = speculator.propose(seqs)                       # Drafts: a tree (or None) + forced span per seq
     results = speculator.verify(seqs, trees, logits, kv)     # a SeqResult or None per seq
+    speculator.on_committed(request, first)                  # budgets for the next step
     speculator.release(request)                              # when a request ends
+    speculator.idle_work()                                   # calibration, between requests
+
+A constrained request's tree comes from its grammar where it forces a span
+(speculative/grammar_drafts.py), else from the proposer; runtime/constrain.py then prunes it to
+its grammar-valid nodes and masks it.
 
 Every request that samples this step goes through `verify.verify` (a plain decode is a 1-node
 tree), so greedy and seeded sampling behave identically with and without speculation. After
@@ -21,12 +28,16 @@ from dataclasses import dataclass, field
 import torch
 
 from prescient.kernels import ops
+from prescient.runtime.batch import slot_of
 from prescient.runtime.request import SOURCE_DRAFT, SOURCE_TARGET, Request
+from prescient.runtime.speculation import Drafts
 from prescient.runtime.step_result import SeqResult
 from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from prescient.speculative.grammar_drafts import grammar_draft_paths, grammar_tree, tree_size
 from prescient.speculative.proposer import ProposalContext, Proposer
 from prescient.speculative.tree import DraftTree
 from prescient.speculative.verify import VerifyOutcome, verify
+from prescient.speculative.verify_cost import Calibration, load_cached, save_cached
 
 
 @dataclass
@@ -39,6 +50,9 @@ class SpecStats:
     offered_by_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    num_forced_tokens_proposed: int = 0  # grammar-forced span tokens drafted
+    num_grammar_branch_tokens: int = 0  # draft nodes on the grammar's narrow choices (draft_paths)
+    num_span_tail_tokens: int = 0  # proposer draft nodes grafted after a forced span
 
     @property
     def acceptance_rate(self) -> float:
@@ -51,13 +65,33 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer, block_size: int, adaptive: AdaptiveSpeculation | None = None):
+    def __init__(self, proposer: Proposer, block_size: int, adaptive: AdaptiveSpeculation | None = None,
+                 calibration: Calibration | None = None, cache_key: str | None = None):
         self.proposer = proposer
         self.block_size = block_size
         self.adaptive = adaptive or AdaptiveSpeculation()
         self.stats = SpecStats()
+        # measured in idle moments (idle_work) and then saved under cache_key, if given
+        self.calibration = calibration
+        self.cache_key = cache_key
 
-    def propose(self, seqs) -> list[DraftTree | None]:
+    def propose(self, seqs) -> Drafts:
+        trees = self._proposer_trees(seqs)
+        forced = [0] * len(seqs)
+        for i, seq in enumerate(seqs):
+            r = seq.request
+            if not (seq.samples and r.grammar is not None and r.params.speculate):
+                continue
+            shaped = grammar_tree(seq, r.eos_token_ids, self.propose_after)
+            if shaped is not None:
+                trees[i], forced[i], tail = shaped
+                self.stats.num_forced_tokens_proposed += forced[i]
+                self.stats.num_span_tail_tokens += tail
+                if not tail:
+                    self.stats.num_grammar_branch_tokens += trees[i].num_nodes - 1 - forced[i]
+        return Drafts(trees, forced)
+
+    def _proposer_trees(self, seqs) -> list[DraftTree | None]:
         t0 = time.perf_counter()
         contexts, where = [], []
         for i, seq in enumerate(seqs):
@@ -127,17 +161,42 @@ class Speculator:
         self.stats.verify_seconds += time.perf_counter() - t0
         return results
 
-    def on_prefilled(self, request: Request) -> None:
-        """Index the prompt now rather than in the first decode step."""
-        if request.params.speculate:
+    def on_committed(self, request: Request, first: bool) -> None:
+        """After a step's tokens are committed (request still running; `first`: its first
+        tokens, i.e. the prompt is now prefilled)."""
+        if not request.params.speculate:
+            return
+        if first:  # index the prompt now rather than in the first decode step
             self.proposer.on_tokens_appended(request.request_id, request.session_id, request.all_token_ids)
+        if request.grammar is not None:
+            # room for the next forced span and the grammar's narrow choices after it, even
+            # when drafts are not paying
+            request.spec_budget = max(request.spec_budget, tree_size(grammar_draft_paths(request.grammar)))
+
+    def idle_work(self) -> bool:
+        """One forward of a pending calibration; True while there is more to do."""
+        cal = self.calibration
+        if cal is None:
+            return False
+        try:
+            done = cal.step()
+        except Exception:
+            self.calibration = None  # keep the table it had; never retry a failing measurement
+            raise
+        if done:
+            cal.tables.install(self.adaptive)
+            if self.cache_key is not None:
+                save_cached(self.cache_key, cal.tables)
+            self.calibration = None
+            return False
+        return True
 
     def release(self, request: Request) -> None:
         self.proposer.on_request_finished(request.request_id)
         self.adaptive.forget(request.request_id)
 
     def _slot(self, request: Request, position: int) -> int:
-        return request.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        return slot_of(request.block_ids, position, self.block_size)
 
     def _record(self, request: Request, tree: DraftTree, outcome: VerifyOutcome) -> None:
         self.adaptive.observe(request.request_id, outcome)
@@ -163,82 +222,42 @@ class Speculator:
         request.num_accepted_tokens += outcome.num_accepted
 
 
-# Contexts the verify cost is measured at: a chat turn and an agent's long tool output / document.
-SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
+def make_speculator(model, block_size: int, method: str, draft_model_path: str | None = None,
+                    tokenizer=None, proposer_config=None, adaptive_config: AdaptiveConfig | None = None,
+                    calibrate: str = "now", cache_key: str | None = None, use_cache: bool = True) -> Speculator | None:
+    """A speculator for a target `model` by proposer name ("ngram", "draft"); "off" -> None.
 
-
-def measure_verify_cost(model, block_size: int, sizes=(1, 2, 4, 8, 16, 32), context: int = 256,
-                        repeats: int = 5, return_seconds: bool = False):
-    """Forward time of T new tokens after `context` cached ones, relative to T = 1 (best of
-    `repeats`), on a scratch KV cache: the cost model the adaptive planner sizes drafts with."""
-    from prescient.runtime.batch import build_forward_batch
-    from prescient.runtime.request import Request
-    from prescient.runtime.sampling_params import SamplingParams
-    from prescient.runtime.scheduler import ScheduledSeq
-
-    num_blocks = -(-(context + max(sizes)) // block_size)
-    kv = model.allocate_kv_cache(num_blocks, block_size)
-    batches = {}
-    for t in sizes:
-        req = Request("calibrate", [1] * (context + t), SamplingParams(), (), 0.0)
-        req.block_ids = list(range(num_blocks))
-        req.num_computed_tokens = context
-        batch = build_forward_batch([ScheduledSeq(req, t, 0)], [None], block_size, model.device)
-        batch.logits_indices = torch.arange(t, device=model.device)
-        batches[t] = batch
-    timings = {t: float("inf") for t in sizes}
-    # Sweep all sizes once per round and keep each size's best: a burst of load from elsewhere
-    # then hits every size alike instead of inflating one (which would switch drafting off).
-    for _ in range(repeats):
-        for t in sizes:
-            t0 = time.perf_counter()
-            model.forward(batches[t], kv)
-            if model.device.type == "cuda":  # time the kernels, not their launch
-                torch.cuda.synchronize(model.device)
-            timings[t] = min(timings[t], time.perf_counter() - t0)
-    base = timings[sizes[0]]
-    # costs never decrease with more tokens (timing noise must not make 8 look cheaper than 4)
-    table, running = {}, 1.0
-    for t in sizes:
-        running = max(running, timings[t] / base)
-        table[t] = running
-    return (table, base) if return_seconds else table
-
-
-def _forward_seconds(model, block_size: int) -> float:
-    """Best-of-3 time of a 1-token forward after 256 cached tokens."""
-    table_and_time = measure_verify_cost(model, block_size, sizes=(1,), repeats=3, return_seconds=True)
-    return table_and_time[1]
-
-
-def make_speculator(engine, method: str, draft_model_path: str | None = None, proposer_config=None,
-                    adaptive_config: AdaptiveConfig | None = None, calibrate: bool = True) -> Speculator | None:
-    """A speculator for `engine` by proposer name ("ngram", "draft"); "off" -> None. With
-    `calibrate`, the verify cost table is measured on the engine's model at start-up."""
+    calibrate: how the verify-cost table is obtained (ignored with an adaptive_config, whose
+    table is given): "now" measures before returning (benchmarks), "idle" leaves the
+    measurement to idle moments (`Speculator.idle_work`, a server), "off" keeps the default
+    table. With a `cache_key` a cached table is used when there is one, and a new measurement
+    is saved under it (use_cache=False: measure again whatever is cached)."""
     from prescient.speculative.proposer import make_proposer
 
     if method == "off":
         return None
+    if calibrate not in ("now", "idle", "off"):
+        raise ValueError(f"calibrate must be 'now', 'idle' or 'off', got {calibrate!r}")
     if method == "draft" and proposer_config is None:
         from prescient.speculative.draft_model import draft_config_for
 
-        proposer_config = draft_config_for(engine, draft_model_path)
+        proposer_config = draft_config_for(model, tokenizer, draft_model_path)
     proposer = make_proposer(method, proposer_config)
     adaptive = AdaptiveSpeculation(adaptive_config)
-    if calibrate and adaptive_config is None:
-        block_size = engine.block_manager.block_size
-        table = measure_verify_cost(engine.model, block_size, context=SHORT_CONTEXT)
-        # the long context must fit the model's positions, with room for the largest verify
-        long_ctx = min(LONG_CONTEXT, engine.model.config.max_position_embeddings - 64)
-        long_table = measure_verify_cost(engine.model, block_size, context=long_ctx) if long_ctx > SHORT_CONTEXT else None
-        if method == "draft":
-            # A draft model's own forwards are no longer free: each draft token costs about one
-            # draft forward (chain drafting), measured relative to a target step.
-            cfg = proposer_config
-            draft = cfg.draft_model or cfg.target_model.early_exit(cfg.early_exit_layers or max(1, cfg.target_model.num_layers // 4))
-            target_s = _forward_seconds(engine.model, block_size)
-            draft_ratio = _forward_seconds(draft, block_size) / target_s
-            table = {t: c + (t - 1) * draft_ratio for t, c in table.items()}
-            long_table = long_table and {t: c + (t - 1) * draft_ratio for t, c in long_table.items()}
-        adaptive.set_verify_cost(table, (SHORT_CONTEXT, long_ctx, long_table) if long_table else None)
-    return Speculator(proposer, engine.block_manager.block_size, adaptive)
+    calibration = None
+    if adaptive_config is None and calibrate != "off":
+        cached = load_cached(cache_key) if cache_key is not None and use_cache else None
+        if cached is not None:
+            cached.install(adaptive)
+        else:
+            draft = None
+            if method == "draft":
+                cfg = proposer_config
+                draft = cfg.draft_model or cfg.target_model.early_exit(
+                    cfg.early_exit_layers or max(1, cfg.target_model.num_layers // 4))
+            calibration = Calibration(model, block_size, draft)
+    spec = Speculator(proposer, block_size, adaptive, calibration, cache_key)
+    if calibrate == "now":
+        while spec.idle_work():
+            pass
+    return spec

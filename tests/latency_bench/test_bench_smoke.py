@@ -13,7 +13,7 @@ from prescient.latency_bench.schema import REPORT_SCHEMA
 
 # float32 only (one prescient model, one transformers model): the fastest set that still runs every
 # phase and every kind of mode; fp32 greedy outputs of the two engines must agree token for token.
-ARGS = ["--quick", "--dtypes", "float32", "--spec-dtype", "float32", "--prompts-per-kind", "1",
+ARGS = ["--quick", "--peers", "--dtypes", "float32", "--spec-dtype", "float32", "--prompts-per-kind", "1",
         "--max-tokens-cap", "6", "--concurrent", "4",
         "--concurrent-max-tokens", "4", "--agents", "2", "--turns", "2", "--tool-latency", "0.01",
         "--agent-max-tokens", "6", "--open-requests", "3", "--rate", "50", "--bandwidth-mb", "64", "--gemm-n", "256",

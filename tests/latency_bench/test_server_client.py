@@ -15,14 +15,16 @@ from prescient.runtime.slo import CPU_INTERACTIVE, SLOTracker
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model_dir):
+    from prescient.build import EngineSpec, build_engine
     from prescient.runtime.config import CacheConfig, SchedulerConfig
-    from prescient.runtime.engine import Engine, EngineConfig
+    from prescient.runtime.engine import EngineConfig
     from prescient.server.context import ServerConfig
     from tests.server.live import LiveServer
 
     config = EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=1024),
                           scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048))
-    live = LiveServer(Engine.from_pretrained(str(tiny_chat_model_dir), dtype="float32", config=config),
+    spec = EngineSpec(model=str(tiny_chat_model_dir), dtype="float32", speculate="off", progress=False)
+    live = LiveServer(build_engine(spec, config=config),
                       ServerConfig(model_name="tiny"))
     yield live
     live.stop()

@@ -1,5 +1,6 @@
 """SLO arithmetic on a fake clock: queue time, TTFT, per-emission and per-token ITL (with
-multi-token emissions), TPOT, E2E, accepted length, SLO checks, attainment and goodput."""
+multi-token emissions), TPOT, E2E, accepted length, SLO checks (the ITL bound on the per-emission
+gap), attainment and goodput, live (windowed) and over a report's requests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from prescient.runtime.request import RequestOutput
 from prescient.runtime.slo import (
-    CPU_INTERACTIVE, GPU_INTERACTIVE, RequestTrace, SLOConfig, SLOTracker, percentile, request_metrics,
+    CPU_INTERACTIVE, GPU_INTERACTIVE, RequestTrace, SLOConfig, SLOTracker, delivery, percentile, request_metrics,
 )
 
 
@@ -38,7 +39,7 @@ def test_percentile_is_linear_interpolation():
 
 def test_single_token_emissions():
     clock = FakeClock()
-    tr = SLOTracker(SLOConfig(ttft_s=0.2, itl_p99_s=0.025), clock=clock)
+    tr = SLOTracker(SLOConfig(ttft_s=0.2, itl_emission_p99_s=0.025), clock=clock)
     tr.on_arrival("a")                      # t = 100.000
     clock.advance(0.050)
     tr.on_scheduled("a")                    # queued 50 ms
@@ -58,18 +59,22 @@ def test_single_token_emissions():
     assert m.itl_token_s == pytest.approx((0.02,) * 4)
     assert m.mean_accepted_len == 1.0
     assert m.decode_tok_s == pytest.approx(4 / 0.080)
-    assert m.slo_met == {"ttft": True, "itl": True} and m.met_all
+    assert m.slo_met == {"ttft": True, "itl_emission": True} and m.met_all
 
 
 def test_multi_token_emissions_split_per_token_itl():
-    """An emission of 4 tokens after 40 ms is one 40 ms stall but four 10 ms tokens."""
+    """An emission of 4 tokens after 40 ms is one 40 ms stall but four 10 ms tokens; the SLO
+    judges the stall."""
     clock = FakeClock(0.0)
-    tr = SLOTracker(SLOConfig(ttft_s=0.2, itl_p99_s=0.025, itl_basis="token"), clock=clock)
+    tr = SLOTracker(SLOConfig(ttft_s=0.2, itl_emission_p99_s=0.025), clock=clock)
     tr.on_arrival("s")
     clock.advance(0.100)
-    tr.on_output(out("s", 1))        # t=0.10 first token
+    first = tr.on_emission("s", 1)   # t=0.10 first token
+    assert first.ttft_s == pytest.approx(0.100) and first.itl_emission_s is None and first.itl_token_s == ()
     clock.advance(0.040)
-    tr.on_output(out("s", 4))        # t=0.14: 3 accepted drafts + bonus
+    burst = tr.on_emission("s", 4)   # t=0.14: 3 accepted drafts + bonus
+    assert burst.ttft_s is None and burst.itl_emission_s == pytest.approx(0.040)
+    assert burst.itl_token_s == pytest.approx((0.010,) * 4)
     clock.advance(0.030)
     tr.on_output(out("s", 2))        # t=0.17
     clock.advance(0.015)
@@ -80,12 +85,14 @@ def test_multi_token_emissions_split_per_token_itl():
     assert m.decode_tokens_per_emission == (4, 2, 1)
     assert m.mean_accepted_len == pytest.approx(7 / 3)
     assert m.tpot_s == pytest.approx((0.185 - 0.100) / 7)
-    assert m.itl_p99_s == pytest.approx(0.015)  # per-token basis
-    assert m.met_all
-    # the same trace judged per emission: the 40 ms stall breaks a 25 ms bound
-    per_emission = request_metrics(tr.finished()[0][0], SLOConfig(ttft_s=0.2, itl_p99_s=0.025, itl_basis="emission"))
-    assert per_emission.itl_p99_s == pytest.approx(0.030 + 0.98 * 0.010)  # sorted gaps 15, 30, 40 ms
-    assert per_emission.slo_met["itl"] is False and not per_emission.met_all
+    # the 40 ms stall breaks a 25 ms bound, though the per-token split (p99 15 ms) would not
+    assert m.itl_emission_p99_s == pytest.approx(0.030 + 0.98 * 0.010)  # sorted gaps 15, 30, 40 ms
+    assert percentile(m.itl_token_s, 99) == pytest.approx(0.015)
+    assert m.slo_met == {"ttft": True, "itl_emission": False} and not m.met_all
+    # the live samples are the report's: one `delivery` per emission either way
+    trace = tr.finished()[0][0]
+    assert [e.itl_emission_s for e in trace.emissions()[1:]] == list(m.itl_emission_s)
+    assert delivery(0.0, 0.14, 0.17, 2).itl_token_s == pytest.approx((0.015, 0.015))
 
 
 def test_engine_stamps_win_over_the_clock():
@@ -101,7 +108,7 @@ def test_engine_stamps_win_over_the_clock():
 
 def test_slo_misses_attainment_and_goodput():
     clock = FakeClock(0.0)
-    tr = SLOTracker(SLOConfig(ttft_s=0.2, itl_p99_s=0.025, e2e_s=1.0), clock=clock)
+    tr = SLOTracker(SLOConfig(ttft_s=0.2, itl_emission_p99_s=0.025, e2e_s=1.0), clock=clock)
     # r1: meets everything; r2: TTFT 300 ms; r3: a 50 ms stall among 1-token emissions; r4: slow E2E
     plans = {"r1": (0.1, [0.02] * 5), "r2": (0.3, [0.02] * 5), "r3": (0.1, [0.02, 0.05, 0.02]),
              "r4": (0.1, [0.02] * 60)}
@@ -116,21 +123,25 @@ def test_slo_misses_attainment_and_goodput():
         clock.t = t
     ms = {m.request_id: m for _, m in tr.finished()}
     assert ms["r1"].met_all
-    assert ms["r2"].slo_met == {"ttft": False, "itl": True, "e2e": True}
-    assert ms["r3"].slo_met["itl"] is False
-    assert ms["r4"].slo_met["e2e"] is False and ms["r4"].slo_met["itl"] is True
+    assert ms["r2"].slo_met == {"ttft": False, "itl_emission": True, "e2e": True}
+    assert ms["r3"].slo_met["itl_emission"] is False
+    assert ms["r4"].slo_met["e2e"] is False and ms["r4"].slo_met["itl_emission"] is True
     s = tr.summary()
     span = clock.t  # first arrival at 0, last finish now
     assert s["num_requests"] == 4
     assert s["slo_attainment"] == pytest.approx(0.25)
-    assert s["slo_attainment_by_slo"] == pytest.approx({"ttft": 0.75, "itl": 0.75, "e2e": 0.75})
+    assert s["slo_attainment_by_slo"] == pytest.approx({"ttft": 0.75, "itl_emission": 0.75, "e2e": 0.75})
     assert s["goodput_rps"] == pytest.approx(1 / span)
     assert s["throughput_rps"] == pytest.approx(4 / span)
     assert s["ttft_s"]["p50"] == pytest.approx(0.1)
-    assert s["itl_p99_overall_s"] <= 0.05
-    text = tr.prometheus_text()
-    assert 'prescient_ttft_seconds{quantile="0.99"}' in text
-    assert "prescient_requests_slo_met_total 1" in text
+    assert s["itl_emission_s"]["p99"] <= 0.05
+    assert (tr.num_finished_total, tr.num_met_total) == (4, 1)
+    assert tr.num_met_by_slo_total == {"ttft": 3, "itl_emission": 3, "e2e": 3}
+    # live, over a window holding every request: the same verdicts, over the window's seconds
+    live = tr.live(window_s=10 * span)
+    assert live["slo_attainment"] == pytest.approx(0.25) and live["duration_s"] == pytest.approx(span)
+    assert live["goodput_rps"] == pytest.approx(1 / span)
+    assert live["slo_attainment_by_slo"] == s["slo_attainment_by_slo"]
 
 
 def test_windowed_summary_uses_the_window_as_duration():
@@ -143,6 +154,25 @@ def test_windowed_summary_uses_the_window_as_duration():
         clock.advance(10.0)
     s = tr.summary(window_s=15.0)  # only the last request finished within 15 s
     assert s["num_requests"] == 1 and s["goodput_rps"] == pytest.approx(1 / 15.0)
+    live = tr.live(window_s=15.0)
+    assert live["num_requests"] == 1 and live["goodput_rps"] == pytest.approx(1 / 15.0)
+    # a window longer than the tracker's life is cut to it
+    assert tr.live(window_s=1000.0)["duration_s"] == pytest.approx(clock.t)
+
+
+def test_verdicts_only_tracker_and_discard():
+    """A server's tracker keeps verdicts, not traces; an abandoned request is never judged."""
+    clock = FakeClock(0.0)
+    tr = SLOTracker(CPU_INTERACTIVE, clock=clock, keep_traces=False)
+    tr.on_arrival("kept")
+    tr.on_arrival("gone")
+    clock.advance(0.1)
+    tr.on_emission("gone", 1)
+    tr.discard("gone")
+    assert tr.on_emission("gone", 1) is None and tr.on_finish("gone") is None
+    m = tr.on_output(out("kept", 1, finished=True))
+    assert m.met_all and tr.finished() == [] and tr.num_live == 0
+    assert tr.live(window_s=60.0)["num_met"] == 1 and tr.num_finished_total == 1
 
 
 def test_trace_from_engine_request_groups_equal_stamps():
@@ -162,8 +192,8 @@ def test_trace_from_engine_request_groups_equal_stamps():
 
 
 def test_bad_config_and_empty_requests():
-    with pytest.raises(ValueError, match="itl_basis"):
-        SLOConfig(itl_basis="frame")
+    with pytest.raises(ValueError, match="itl_emission_p99_s"):
+        SLOConfig(itl_emission_p99_s=-1.0)
     with pytest.raises(ValueError, match="ttft_s"):
         SLOConfig(ttft_s=0)
     m = request_metrics(RequestTrace("z", 0.0, finished_time=1.0), GPU_INTERACTIVE)

@@ -6,17 +6,14 @@ draft tokens (tokens marked `forced`)."""
 from __future__ import annotations
 
 import json
-import pathlib
 
 import jsonschema
 import pytest
 
 from prescient.grammar import GrammarSpec, spec_from_response_format
+from prescient.latency_bench.bundled import jsonschemabench_file
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.speculator import make_speculator
 from tests.conftest import sibling_engine
-
-DATA = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench"
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
@@ -26,7 +23,7 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
 
 def sample_schemas(n: int = 3) -> list[dict]:
     out = [WEATHER]
-    for line in (DATA / "Glaiveai2K.jsonl").read_text().splitlines()[:40]:
+    for line in jsonschemabench_file("Glaiveai2K.jsonl").read_text().splitlines()[:40]:
         schema = json.loads(line)["schema"]
         if len(json.dumps(schema)) < 600:
             out.append(schema)
@@ -52,8 +49,7 @@ def run(engine, schema, params, prompt="Give me the JSON for a request about the
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_constrained_outputs_validate_with_and_without_speculation(default_engine, temperature):
     plain = sibling_engine(default_engine)
-    spec = sibling_engine(default_engine)
-    spec.speculator = make_speculator(spec, "ngram")
+    spec = sibling_engine(default_engine, speculate="ngram")
     completed = 0
     for schema in sample_schemas(2):
         params = SamplingParams(temperature=temperature, max_tokens=100, seed=1)
@@ -69,13 +65,12 @@ def test_constrained_outputs_validate_with_and_without_speculation(default_engin
         if temperature == 0:
             assert outs[0].output_token_ids == outs[1].output_token_ids
     assert completed >= 2  # at least the weather schema completed with and without speculation
-    assert "forced" in outs[1].token_sources or spec.grammar_step.stats.num_forced_tokens_proposed > 0
+    assert "forced" in outs[1].token_sources or spec.speculator.stats.num_forced_tokens_proposed > 0
 
 
 @pytest.mark.slow
 def test_forced_span_costs_no_extra_forward(default_engine):
-    engine = sibling_engine(default_engine)
-    engine.speculator = make_speculator(engine, "ngram")
+    engine = sibling_engine(default_engine, speculate="ngram")
     steps0 = engine.num_steps
     req = run(engine, WEATHER, SamplingParams(temperature=0, max_tokens=60))
     decode_steps = engine.num_steps - steps0 - 1  # minus the prefill step
@@ -88,19 +83,19 @@ def test_forced_span_costs_no_extra_forward(default_engine):
     assert req.token_times[-1] == req.token_times[-2]
 
 
-# Real schemas xgrammar alone would weaken, made exact or narrower by schema_lower.py: oneOf
+# Real schemas xgrammar alone would weaken, made exact or narrower by grammar/schema/lower.py: oneOf
 # beside properties, dependencies (Glaive); allOf of a $ref and properties, enum beside type,
-# patternProperties (Github_easy).
+# patternProperties (Github_easy). latency_bench/jsonschemabench-sample/make_sample.py keeps these rows.
 LOWERED = {"Glaiveai2K.jsonl": ["calculate_area_0bc8b268", "calculate_area_00d870b6"],
            "Github_easy.jsonl": ["o12649", "o1316", "o14471"]}
 
 
 @pytest.mark.slow
 def test_lowered_real_schemas_validate_against_the_original(default_engine):
-    engine = sibling_engine(default_engine)
-    engine.speculator = make_speculator(engine, "ngram")
+    engine = sibling_engine(default_engine, speculate="ngram")
     for name, ids in LOWERED.items():
-        rows = [json.loads(line) for line in (DATA / name).read_text().splitlines()]
+        rows = [json.loads(line) for line in jsonschemabench_file(name).read_text().splitlines()]
+        assert set(ids) <= {r["id"] for r in rows}, name  # a resampled file must keep them
         for row in (r for r in rows if r["id"] in ids):
             req = run(engine, row["schema"], SamplingParams(temperature=0, max_tokens=200,
                                                              frequency_penalty=1.0),

@@ -43,12 +43,12 @@ def compiler(stops):
 def engine(model, stops, speculate):
     config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=256),
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
-    e = Engine(model, None, config, eos_token_ids=stops)
+    speculator = None
     if speculate:
         adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=8, prior_acceptance=1.0,
                                                       verify_cost={1: 1.0, 64: 1.0}))
-        e.speculator = Speculator(make_proposer("ngram"), 8, adaptive)
-    return e
+        speculator = Speculator(make_proposer("ngram"), 8, adaptive)
+    return Engine(model, None, config, eos_token_ids=stops, speculator=speculator)
 
 
 def generate(model, stops, speculate, grammar, prompt, params):
@@ -97,4 +97,4 @@ def test_proposer_drafts_past_a_forced_span(tiny):
         plain = generate(tiny, (1,), False, grammar, prompt, params)
         spec = generate(tiny, (1,), True, grammar, prompt, params)
         assert spec[:3] == plain[:3]
-        assert spec[3].grammar_step.stats.num_span_tail_tokens > 0
+        assert spec[3].speculator.stats.num_span_tail_tokens > 0

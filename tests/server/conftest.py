@@ -42,13 +42,15 @@ def tiny_model_dir(smol_tokenizer_dir, tmp_path_factory):
     return path
 
 
-def tiny_engine(path, num_blocks: int = 512):
+def tiny_engine(path, num_blocks: int = 512, speculate: str = "off"):
+    from prescient.build import EngineSpec, build_engine
     from prescient.runtime.config import CacheConfig, SchedulerConfig
-    from prescient.runtime.engine import Engine, EngineConfig
+    from prescient.runtime.engine import EngineConfig
 
     config = EngineConfig(dtype="float64", cache=CacheConfig(num_blocks=num_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=2048))
-    return Engine.from_pretrained(str(path), dtype="float64", config=config)
+    spec = EngineSpec(model=str(path), dtype="float64", speculate=speculate, calibrate="now", progress=False)
+    return build_engine(spec, config=config)
 
 
 @pytest.fixture(scope="session")
@@ -65,11 +67,7 @@ def make_tiny_server(tiny_model_dir):
     servers = []
 
     def make(send_buffer: int | None = None, speculate: str | None = None, **config) -> LiveServer:
-        engine = tiny_engine(tiny_model_dir)
-        if speculate is not None:
-            from prescient.speculative.speculator import make_speculator
-
-            engine.speculator = make_speculator(engine, speculate)
+        engine = tiny_engine(tiny_model_dir, speculate=speculate or "off")
         server = LiveServer(engine, ServerConfig(model_name="tiny", **config), send_buffer)
         servers.append(server)
         return server

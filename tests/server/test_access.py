@@ -1,9 +1,11 @@
-"""API key, connection limit, body limit and /metrics on the tiny model."""
+"""API key, connection limit, body limit and /metrics (latencies, SLO attainment and goodput) on the
+tiny model."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 
 import openai
@@ -81,12 +83,14 @@ def test_metrics(tiny):
     status, raw = request(tiny, "GET", "/metrics")
     text = raw.decode()
     assert status == 200
-    for name in ("prescient_time_to_first_token_seconds", "prescient_inter_token_latency_seconds",
-                 "prescient_time_per_output_token_seconds", "prescient_e2e_request_latency_seconds"):
+    for name in ("prescient_time_to_first_token_seconds", "prescient_itl_emission_seconds",
+                 "prescient_itl_token_seconds", "prescient_time_per_output_token_seconds",
+                 "prescient_e2e_request_latency_seconds"):
         assert f'{name}_bucket{{le="0.001"}}' in text  # buckets from 1 ms
         assert metric(text, f"{name}_count") >= metric(before, f"{name}_count") + 1
-    assert metric(text, "prescient_inter_token_latency_seconds_count") >= \
-        metric(before, "prescient_inter_token_latency_seconds_count") + 4
+    # 5 tokens: 4 gaps after the first, on both bases when every output carries one token
+    for name in ("prescient_itl_emission_seconds_count", "prescient_itl_token_seconds_count"):
+        assert metric(text, name) >= metric(before, name) + 4
     assert metric(text, "prescient_generation_tokens_total", '{source="target"}') >= 5
     assert metric(text, "prescient_requests_total", '{finish_reason="length"}') >= 1
     assert metric(text, "prescient_num_requests_running") == 0
@@ -111,3 +115,37 @@ def test_speculation_metrics(make_tiny_server):
     rate = metric(text, "prescient_spec_acceptance_rate")
     assert rate == (accepted / drafted if drafted else 0.0)
     metric(text, "prescient_spec_mean_accepted_length")
+
+
+def test_metrics_slo_attainment_and_goodput(make_tiny_server):
+    """The SLO series move with the verdicts: a 1-token reply has no gap and meets a 1 ns ITL
+    bound, a 5-token reply misses it (the TTFT bound is a minute: a loaded CPU cannot miss it)."""
+    server = make_tiny_server(slo_ttft_ms=60_000.0, slo_itl_ms=1e-6)
+    text = request(server, "GET", "/metrics")[1].decode()
+    assert metric(text, "prescient_slo_requests_finished_total") == 0
+    assert metric(text, "prescient_slo_requests_met_total") == 0
+    assert math.isnan(metric(text, "prescient_slo_attainment_ratio"))  # nothing judged yet
+    assert metric(text, "prescient_slo_goodput_requests_per_second") == 0
+    assert metric(text, "prescient_slo_bound_seconds", '{objective="ttft"}') == 60.0
+    assert metric(text, "prescient_slo_bound_seconds", '{objective="itl_emission"}') == pytest.approx(1e-9)
+
+    assert request(server, "POST", "/v1/chat/completions", chat(max_tokens=1))[0] == 200
+    met = request(server, "GET", "/metrics")[1].decode()
+    assert metric(met, "prescient_slo_requests_finished_total") == 1
+    assert metric(met, "prescient_slo_requests_met_total") == 1
+    assert metric(met, "prescient_slo_attainment_ratio") == 1.0
+    goodput = metric(met, "prescient_slo_goodput_requests_per_second")
+    window = metric(met, "prescient_slo_window_seconds")
+    assert 0 < window <= 60 and goodput == pytest.approx(1 / window, rel=0.05)
+
+    assert request(server, "POST", "/v1/chat/completions", chat(max_tokens=5))[0] == 200
+    missed = request(server, "GET", "/metrics")[1].decode()
+    assert metric(missed, "prescient_slo_requests_finished_total") == 2
+    assert metric(missed, "prescient_slo_requests_met_total") == 1
+    assert metric(missed, "prescient_slo_attainment_ratio") == 0.5
+    assert metric(missed, "prescient_slo_objective_met_total", '{objective="ttft"}') == 2
+    assert metric(missed, "prescient_slo_objective_met_total", '{objective="itl_emission"}') == 1
+    # still one good request, now over a longer span
+    later = metric(missed, "prescient_slo_window_seconds")
+    assert metric(missed, "prescient_slo_goodput_requests_per_second") == pytest.approx(1 / later, rel=0.05)
+    assert metric(missed, "prescient_slo_goodput_requests_per_second") < goodput

@@ -6,7 +6,6 @@ Plus hand-built EAGLE-2 expansion cases with known answers."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,11 +114,10 @@ def test_separate_draft_model_chains_its_own_greedy_continuation(target, tmp_pat
 def test_draft_config_for_the_cli(target, tmp_path):
     """`--speculate draft` without a path: the early-exit draft; with one: that checkpoint,
     loaded in the target's dtype."""
-    engine = SimpleNamespace(model=target, tokenizer=None)
-    early = DraftModelProposer(draft_config_for(engine))
+    early = DraftModelProposer(draft_config_for(target))
     assert early.model.layers == target.layers[:max(1, target.num_layers // 4)]
     path = make_tiny_checkpoint(tmp_path / "draft", seed=2, num_hidden_layers=1)
-    config = draft_config_for(engine, str(path), max_depth=3)
+    config = draft_config_for(target, None, str(path), max_depth=3)
     assert config.draft_model.dtype == torch.float64 and config.draft_model.num_layers == 1
     assert config.max_depth == 3 and config.target_model is target
 
@@ -347,13 +345,13 @@ def test_over_capacity_gets_no_proposal_and_frees_its_blocks(target):
 def engine_with(model, draft: DraftModelProposer | None) -> Engine:
     config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=64),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
-    engine = Engine(model, None, config, eos_token_ids=(2,))
+    speculator = None
     if draft is not None:
         # Always speculate (prior 1.0, flat verify cost) so that every step carries a tree.
         adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=8, prior_acceptance=1.0,
                                                       verify_cost={1: 1.0, 64: 1.0}))
-        engine.speculator = Speculator(draft, 8, adaptive)
-    return engine
+        speculator = Speculator(draft, 8, adaptive)
+    return Engine(model, None, config, eos_token_ids=(2,), speculator=speculator)
 
 
 @pytest.mark.parametrize("layers,top_k", [(3, 1), (2, 1), (2, 3)])

@@ -73,13 +73,13 @@ class OracleProposer:
 def engine_with(model, proposer, num_blocks=256, budget=64, max_num_seqs=8, max_draft=8) -> Engine:
     config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=num_blocks),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
-    engine = Engine(model, None, config, eos_token_ids=(2,))
+    speculator = None
     if proposer is not None:
         # prior 1.0 + a flat cost: always speculate, so the test exercises trees every step
         adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=max_draft, prior_acceptance=1.0,
                                                       verify_cost={1: 1.0, 64: 1.0}))
-        engine.speculator = Speculator(proposer, 8, adaptive)
-    return engine
+        speculator = Speculator(proposer, 8, adaptive)
+    return Engine(model, None, config, eos_token_ids=(2,), speculator=speculator)
 
 
 def prompts(seed, count, lo=5, hi=50, repeat=True):

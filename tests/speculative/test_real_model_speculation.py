@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.speculator import make_speculator
 from tests.conftest import load_workloads, sibling_engine
 
 
@@ -14,9 +13,8 @@ from tests.conftest import load_workloads, sibling_engine
 def test_ngram_speculation_matches_plain_greedy_on_workloads(default_engine):
     workloads = load_workloads()
     plain_engine = sibling_engine(default_engine)
-    spec_engine = sibling_engine(default_engine)
     # the default cost table, not a timing: this test is about losslessness, not speed
-    spec_engine.speculator = make_speculator(spec_engine, "ngram", calibrate=False)
+    spec_engine = sibling_engine(default_engine, speculate="ngram", calibrate="off")
     tok = default_engine.tokenizer
     mismatches = []
     for w in workloads:

@@ -1,10 +1,10 @@
-"""Small helpers over JSON-schema nodes shared by the schema_lower*.py rewrites."""
+"""Small helpers over JSON-schema nodes shared by lower.py and its rule modules."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from prescient.grammar.schema_merge import Unmergeable
+from prescient.grammar.schema.merge import Unmergeable
 
 COMBINATORS = ("anyOf", "oneOf")
 # Keywords whose values are instances, not subschemas: never walked as schemas.

@@ -6,8 +6,8 @@ keyword and matching an instance that violates only that keyword; tests/grammar/
 test_grammar_schema_check.py keeps one such canary per rule, so an xgrammar upgrade that starts
 honoring a keyword shows up as a failing canary rather than a silently over-strict refusal.
 
-`pattern` is compiled by pattern.py (xgrammar's own pattern FSM over-accepts); here it is only
-checked for constructs neither path supports.
+`pattern` is compiled by grammar/pattern.py (xgrammar's own pattern FSM over-accepts); here it
+is only checked for constructs neither path supports.
 
 Where xgrammar is *stricter* than JSON Schema we let it be (every output still validates):
 patterns match the whole string, properties come in declared order, strings under

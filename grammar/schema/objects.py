@@ -1,7 +1,7 @@
-"""Object rewrites for schema_lower.py: undeclared required names, false properties,
+"""Object rewrites for lower.py: undeclared required names, false properties,
 `not: {required}`, dependencies and patternProperties.
 
-`lw` is the schema_lower._Lowerer doing the walk (its merge, closed). `exact` is set below a
+`lw` is the lower._Lowerer doing the walk (its merge, closed). `exact` is set below a
 `oneOf`: a narrowing there could make two overlapping branches look disjoint, so only exact
 rewrites run. A rule returns False only when no instance can match, whatever the types (a
 `required` with no `type` lets non-objects through).
@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from prescient.grammar.schema_merge import Unmergeable
-from prescient.grammar.schema_nodes import (
+from prescient.grammar.schema.merge import Unmergeable
+from prescient.grammar.schema.nodes import (
     combinator,
     not_required,
     typed_object,

@@ -1,11 +1,11 @@
 """Merge two JSON schemas into one that means `allOf: [a, b]`, or say it cannot.
 
 xgrammar enforces `allOf` of one subschema only and ignores keywords written next to a
-combinator or a `$ref`; schema_lower.py rewrites those shapes into single schemas with this merge.
+combinator or a `$ref`; lower.py rewrites those shapes into single schemas with this merge.
 A merge is exact (the result accepts exactly what both accept) or it raises Unmergeable; it never
 approximates. The result may be `False` (nothing satisfies both).
 
-`$ref`s and combinators are not handled here: schema_lower.py resolves and distributes them
+`$ref`s and combinators are not handled here: lower.py resolves and distributes them
 before it merges.
 """
 

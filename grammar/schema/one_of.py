@@ -1,5 +1,5 @@
 """`oneOf` of object branches that may overlap, made into an `anyOf` of disjoint, narrower
-branches (used by schema_lower.py).
+branches (used by lower.py).
 
 xgrammar enforces `oneOf` as `anyOf`; that is exact only when no instance matches two branches.
 Each new branch i' accepts only instances of the original branch i that match no other original
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from prescient.grammar.schema_merge import Unmergeable
-from prescient.grammar.schema_nodes import (
+from prescient.grammar.schema.merge import Unmergeable
+from prescient.grammar.schema.nodes import (
     COMBINATORS,
     combinator,
     forbids_undeclared,
@@ -23,7 +23,7 @@ from prescient.grammar.schema_nodes import (
     not_required,
     without,
 )
-from prescient.grammar.schema_objects import object_rules
+from prescient.grammar.schema.objects import object_rules
 
 
 def disjoint_one_of(lw, node: dict, inlined: frozenset[str], exact_only: bool) -> Any:

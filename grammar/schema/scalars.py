@@ -1,4 +1,4 @@
-"""Rewrites of string and number keywords xgrammar would drop (used by schema_lower.py).
+"""Rewrites of string and number keywords xgrammar would drop (used by lower.py).
 
 Each function takes one schema node and returns the rewritten node, False when the node provably
 accepts nothing, or raises Unmergeable when it cannot rewrite exactly (or narrower).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from prescient.grammar.schema_merge import ANNOTATIONS, Unmergeable
+from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
 
 # One atom (a class, a shorthand, a letter or digit) under one quantifier, anchored or not.
 _REPEATED_ATOM = re.compile(
@@ -28,7 +28,7 @@ _STRING_ONLY = frozenset({"pattern", "minLength", "maxLength"})
 def pattern_with_length(node: dict) -> Any:
     """`pattern` repeating one atom plus minLength/maxLength: one pattern with the bounds in its
     quantifier. Exact where the engine already is: patterns match the whole string here (see
-    schema_check.py), narrower than JSON Schema's search for an unanchored pattern."""
+    check.py), narrower than JSON Schema's search for an unanchored pattern."""
     m = _REPEATED_ATOM.match(node["pattern"]) if isinstance(node["pattern"], str) else None
     if m is None:
         raise Unmergeable("pattern is not one repeated atom")

@@ -1,21 +1,21 @@
 """Rewrite a JSON schema into an equivalent (or narrower) one that xgrammar enforces exactly.
 
-schema_check.py refuses shapes xgrammar would silently weaken; many real-world schemas use them
+check.py refuses shapes xgrammar would silently weaken; many real-world schemas use them
 only as a way of writing, and a single schema says the same. Each rewrite is exact, or narrower
 where noted (every output still validates against the original schema, which is what the
 compliance benchmark checks with `jsonschema`). A node no rule can rewrite is left as it is, for
 check_schema to refuse with its usual message.
 
 - keywords next to `$ref` (2019+ drafts; drafts 4-7 ignore them, and so does the rewrite),
-  `allOf`, `anyOf`, `oneOf`: merged into the target / every branch (schema_merge.py);
+  `allOf`, `anyOf`, `oneOf`: merged into the target / every branch (merge.py);
 - `enum`/`const` next to other keywords: the values that satisfy those keywords;
-- object rules (schema_objects.py): undeclared required names declared, false properties
+- object rules (objects.py): undeclared required names declared, false properties
   removed from closed objects, `not: {required}`, `dependencies`, `patternProperties`;
-- scalar rules (schema_scalars.py): `not: {type}`, a whole-number float `multipleOf`, a
+- scalar rules (scalars.py): `not: {type}`, a whole-number float `multipleOf`, a
   repeated-atom `pattern` next to minLength/maxLength, `format` next to them (email, uri),
   string keywords without a `type` (made strings: narrower);
 - `oneOf` of closed objects whose branches may overlap: disjoint narrower branches, then `anyOf`
-  (schema_one_of.py).
+  (one_of.py).
 
 Below a `oneOf` (and in definitions, when the schema has one) only exact rewrites run: xgrammar
 treats `oneOf` as `anyOf`, which is exact only for disjoint branches, and check_schema's proof of
@@ -30,10 +30,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from prescient.grammar.closed_objects import closes
 from prescient.grammar.errors import GrammarError
-from prescient.grammar.schema_merge import Unmergeable, merge
-from prescient.grammar.schema_nodes import (
+from prescient.grammar.schema.closed_objects import closes
+from prescient.grammar.schema.merge import Unmergeable, merge
+from prescient.grammar.schema.nodes import (
     COMBINATORS,
     NON_ASSERTIONS,
     VALUE_KEYS,
@@ -42,9 +42,9 @@ from prescient.grammar.schema_nodes import (
     is_object,
     without,
 )
-from prescient.grammar.schema_objects import object_rules
-from prescient.grammar.schema_one_of import disjoint_one_of
-from prescient.grammar.schema_scalars import (
+from prescient.grammar.schema.objects import object_rules
+from prescient.grammar.schema.one_of import disjoint_one_of
+from prescient.grammar.schema.scalars import (
     format_with_length,
     integer_steps,
     not_type,

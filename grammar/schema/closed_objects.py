@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prescient.grammar.schema_nodes import VALUE_KEYS
+from prescient.grammar.schema.nodes import VALUE_KEYS
 
 
 def close_declared_objects(schema: Any) -> Any:

@@ -1,0 +1,19 @@
+"""prescient.grammar.schema: JSON schemas made into a form xgrammar enforces exactly.
+
+Every JSON schema bound for xgrammar (response formats and tool argument schemas) goes through
+`GrammarCompiler.prepare_schema`, in three steps:
+
+    lower  (lower.py)           rewrite shapes xgrammar would weaken into equivalent or
+                                narrower ones; the rules live in merge.py (keywords beside
+                                `$ref`/combinators merged, enums filtered), objects.py,
+                                scalars.py and one_of.py, over the helpers in nodes.py;
+                                refuses a schema it proves unsatisfiable
+    check  (check.py)           refuse, with GrammarError naming the feature, whatever is left
+                                that xgrammar would silently drop
+    close  (closed_objects.py)  additionalProperties: false on objects that declare properties
+
+Narrower is allowed (every output still validates against the original schema), looser never.
+The compiler then turns the result into a grammar; a schema with a `pattern` is compiled as
+EBNF through grammar/pattern.py, which stays outside this package because regex formats use it
+too.
+"""

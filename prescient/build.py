@@ -1,0 +1,147 @@
+"""The one way to build an engine: `build_engine(EngineSpec(...))`.
+
+It sits above runtime/ and speculative/ because it assembles both: the model (from the
+converted-weights cache, runtime/weights_cache.py), the engine's configs, and the speculator,
+handed to the `Engine` as an argument. The CLI, the server, latency_bench and every script build
+engines here (tests also assemble small engines by hand, with hand-set cost tables).
+
+    spec   = EngineSpec(model=None, dtype="bfloat16", speculate="ngram")
+    loaded = load_model(spec)                  # optional: share one model between engines
+    engine = build_engine(spec, loaded)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from prescient.runtime.config import CacheConfig, SchedulerConfig
+from prescient.runtime.engine import DTYPES, Engine, EngineConfig
+from prescient.runtime.model import LlamaModel
+from prescient.runtime.weights_cache import load_model_files
+
+SPECULATE = ("ngram", "draft", "off")
+# how the speculator's verify-cost table is obtained (speculative/speculator.make_speculator):
+# idle = cached, else measured in the engine's idle moments; now = cached, else measured before
+# the engine is returned; fresh = measured now whatever is cached; off = the default table
+CALIBRATE = ("idle", "now", "fresh", "off")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str | None = None  # a .gguf file or a Hugging Face folder; None = the default model
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    speculate: str = "ngram"
+    draft_model: str | None = None  # for speculate="draft"; None = layer-truncated target
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    kv_cache_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    calibrate: str = "idle"
+    weights_cache: bool = True  # memory-map converted GGUF weights from the user's cache
+    progress: bool = True  # stage progress on stderr
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r} (supported: {', '.join(DTYPES)})")
+        if self.speculate not in SPECULATE:
+            raise ValueError(f"speculate must be one of {SPECULATE}, got {self.speculate!r}")
+        if self.calibrate not in CALIBRATE:
+            raise ValueError(f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_cache_gb <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, kv_cache_gb > 0")
+        import torch
+
+        kind = self.device.split(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r}: this torch build sees no CUDA device")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve, shareable (read-only) by several engines. `load_model` makes one
+    from a checkpoint; a script with random weights makes one directly (identity None: its
+    verify-cost table is measured, never cached)."""
+
+    model: LlamaModel
+    tokenizer: object | None  # runtime.tokenizer.Tokenizer
+    eos_token_ids: tuple[int, ...]
+    identity: str | None  # weights content hash + dtype (runtime/weights_cache.py)
+    config: object = None  # runtime.config.ModelConfig; None = the model's own
+
+    def __post_init__(self) -> None:
+        self.config = self.config or self.model.config
+
+
+def stage(message: str, enabled: bool):
+    """A one-line stage report on stderr ("loading ... 0.4 s")."""
+    return _Stage(message, enabled)
+
+
+class _Stage:
+    def __init__(self, message: str, enabled: bool):
+        self.message, self.enabled = message, enabled
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        if self.enabled:
+            print(f"prescient: {self.message} ...", file=sys.stderr, flush=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled and exc[0] is None:
+            print(f"prescient: {self.message}: done in {time.perf_counter() - self.t0:.1f} s",
+                  file=sys.stderr, flush=True)
+
+
+def load_model(spec: EngineSpec) -> LoadedModel:
+    """Weights (cached conversion when the model is a GGUF), tokenizer and the model itself."""
+    with stage(f"loading {spec.model or 'the default model'} ({spec.dtype})", spec.progress):
+        files = load_model_files(spec.model, spec.dtype, spec.weights_cache, spec.progress)
+        model = LlamaModel(files.config, files.weights, dtype=DTYPES[spec.dtype], device=spec.device)
+    if spec.device == "cpu":
+        # the native kernels compile once per machine (tens of seconds); say so when it happens
+        from prescient.kernels import cpu_linear
+
+        if not cpu_linear.is_built():
+            with stage("compiling the CPU kernels (once per machine)", spec.progress):
+                cpu_linear.available()
+        else:
+            cpu_linear.available()
+    return LoadedModel(model, files.tokenizer, files.eos_token_ids, files.identity, files.config)
+
+
+def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: EngineConfig | None = None) -> Engine:
+    """An Engine (with its speculator, unless speculate="off") for `spec`. `loaded` shares an
+    already loaded model (its dtype and device must be the spec's); `config` replaces the
+    EngineConfig the spec's knobs make (tests and tools that set block sizes or block counts)."""
+    from prescient.speculative.speculator import make_speculator
+    from prescient.speculative.verify_cost import cache_key
+
+    loaded = loaded or load_model(spec)
+    if loaded.model.dtype is not DTYPES[spec.dtype]:
+        raise ValueError(f"the loaded model is {loaded.model.dtype}, the spec asks for {spec.dtype}")
+    config = config or EngineConfig(
+        dtype=spec.dtype,
+        cache=CacheConfig(kv_cache_bytes=int(spec.kv_cache_gb * (1 << 30)), enable_prefix_caching=spec.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens),
+    )
+    block_size = config.cache.block_size
+    speculator = None
+    if spec.speculate != "off":
+        # a draft model is named by its path (it is loaded uncached, speculative/draft_model.py)
+        key = None if loaded.identity is None else cache_key(
+            f"{loaded.identity}|{spec.draft_model}", spec.speculate, block_size, spec.device)
+        speculator = make_speculator(loaded.model, block_size, spec.speculate, spec.draft_model, loaded.tokenizer,
+                                     calibrate="off" if spec.calibrate == "off" else "idle", cache_key=key,
+                                     use_cache=spec.calibrate != "fresh")
+        if spec.calibrate in ("now", "fresh") and speculator.calibration is not None:
+            with stage("measuring the verify cost (cached for later starts)", spec.progress):
+                while speculator.idle_work():
+                    pass
+    return Engine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids,
+                  speculator=speculator)

@@ -1,0 +1,218 @@
+"""What a T-token verify forward costs relative to a 1-token step, measured on the model itself.
+
+Speculation pays only if verifying k draft tokens costs much less than k decode steps, and how
+much less depends on the CPU tier, the kernels and the model: so the adaptive planner sizes
+drafts with a table measured here, at a short and a long context (a draft's attention cost
+grows with the context it attends over). One T-token forward is timed the way the engine runs
+it: T = 1 as plain decoding (causal, one logits row), T > 1 as a chain draft is verified (a
+per-query tree mask, logits for every row), all through the engine's own `build_forward_batch`.
+
+    samples = measure_forward_seconds(model, block_size, sizes, context)   # blocking (benchmarks)
+    tables  = cost_tables(samples_short, samples_long, long_context)       # ratios, monotone
+    cal     = Calibration(...); cal.step()                                  # one forward at a time
+
+Measuring takes seconds to tens of seconds on 2 cores, so the result is cached per (model,
+dtype, CPU, kernel build) under the user's cache directory, and a server measures only in idle
+moments (`Calibration.step` runs one forward and returns, so a request that arrives meanwhile
+waits at most one forward), never before its first request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from prescient.cache_dir import cache_dir
+
+log = logging.getLogger("prescient.speculative")
+
+SIZES = (1, 2, 4, 8, 16, 32)
+# Contexts the cost is measured at: a chat turn and an agent's long tool output / document.
+SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
+
+
+@dataclass(frozen=True)
+class CostTables:
+    """Forward tokens -> cost relative to a 1-token forward, at `short_context` cached tokens and
+    (when the model's positions allow) at `long_context`."""
+
+    short: dict[int, float]
+    short_context: int = SHORT_CONTEXT
+    long_context: int | None = None
+    long: dict[int, float] | None = None
+
+    def install(self, adaptive) -> None:
+        """Hand the tables to an AdaptiveSpeculation."""
+        long = (self.short_context, self.long_context, self.long) if self.long else None
+        adaptive.set_verify_cost(self.short, long)
+
+    def to_json(self) -> dict:
+        return {"short": self.short, "short_context": self.short_context, "long_context": self.long_context,
+                "long": self.long}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostTables":
+        as_table = lambda t: None if t is None else {int(k): float(v) for k, v in t.items()}  # noqa: E731
+        return cls(as_table(d["short"]), int(d["short_context"]), d.get("long_context"), as_table(d.get("long")))
+
+
+def _batches(model, block_size: int, sizes, context: int):
+    """A scratch KV cache and one ForwardBatch per size, built as the engine builds them."""
+    from prescient.runtime.batch import build_forward_batch
+    from prescient.runtime.request import Request
+    from prescient.runtime.sampling_params import SamplingParams
+    from prescient.runtime.scheduler import ScheduledSeq
+    from prescient.speculative.tree import DraftTree
+
+    num_blocks = -(-(context + max(sizes)) // block_size)
+    kv = model.allocate_kv_cache(num_blocks, block_size)
+    batches = {}
+    for t in sizes:
+        request = Request("calibrate", [1] * (context + 1), SamplingParams(), (), 0.0)
+        request.block_ids = list(range(num_blocks))
+        request.num_computed_tokens = context
+        tree = DraftTree.chain(1, [1] * (t - 1)) if t > 1 else None
+        batches[t] = build_forward_batch([ScheduledSeq(request, t if tree else 1, 0)], [tree], block_size,
+                                         model.device)
+    return kv, batches
+
+
+def timed_forwards(model, block_size: int, sizes=SIZES, context: int = SHORT_CONTEXT,
+                   repeats: int = 5) -> Iterator[dict[int, list[float]]]:
+    """Yields after every forward; the last value yielded is {size: [seconds per repeat]}.
+    All sizes are swept once per round, so a burst of load from elsewhere hits every size alike
+    instead of inflating one (which could switch drafting off)."""
+    sizes = tuple(sorted(set(sizes) | {1}))  # every ratio is against the 1-token step
+    kv, batches = _batches(model, block_size, sizes, context)
+    samples: dict[int, list[float]] = {t: [] for t in sizes}
+    # no inference_mode around the yields (LlamaModel.forward enters it itself): a half-done
+    # idle calibration must not leave the engine thread inside the guard between steps
+    for t in sizes:  # warm-up: first calls pay for allocations and dispatch
+        model.forward(batches[t], kv)
+        yield samples
+    for _ in range(repeats):
+        for t in sizes:
+            t0 = time.perf_counter()
+            model.forward(batches[t], kv)
+            if model.device.type == "cuda":  # time the kernels, not their launch
+                torch.cuda.synchronize(model.device)
+            samples[t].append(time.perf_counter() - t0)
+            yield samples
+
+
+def measure_forward_seconds(model, block_size: int, sizes=SIZES, context: int = SHORT_CONTEXT,
+                            repeats: int = 5) -> dict[int, list[float]]:
+    """{size: [seconds per repeat]} of a forward of `size` new tokens after `context` cached ones."""
+    samples: dict[int, list[float]] = {}
+    for samples in timed_forwards(model, block_size, sizes, context, repeats):
+        pass
+    return samples
+
+
+def ratio_table(samples: dict[int, list[float]]) -> dict[int, float]:
+    """Best-of-repeats time of each size over the 1-token one, made non-decreasing (timing noise
+    must not make 8 tokens look cheaper than 4)."""
+    base = min(samples[1])
+    table, running = {}, 1.0
+    for t in sorted(samples):
+        running = max(running, min(samples[t]) / base)
+        table[t] = running
+    return table
+
+
+def long_context_for(model) -> int | None:
+    """The long context, if the model's positions fit it with room for the largest verify."""
+    long_ctx = min(LONG_CONTEXT, model.config.max_position_embeddings - 64)
+    return long_ctx if long_ctx > SHORT_CONTEXT else None
+
+
+class Calibration:
+    """The cost tables of one (target, draft) pair, measured one forward per `step()`.
+
+    With a draft model, each draft token also costs about one draft forward (chain drafting),
+    measured relative to a target step and added to the tables."""
+
+    def __init__(self, model, block_size: int, draft=None, repeats: int = 5):
+        self.model, self.draft = model, draft
+        self.block_size, self.repeats = block_size, repeats
+        self.long_context = long_context_for(model)
+        self.tables: CostTables | None = None
+        self._phases = self._run()
+
+    def step(self) -> bool:
+        """Run one forward; True once the tables are ready (then it does nothing)."""
+        if self.tables is None:
+            try:
+                next(self._phases)
+            except StopIteration:
+                pass
+        return self.tables is not None
+
+    def _run(self) -> Iterator[None]:
+        short = long = None
+        for short in timed_forwards(self.model, self.block_size, SIZES, SHORT_CONTEXT, self.repeats):
+            yield
+        if self.long_context is not None:
+            for long in timed_forwards(self.model, self.block_size, SIZES, self.long_context, self.repeats):
+                yield
+        short_table = ratio_table(short)
+        long_table = ratio_table(long) if long else None
+        if self.draft is not None:
+            draft = {}
+            for draft in timed_forwards(self.draft, self.block_size, (1,), SHORT_CONTEXT, 3):
+                yield
+            draft_ratio = min(draft[1]) / min(short[1])
+            short_table = {t: c + (t - 1) * draft_ratio for t, c in short_table.items()}
+            long_table = long_table and {t: c + (t - 1) * draft_ratio for t, c in long_table.items()}
+        self.tables = CostTables(short_table, SHORT_CONTEXT, self.long_context if long_table else None, long_table)
+
+
+# ---------------------------------------------------------------- the on-disk cache
+
+
+def cache_key(model_identity: str, method: str, block_size: int, device: str = "cpu") -> str:
+    """What a cost table depends on: the model (its weights' content and dtype, set by the
+    builder), the proposer kind, the KV block size and what runs it: on CPU the CPU and the C
+    kernels' build, on CUDA the device and torch."""
+    if device == "cpu":
+        from prescient.kernels.cpu_linear import build_signature
+
+        runs_on = build_signature()
+    else:
+        runs_on = f"{torch.cuda.get_device_name(torch.device(device))}|{torch.__version__}|{torch.version.cuda}"
+    return "|".join((model_identity, method, str(block_size), runs_on))
+
+
+def _cache_file(key: str):
+    return cache_dir("verify_cost") / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+def load_cached(key: str) -> CostTables | None:
+    path = _cache_file(key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        return CostTables.from_json(data["tables"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(key: str, tables: CostTables) -> None:
+    path = _cache_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": key, "tables": tables.to_json(), "measured_at": time.time()}, f)
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: the next start measures again
+        log.warning("could not cache the verify-cost table (%s)", e)

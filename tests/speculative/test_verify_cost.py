@@ -1,0 +1,116 @@
+"""The verify-cost table: measured one forward per `Calibration.step`, cached under its key and
+reused by the next start, and measured in idle moments so that a request arriving meanwhile
+waits for at most one calibration forward (tiny model, float64)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from prescient.runtime.async_engine import AsyncEngine
+from prescient.runtime.config import CacheConfig, SchedulerConfig
+from prescient.runtime.engine import Engine, EngineConfig
+from prescient.runtime.loader import load_checkpoint
+from prescient.runtime.model import LlamaModel
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.speculative import verify_cost
+from prescient.speculative.speculator import make_speculator
+from prescient.speculative.verify_cost import SIZES, Calibration
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    ckpt = load_checkpoint(str(tiny_llama_dir))
+    return LlamaModel(ckpt.config, ckpt.weights, dtype=torch.float64)
+
+
+class CountingModel:
+    """The model with its forwards counted (and stamped)."""
+
+    def __init__(self, model):
+        self.model, self.stamps = model, []
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def forward(self, batch, kv):
+        self.stamps.append(time.perf_counter())
+        return self.model.forward(batch, kv)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PRESCIENT_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_calibration_runs_one_forward_per_step(tiny):
+    model = CountingModel(tiny)
+    cal = Calibration(model, 8, repeats=2)
+    steps = 0
+    while not cal.step():
+        steps += 1
+        assert len(model.stamps) == steps  # each unfinished step ran exactly one forward
+    contexts = 2 if cal.long_context else 1
+    assert steps == contexts * len(SIZES) * (1 + 2)  # warm-up + repeats, every size, each context
+    table = cal.tables.short
+    assert sorted(table) == list(SIZES) and table[1] == 1.0
+    assert all(table[a] <= table[b] for a, b in zip(SIZES, SIZES[1:]))  # never cheaper with more tokens
+    assert cal.step() and len(model.stamps) == steps  # done: a further step does nothing
+
+
+def test_a_measured_table_is_cached_and_reused(tiny, cache):
+    first = make_speculator(tiny, 8, "ngram", calibrate="idle", cache_key="tiny|float64")
+    assert first.calibration is not None  # nothing cached yet: measured when idle
+    while first.idle_work():
+        pass
+    assert first.calibration is None and list(cache.glob("verify_cost/*.json"))
+    again = make_speculator(tiny, 8, "ngram", calibrate="idle", cache_key="tiny|float64")
+    assert again.calibration is None  # from the cache, nothing to measure
+    sizes = torch.tensor(SIZES).numpy()
+    assert (again.adaptive.cost_many(sizes, 256) == first.adaptive.cost_many(sizes, 256)).all()
+    fresh = make_speculator(tiny, 8, "ngram", calibrate="idle", cache_key="tiny|float64", use_cache=False)
+    assert fresh.calibration is not None  # `--calibrate fresh` measures whatever is cached
+    other = make_speculator(tiny, 8, "ngram", calibrate="idle", cache_key="tiny|bfloat16")
+    assert other.calibration is not None  # another key (dtype, CPU, kernel build) is another table
+
+
+def test_the_cache_key_names_the_cpu_and_the_kernel_build():
+    key = verify_cost.cache_key("weights-hash|bfloat16|cpu", "ngram", 16)
+    from prescient.kernels.cpu_linear import build_signature
+
+    assert key.startswith("weights-hash|bfloat16|cpu|ngram|16|") and key.endswith(build_signature())
+
+
+def test_a_request_during_idle_calibration_waits_for_at_most_one_forward(tiny):
+    model = CountingModel(tiny)
+    config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=256),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    speculator = make_speculator(model, 8, "ngram", calibrate="idle")
+    speculator.calibration = Calibration(model, 8, repeats=50)  # long enough to be mid-way
+    engine = Engine(model, None, config, eos_token_ids=(2,), speculator=speculator)
+    aengine = AsyncEngine(engine)
+
+    async def one_request():
+        while len(model.stamps) < 5:  # the idle loop has started calibrating
+            await asyncio.sleep(0.001)
+        submitted = time.perf_counter()
+        outs = [o async for o in aengine.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0))]
+        return submitted, outs
+
+    try:
+        submitted, outs = asyncio.run(asyncio.wait_for(one_request(), 60))
+        assert sum(len(o.new_token_ids) for o in outs) == 4 and outs[-1].finish_reason == "length"
+        scheduled = outs[0].token_times[0]  # the first token's commit time
+        during = [t for t in model.stamps if submitted < t < scheduled]
+        # the request's own prefill forward, plus at most the one calibration forward in flight
+        assert len(during) <= 2, len(during)
+        deadline = time.perf_counter() + 60
+        while speculator.calibration is not None and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert speculator.calibration is None  # finished later, in idle moments
+    finally:
+        aengine.shutdown()
