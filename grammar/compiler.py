@@ -15,8 +15,11 @@ and, if it has a `pattern`, is compiled as EBNF (pattern.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import xgrammar as xgr
 
 from prescient.grammar.errors import GrammarError
+from prescient.grammar.forced_bound import forced_spans_safe
 from prescient.grammar.matcher import Matcher
 from prescient.grammar.pattern import (
     check_pattern,
@@ -46,8 +50,8 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:47:55] /project/cpp/
 @dataclass(frozen=True)
 class CompilerConfig:
     time_limit_s: float = 10.0
-    max_workers: int = 2  # grammars compiled at once
-    xgrammar_threads: int = 2  # threads inside one xgrammar compile
+    max_workers: int = 8  # grammars compiled at once
+    xgrammar_threads: int = 1  # threads inside one xgrammar compile
     cache_size: int = 512  # compiled grammars kept, least recently used evicted
     # JSON layout. False fixes it to json.dumps' default (", " and ": ", one line): forced
     # spans then cover whole keys (`{"location": "` is one jump-forward span instead of none)
@@ -57,9 +61,12 @@ class CompilerConfig:
     # Objects that declare properties get additionalProperties: false when unset (see
     # schema/closed_objects.py): ~50x faster compiles, and the model writes only declared keys.
     close_declared_objects: bool = True
+    # Compile threads run at this nice value (Linux: a thread's own), so a heavy compile takes
+    # CPU the engine and the event loop leave over instead of slowing every stream's steps.
+    nice: int = 10
 
     def __post_init__(self) -> None:
-        if self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1:
+        if self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1 or not 0 <= self.nice <= 19:
             raise ValueError(f"invalid CompilerConfig {self}")
 
 
@@ -69,9 +76,12 @@ class CompiledGrammar:
     handle: xgr.CompiledGrammar
     tokenizer: GrammarTokenizer
     compile_s: float
+    # False when the grammar may force runs too long to look up each step (forced_bound.py):
+    # its matchers then propose no forced spans.
+    forced_spans: bool = True
 
     def matcher(self) -> Matcher:
-        return Matcher(self.handle, self.tokenizer)
+        return Matcher(self.handle, self.tokenizer, forced_spans=self.forced_spans)
 
 
 class PendingGrammar:
@@ -94,6 +104,14 @@ class PendingGrammar:
                                "limit", feature="time_limit") from None
 
 
+def _lower_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority (Linux only: elsewhere setpriority would lower
+    the whole process's)."""
+    if nice and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
 class GrammarCompiler:
     def __init__(self, tokenizer: GrammarTokenizer, config: CompilerConfig = CompilerConfig()):
         self.tokenizer = tokenizer
@@ -102,7 +120,8 @@ class GrammarCompiler:
         self._xgr = xgr.GrammarCompiler(
             tokenizer.info, max_threads=config.xgrammar_threads, cache_enabled=False
         )
-        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar",
+                                        initializer=_lower_priority, initargs=(config.nice,))
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -153,7 +172,8 @@ class GrammarCompiler:
             message = _LOG_PREFIX.sub("", lines[-1]) if lines else type(err).__name__
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {message}",
                                feature=spec.kind) from err
-        return CompiledGrammar(spec, handle, self.tokenizer, time.perf_counter() - start)
+        forced_spans = forced_spans_safe(str(handle.grammar))
+        return CompiledGrammar(spec, handle, self.tokenizer, time.perf_counter() - start, forced_spans)
 
     def _json_options(self) -> dict:
         # strict_mode=False keeps JSON Schema's meaning (undeclared keys allowed unless the

@@ -28,7 +28,11 @@ def spec_from_response_format(response_format: Mapping[str, Any] | None) -> Gram
     if not isinstance(response_format, Mapping):
         raise GrammarError("response_format must be an object", feature="response_format")
     kind = response_format.get("type")
-    builder = _BUILDERS.get(kind)  # type: ignore[arg-type]
+    # A client's JSON may put any value here; an unhashable one (a list) would be a TypeError
+    if kind is not None and not isinstance(kind, str):
+        raise GrammarError(f"response_format 'type' must be a string, one of {sorted(_BUILDERS)}; got "
+                           f"{type(kind).__name__}", feature="response_format.type")
+    builder = _BUILDERS.get(kind)
     if builder is None:
         raise GrammarError(f"unsupported response_format type {kind!r}; expected one of "
                            f"{sorted(_BUILDERS)}", feature="response_format.type")

@@ -10,7 +10,8 @@ returns it tokenized by the model's own tokenizer, so the tokens are canonical, 
 token, whose bytes could merge with whatever follows (`{"name` may become one token once `"`
 is known). The engine proposes them as free draft tokens; `draft_paths()` adds, where the
 span ends at a narrow choice (an enum, a tool name), one branch per allowed token with the span
-that choice forces, for a draft tree.
+that choice forces, for a draft tree. Grammars whose forced runs may be too long to look up
+every step (grammar/forced_bound.py) get matchers with `forced_spans=False`, which propose none.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Iterable, Literal, Sequence
 import numpy as np
 import torch
 import xgrammar as xgr
+
+from prescient.grammar.forced_bound import MAX_FORCED_RUN
 
 if TYPE_CHECKING:
     from prescient.grammar.tokenizer import GrammarTokenizer
@@ -41,11 +44,19 @@ BRANCH_DEPTH = 2
 MAX_ALLOWED = 32  # a wider choice (free text, numbers) is not worth enumerating
 
 
+# Forced-span lookups: the text is cut to MAX_FORCED_CHARS before it is tokenized (tokenizing and
+# accepting it run at Python speed, and no draft uses more than a few dozen tokens of it); a
+# jump-forward text longer than the grammar's bound promised (forced_bound.py: runs that nested
+# recursion multiplied) switches the matcher's lookups off.
+MAX_FORCED_CHARS = 1024
+
+
 class Matcher:
     def __init__(self, compiled: xgr.CompiledGrammar, tokenizer: "GrammarTokenizer",
-                 _handle: xgr.GrammarMatcher | None = None):
+                 _handle: xgr.GrammarMatcher | None = None, forced_spans: bool = True):
         self.tokenizer = tokenizer
         self._compiled = compiled
+        self.forced_spans = forced_spans  # False: forced_tokens / draft_paths propose nothing
         self.handle = _handle or xgr.GrammarMatcher(
             compiled, override_stop_tokens=list(tokenizer.stop_token_ids)
         )
@@ -93,6 +104,8 @@ class Matcher:
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (canonically tokenized, last one held back).
         Cached until the matcher next changes: the engine asks more than once per step."""
+        if not self.forced_spans:
+            return []
         if self._forced[0] != self._version:
             self._forced = (self._version, self._find_forced())
         return list(self._forced[1])
@@ -106,6 +119,8 @@ class Matcher:
         verifies them as a draft tree: whichever branch the target picks comes with its forced
         tail in the same forward. [] when nothing is forced and the choice is wide. Cached until
         the matcher next changes."""
+        if not self.forced_spans:
+            return []
         branch_budget = BRANCH_BUDGET if branch_budget is None else branch_budget
         key = (self._version, budget, branch_budget, max_branches)
         if self._paths[0] != key:
@@ -184,6 +199,10 @@ class Matcher:
         if handle.is_terminated():
             return []
         text = handle.find_jump_forward_string()
+        if len(text) > MAX_FORCED_RUN:
+            self.forced_spans = False  # see MAX_FORCED_CHARS
+        cut = len(text) > MAX_FORCED_CHARS
+        text = text[:MAX_FORCED_CHARS]
         token_ids = self.tokenizer.encode(text) if text else []
         probe = handle.fork()
         forced = []
@@ -191,7 +210,7 @@ class Matcher:
             if not probe.accept_token(token_id):
                 break  # cannot happen for a canonical tokenizer; keep what is valid
             forced.append(token_id)
-        stop = self._only_stop_after(probe)
+        stop = None if cut else self._only_stop_after(probe)
         if stop is None:
             # Hold the last token back: its bytes could merge with the text that follows into
             # another token, and the model must be free to pick that canonical tokenization.
@@ -208,8 +227,13 @@ class Matcher:
         allowed = self._allowed(probe, limit=1)
         return allowed[0] if allowed and allowed[0] in self.tokenizer.stop_token_ids else None
 
+    def forced_stop(self) -> int | None:
+        """The stop token when the grammar now allows it and nothing else, else None. Cheap (no
+        forced-span lookup): whether the grammar is complete first, a mask only if it is."""
+        return None if self.handle.is_terminated() else self._only_stop_after(self.handle)
+
     def fork(self) -> "Matcher":
-        twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork())
+        twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork(), forced_spans=self.forced_spans)
         twin.num_tokens = self.num_tokens
         return twin
 

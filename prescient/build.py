@@ -39,6 +39,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 512
     kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True
+    session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
     calibrate: str = "idle"
     weights_cache: bool = True  # memory-map converted GGUF weights from the user's cache
     progress: bool = True  # stage progress on stderr
@@ -129,6 +130,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
         dtype=spec.dtype,
         cache=CacheConfig(kv_cache_bytes=int(spec.kv_cache_gb * (1 << 30)), enable_prefix_caching=spec.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens),
+        session_ttl_s=spec.session_ttl_s,
     )
     block_size = config.cache.block_size
     speculator = None

@@ -43,6 +43,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="most tokens in one engine step (prefill chunk size)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
+    p.add_argument("--session-ttl-s", type=float, default=300.0,
+                   help="how long a finished agent turn keeps its KV pinned for the next turn, seconds")
     p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA tensors run the Triton kernels)")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="convert the GGUF at every start instead of memory-mapping the cached conversion")
@@ -61,6 +63,27 @@ def _parser() -> argparse.ArgumentParser:
                        "and the WebSocket handshake; unset = no authentication")
     serve.add_argument("--max-connections", type=int, default=256,
                        help="HTTP requests in flight + open WebSockets; more get 503")
+    serve.add_argument("--max-tools", type=int, default=128, help="most tools one request may declare; more get 400")
+    serve.add_argument("--max-schema-bytes", type=int, default=256 << 10,
+                       help="most bytes of JSON schema in one request (tools' parameters + response format); "
+                       "more get 400")
+    serve.add_argument("--request-time-limit-s", type=float, default=600.0,
+                       help="wall-clock limit of one generation; past it the request is stopped with an error")
+    serve.add_argument("--response-store-size", type=int, default=4096,
+                       help="stored responses kept for previous_response_id (least recently used dropped first)")
+    serve.add_argument("--response-ttl-s", type=float, default=3600.0,
+                       help="seconds a stored response can be continued with previous_response_id")
+    serve.add_argument("--response-scope", default="key", choices=["connection", "key", "global"],
+                       help="who may continue a stored response: key = clients with the API key that created "
+                       "it; connection = only the WebSocket connection that created it (HTTP: by key); "
+                       "global = anyone who knows its id")
+    serve.add_argument("--header-timeout-s", type=float, default=10.0,
+                       help="a connection must finish each request's headers within this long of connecting "
+                       "(or of its previous response), or it is closed")
+    serve.add_argument("--body-timeout-s", type=float, default=30.0,
+                       help="an HTTP request's body must arrive within this long of its headers; past it 408")
+    serve.add_argument("--ws-idle-timeout-s", type=float, default=300.0,
+                       help="a WebSocket with no frame and no response running for this long is closed (1001)")
     serve.add_argument("--slo-ttft-ms", type=float, default=1000.0,
                        help="TTFT bound of the SLO that /metrics judges requests against")
     serve.add_argument("--slo-itl-ms", type=float, default=100.0,
@@ -80,6 +103,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     return EngineSpec(model=args.model, dtype=args.dtype, device=args.device, speculate=args.speculate,
                       draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,
+                      session_ttl_s=args.session_ttl_s,
                       calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet)
 
 
@@ -99,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             from prescient.server.context import ServerConfig
 
             config = ServerConfig(api_key=args.api_key, max_connections=args.max_connections,
-                                  slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms)
+                                  slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms,
+                                  max_tools=args.max_tools, max_schema_bytes=args.max_schema_bytes,
+                                  request_time_limit_s=args.request_time_limit_s,
+                                  response_store_size=args.response_store_size, response_ttl_s=args.response_ttl_s,
+                                  response_scope=args.response_scope, header_timeout_s=args.header_timeout_s,
+                                  body_timeout_s=args.body_timeout_s, ws_idle_timeout_s=args.ws_idle_timeout_s)
             return run_server(spec, config, args.host, args.port, quiet=args.quiet)
         return _generate(spec, args.prompt, args.max_tokens, args.temperature)
     except KeyboardInterrupt:

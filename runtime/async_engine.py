@@ -5,8 +5,10 @@ through a lock-protected inbox that the loop drains between steps (so an abort s
 within one step); outputs cross back with `loop.call_soon_threadsafe` into each request's
 `asyncio.Queue`. Bad input raises at `submit` (validated on the caller's thread against the same
 rules `Engine.add_request` applies), and an exception inside a step fails the requests of that
-step with an error output instead of killing the loop. With nothing to run, the loop does the
-engine's idle work (`Engine.idle_work`: a verify-cost calibration, one forward at a time).
+step with an error output instead of killing the loop. A full waiting queue is refused at
+`submit` (`OverloadedError`) or, if it filled meanwhile, with an "overloaded" error output. With
+nothing to run, the loop does the engine's idle work (`Engine.idle_work`: a verify-cost
+calibration, one forward at a time); a step that could run nothing waits for news, never spins.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import traceback
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from prescient.runtime.engine import Engine
-from prescient.runtime.request import RequestOutput
+from prescient.runtime.engine import Engine, overloaded_output
+from prescient.runtime.request import OverloadedError, RequestOutput
 from prescient.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("prescient.engine")
@@ -65,9 +67,11 @@ class AsyncEngine:
 
     def submit(self, prompt, params: SamplingParams, request_id: str, session_id: str | None = None,
                grammar=None) -> asyncio.Queue:
-        """Validate here (raises ValueError at once), queue on the engine thread, return the
-        request's output queue. Never blocks the event loop on an engine step."""
+        """Validate here (raises ValueError at once; OverloadedError when the queue is full),
+        queue on the engine thread, return the request's output queue. Never blocks the event
+        loop on an engine step."""
         request = self.engine.make_request(prompt, params, request_id, session_id, grammar)
+        self.engine.scheduler.check_room()  # a read from this thread; enqueue checks again
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = _Stream(loop, queue)
@@ -80,6 +84,10 @@ class AsyncEngine:
                 if stream is not None:
                     stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestOutput(
                         request_id, [], "", True, "error", error=str(e)))
+            except OverloadedError as e:  # the queue filled up since submit checked
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, overloaded_output(request_id, e))
 
         self._post(add)
         return queue
@@ -140,6 +148,7 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
+            steps = self.engine.num_steps
             try:
                 outputs = self.engine.step()
             except Exception as e:  # keep serving: fail the in-flight requests, not the process
@@ -154,6 +163,11 @@ class AsyncEngine:
                 if out.finished:
                     del self._streams[out.request_id]
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            if not outputs and self.engine.num_steps == steps:
+                # Nothing could be scheduled (the scheduler's rules make this rare): wait for a
+                # submission, an abort or a queue deadline instead of spinning a core.
+                self._wake.wait(timeout=0.01)
+                self._wake.clear()
         # Shutdown: cancel whatever is still running, cleanly.
         self._drain()
         for request_id in list(self._streams):

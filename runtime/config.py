@@ -104,12 +104,37 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """Batching knobs, and the bounds of the waiting queue (runtime/scheduler.py).
+
+    A request that fits the KV cache only once others finish waits, but not without bound: past
+    `max_waiting` queued requests a new one is refused, and one not started within
+    `max_queue_wait_s` is ended; both as "overloaded", with `retry_after_s` as the hint the
+    server passes on (HTTP 429 + Retry-After). The defaults are for a 2-core CPU server: 256 is
+    the server's default `max_connections`, so the queue bound is reached only by a flood the
+    connection cap does not stop; 30 s is about one default-length (1024-token) reply at ~30 ms
+    a token, so a request not started by then is better told to come back than left waiting
+    into its client's timeout; 5 s is a fraction of that wait.
+    """
+
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_waiting: int = 256  # requests queued and not yet running (preempted ones always return)
+    max_queue_wait_s: float = 30.0  # from arrival to first scheduled, else "overloaded"
+    retry_after_s: float = 5.0  # the hint an overloaded refusal carries
+    # Later requests admitted past a waiting one that does not fit yet (no head-of-line wedge);
+    # after that many, admission waits for it while the running requests finish (no starvation).
+    max_overtakes: int = 32
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be >= 16")
+        if self.max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if self.max_overtakes < 0:
+            raise ValueError("max_overtakes must be >= 0")
+        for name in ("max_queue_wait_s", "retry_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")

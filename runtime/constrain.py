@@ -140,10 +140,12 @@ class GrammarStep:
         if (matcher is None or matcher.is_terminated() or params.ignore_eos or params.logprobs is not None
                 or params.stop):
             return
-        forced = matcher.forced_tokens()
-        if len(forced) == 1 and forced[0] in self.stop_token_ids:
-            matcher.accept_token(forced[0])
-            result.tokens.append(forced[0])
+        # the stop-only check, not forced_tokens(): that looks up the whole forced text, which a
+        # grammar may make arbitrarily long (grammar/forced_bound.py)
+        stop = matcher.forced_stop()
+        if stop is not None and stop in self.stop_token_ids:
+            matcher.accept_token(stop)
+            result.tokens.append(stop)
             result.sources.append(SOURCE_FORCED)
             self.stats.num_forced_stops += 1
 

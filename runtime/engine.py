@@ -22,7 +22,8 @@ from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.penalties import apply_penalties
 from prescient.runtime.constrain import GrammarStep, resolve_matcher
-from prescient.runtime.request import SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, Request, RequestOutput
+from prescient.runtime.request import (SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, OverloadedError, Request,
+                                      RequestOutput)
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import Scheduler
@@ -55,8 +56,14 @@ class Engine:
         num_blocks = cache.num_blocks or max(64, cache.kv_cache_bytes // (model.kv_bytes_per_token() * cache.block_size))
         self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        # What one request can get: the whole cache, since everything else in it gives way
+        # (prefix-cache blocks are evicted, session pins released, newer requests preempted).
+        self.kv_capacity = num_blocks * cache.block_size  # tokens
+        # The KV cache is a second context limit: a sequence ends ("length") at the smaller one,
+        # so a running request alone always fits and never waits on itself.
+        self.max_seq_len = min(self.max_model_len, self.kv_capacity)
         self.sessions = SessionPins(self.block_manager, config.session_ttl_s)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_seq_len,
                                    reclaim=self.sessions.evict_oldest)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -72,7 +79,8 @@ class Engine:
                     request_id: str | None = None, session_id: str | None = None, grammar=None,
                     arrival_time: float | None = None) -> Request:
         """Validate and queue a request; bad input raises ValueError naming the problem and
-        changes nothing else."""
+        changes nothing else, a full queue OverloadedError. `max_tokens` is an upper bound: the
+        output also ends ("length") where prompt + output reach `max_seq_len`."""
         return self.enqueue(self.make_request(prompt, params, request_id, session_id, grammar, arrival_time))
 
     def make_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -98,6 +106,9 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
+        if len(prompt_ids) >= self.kv_capacity:  # it could never be scheduled: refuse, never queue
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV cache holds {self.kv_capacity} tokens "
+                             "(prompt + at least one generated token must fit)")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(request_id, prompt_ids, params, self.eos_token_ids,
                           arrival_time if arrival_time is not None else time.perf_counter(),
@@ -110,10 +121,10 @@ class Engine:
         request_id = request.request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.add(request)  # first: a full queue (OverloadedError) leaves nothing behind
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-        self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -142,10 +153,11 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         self.sessions.expire()
+        failed = self._expire_waiting()
         sched = self.scheduler.schedule()
         if not sched.seqs:
-            return []
-        failed = self._resolve_grammars(sched.seqs)
+            return failed
+        failed += self._resolve_grammars(sched.seqs)
         drafts = (self.speculator.propose(sched.seqs) if self.speculator
                   else Drafts([None] * len(sched.seqs), [0] * len(sched.seqs)))
         trees, masks = self.grammar_step.prepare(sched.seqs, drafts.trees)
@@ -157,6 +169,21 @@ class Engine:
                    else self._sample(sched.seqs, logits))
         self.num_steps += 1
         return failed + self._commit(sched.seqs, results, drafts.forced)
+
+    def _expire_waiting(self) -> list[RequestOutput]:
+        """End the requests that waited too long to start, each with an "overloaded" error."""
+        now = time.perf_counter()
+        outputs = []
+        for request in self.scheduler.expire_waiting(now):
+            self.requests.pop(request.request_id, None)
+            request.finish_reason = "error"
+            request.finished_time = now
+            self._release(request)
+            err = OverloadedError(f"the server is overloaded: the request waited {now - request.arrival_time:.1f} s "
+                                  f"without starting (the limit is {self.config.scheduler.max_queue_wait_s} s)",
+                                  self.config.scheduler.retry_after_s)
+            outputs.append(overloaded_output(request.request_id, err, len(request.prompt_token_ids)))
+        return outputs
 
     def _resolve_grammars(self, seqs) -> list[RequestOutput]:
         """Requests about to sample their first token wait for their grammar compile here; a
@@ -225,7 +252,7 @@ class Engine:
                     result.tokens, result.sources = result.tokens[:taken], result.sources[:taken]
                     result.logits = None if result.logits is None else result.logits[:taken]
                 self.grammar_step.append_forced_stop(request, result)
-                out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_model_len, now)
+                out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_seq_len, now)
             self.scheduler.register_full_blocks(request)
             if out is None:
                 continue
@@ -260,3 +287,9 @@ class Engine:
                 if out.request_id in done:
                     done[out.request_id].extend(out.new_token_ids)
         return [done[i] for i in ids]
+
+
+def overloaded_output(request_id: str, err: OverloadedError, num_prompt_tokens: int = 0) -> RequestOutput:
+    """The final output of a request refused for load (never started, so it carries no tokens)."""
+    return RequestOutput(request_id, [], "", True, "error", error=str(err), num_prompt_tokens=num_prompt_tokens,
+                         error_type="overloaded", retry_after_s=err.retry_after_s)

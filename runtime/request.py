@@ -48,6 +48,7 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    num_overtaken: int = 0  # later requests admitted past it while it did not fit (scheduler)
     # speculation: draft-token budget granted by the adaptive controller for the next step
     spec_budget: int = 0
     # timing (engine clock)
@@ -98,3 +99,14 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    error_type: str | None = None  # "overloaded": refused for load, worth retrying after retry_after_s
+    retry_after_s: float | None = None
+
+
+class OverloadedError(RuntimeError):
+    """The engine's queue is full or a request waited too long to start: come back later.
+    Not a ValueError: nothing is wrong with the request itself."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

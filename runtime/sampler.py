@@ -17,8 +17,8 @@ from prescient.runtime.sampling_params import SamplingParams
 def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [num_rows, vocab] (rows of one request) -> probs [num_rows, vocab] in float32.
 
-    For greedy requests the result is one-hot on the argmax, so the same acceptance rule covers
-    greedy and sampling."""
+    For greedy requests (temperature below GREEDY_TEMPERATURE, where dividing would overflow)
+    the result is one-hot on the argmax, so the same acceptance rule covers greedy and sampling."""
     logits = logits.float()
     if params.greedy:
         probs = torch.zeros_like(logits)
@@ -54,9 +54,11 @@ def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def make_generator(seed: int | None) -> torch.Generator:
+    """A generator seeded from a SamplingParams seed (signed 64-bit), mapped one to one onto
+    torch's unsigned 64-bit seeds; None: a fresh random seed."""
     g = torch.Generator()
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed % (1 << 64))
     return g

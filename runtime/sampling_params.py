@@ -1,12 +1,22 @@
 """Per-request sampling parameters: a small frozen dataclass validated on construction.
 
-`temperature == 0` means greedy everywhere (plain decoding and speculative verification alike).
-Bad values raise `ValueError` with a message naming the field, at `add_request` time.
+A temperature below `GREEDY_TEMPERATURE` (1e-5, so 0 too) means greedy everywhere (plain
+decoding and speculative verification alike): dividing logits by a tiny one overflows to
+inf/NaN in float32 (1e-300 does), and at 1e-5 sampling is already argmax for any logit gap
+above ~1e-3, so the cut changes nothing else.
+
+`seed` is a signed 64-bit integer, -2**63 <= seed < 2**63 (the bounds of OpenAI's API spec,
+negatives included); the sampler maps it onto torch's unsigned 64-bit generator seed as
+`seed % 2**64`, one to one. Bad values raise `ValueError` with a message naming the field
+first, at `add_request` time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,9 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and SEED_MIN <= self.seed <= SEED_MAX),
+               f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
@@ -56,7 +68,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _check(ok: bool, message: str) -> None:

@@ -6,8 +6,14 @@ chunk of an unfinished prefill), then waiting requests in arrival order while th
 token budget and the sequence limit allow. A long prompt is split into chunks so it never stalls
 the decodes running beside it. When KV blocks run out, the most recently arrived running request
 is preempted (its blocks freed; it is recomputed later, often from the prefix cache) — never a
-crash. `commit` turns a step's sampled tokens into request state and registers blocks that
-became full in the prefix cache.
+crash. After a step, `register_full_blocks` keys blocks that became full in the prefix cache.
+
+Every request fits the whole cache alone (the engine refuses prompts that cannot and ends a
+sequence at `max_seq_len`), so a waiting request only ever waits for others to finish. While it
+does, the requests behind it that fit go first, up to `max_overtakes` of them; then admission
+waits for it. The queue is bounded: `add` refuses past `max_waiting` (OverloadedError), and
+`expire_waiting` takes out the requests not started within `max_queue_wait_s` for the engine to
+end as "overloaded".
 """
 
 from __future__ import annotations
@@ -18,7 +24,12 @@ from dataclasses import dataclass
 
 from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
-from prescient.runtime.request import Request, RequestStatus
+from prescient.runtime.request import OverloadedError, Request, RequestStatus
+
+
+# Waiting requests that do not fit looked at per step before the scan stops: each look matches
+# the prompt against the prefix cache (hashing it), and a full queue must not slow every step.
+_MAX_PASSED = 8
 
 
 @dataclass
@@ -45,14 +56,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_seq_len: int,
                  reclaim=None):
-        """`reclaim()` frees memory held outside running requests (session pins); it returns
-        False when it has nothing left to give."""
+        """`max_seq_len`: the longest sequence (prompt + output) a request reaches, within both
+        the context and the KV cache. `reclaim()` frees memory held outside running requests
+        (session pins); it returns False when it has nothing left to give."""
         self.config = config
         self.reclaim = reclaim or (lambda: False)
         self.blocks = block_manager
-        self.max_model_len = max_model_len
+        self.max_seq_len = max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -60,8 +72,26 @@ class Scheduler:
     def block_size(self) -> int:
         return self.blocks.block_size
 
+    def check_room(self) -> None:
+        """Raise OverloadedError when the waiting queue is full (any thread: it only reads)."""
+        if len(self.waiting) >= self.config.max_waiting:
+            raise OverloadedError(f"the server is overloaded: {len(self.waiting)} requests are already "
+                                  "waiting to start", self.config.retry_after_s)
+
     def add(self, request: Request) -> None:
+        self.check_room()
         self.waiting.append(request)
+
+    def expire_waiting(self, now: float) -> list[Request]:
+        """Take out the requests that have waited `max_queue_wait_s` without starting. A preempted
+        request (it has streamed tokens already) is never expired: it waits its turn."""
+        if not self.waiting:
+            return []
+        limit = self.config.max_queue_wait_s
+        expired = [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time >= limit]
+        for request in expired:
+            self.waiting.remove(request)  # it holds no blocks: a waiting request never does
+        return expired
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -100,7 +130,7 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_uncomputed, budget)
             spec = min(request.spec_budget, budget - num_new) if num_new == request.num_uncomputed == 1 else 0
-            spec = max(0, min(spec, self.max_model_len - request.num_tokens - 1))
+            spec = max(0, min(spec, self.max_seq_len - request.num_tokens - 1))
             while not self._grow(request, num_new + spec):
                 if spec:  # first give up the draft slots
                     spec = 0
@@ -115,29 +145,24 @@ class Scheduler:
             seqs.append(ScheduledSeq(request, num_new, spec))
             budget -= num_new + spec
             i += 1
-        # Waiting requests in arrival order.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if request.num_computed_tokens == 0 and not request.block_ids:
-                hit_ids, hit_hashes = self.blocks.match_prefix(request.all_token_ids)
-                # Blocks not yet held: check they plus the chunk fit before taking them.
-                num_new = min(request.num_tokens - len(hit_ids) * self.block_size, budget)
-                fresh = -(-(len(hit_ids) * self.block_size + num_new) // self.block_size) - len(hit_ids)
-                held = sum(1 for b in hit_ids if self.blocks.blocks[b].ref_count == 0)
-                if not self.blocks.can_allocate(fresh + held):
-                    if self.reclaim():
-                        continue  # pins released: match again, their blocks may be gone
-                    break
-                self.blocks.acquire_prefix(hit_ids, len(request.prompt_token_ids) if not request.num_preemptions else 0)
-                request.block_ids = list(hit_ids)
-                request.block_hashes = list(hit_hashes)
-                request.num_computed_tokens = len(hit_ids) * self.block_size
-                if not request.num_preemptions:
-                    request.num_cached_tokens = request.num_computed_tokens
-            num_new = min(request.num_uncomputed, budget)
-            if not self._grow(request, num_new):
+        # Waiting requests in arrival order; one that does not fit now is passed over (bounded).
+        passed: list[Request] = []
+        limit = self.config.max_overtakes
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(passed) >= _MAX_PASSED:
                 break
-            self.waiting.popleft()
+            if any(p.num_overtaken >= limit for p in passed):
+                break  # a passed-over request's turn: nothing more until the running ones make room
+            num_new = self._admit(request, budget)
+            if num_new is None:
+                passed.append(request)
+                continue
+            for p in passed:
+                p.num_overtaken += 1
+            if self.waiting[0] is request:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.perf_counter()
             request.status = RequestStatus.RUNNING
@@ -145,6 +170,35 @@ class Scheduler:
             seqs.append(ScheduledSeq(request, num_new, 0))
             budget -= num_new
         return SchedulerOutput(seqs, preempted)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Take the blocks for a waiting request's next chunk (prefix-cache hits first, session
+        pins released if need be) -> the chunk's size; None, holding nothing, if it does not fit."""
+        if request.num_computed_tokens == 0 and not request.block_ids:
+            while True:
+                hit_ids, hit_hashes = self.blocks.match_prefix(request.all_token_ids)
+                # Blocks not yet held: check they plus the chunk fit before taking them.
+                num_new = min(request.num_tokens - len(hit_ids) * self.block_size, budget)
+                fresh = -(-(len(hit_ids) * self.block_size + num_new) // self.block_size) - len(hit_ids)
+                held = sum(1 for b in hit_ids if self.blocks.blocks[b].ref_count == 0)
+                if self.blocks.can_allocate(fresh + held):
+                    break
+                if not self.reclaim():
+                    return None
+                # pins released: match again, their blocks may be gone
+            self.blocks.acquire_prefix(hit_ids, len(request.prompt_token_ids) if not request.num_preemptions else 0)
+            request.block_ids = list(hit_ids)
+            request.block_hashes = list(hit_hashes)
+            request.num_computed_tokens = len(hit_ids) * self.block_size
+            if not request.num_preemptions:
+                request.num_cached_tokens = request.num_computed_tokens
+        num_new = min(request.num_uncomputed, budget)
+        if self._grow(request, num_new):
+            return num_new
+        # Not reached after the check above; kept so a waiting request never sits on blocks.
+        self.blocks.free_blocks(request.block_ids)
+        request.block_ids, request.block_hashes, request.num_computed_tokens = [], [], 0
+        return None
 
     # ---------------------------------------------------------------- after the forward
 

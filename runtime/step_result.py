@@ -1,9 +1,10 @@
 """Turning one step's sampled tokens into request state and a `RequestOutput`.
 
 A step can emit several tokens for one request (accepted drafts + the bonus/recovered token).
-They are appended one at a time so stop tokens, `max_tokens` and the context limit cut the run
-exactly where plain decoding would have stopped; stop strings are matched on the detokenized
-text, and text that could still become a stop string is held back from the stream.
+They are appended one at a time so stop tokens, `max_tokens` and `max_seq_len` (the context or
+the whole KV cache, the smaller) cut the run exactly where plain decoding would have stopped;
+stop strings are matched on the detokenized text, and text that could still become a stop
+string is held back from the stream.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class SeqResult:
 
 
 def commit_tokens(request: Request, result: SeqResult, detok: IncrementalDetokenizer | None,
-                  max_model_len: int, now: float) -> RequestOutput:
+                  max_seq_len: int, now: float) -> RequestOutput:
     params = request.params
     emitted: list[int] = []
     for token in result.tokens:
@@ -34,7 +35,7 @@ def commit_tokens(request: Request, result: SeqResult, detok: IncrementalDetoken
         if token in params.stop_token_ids or (token in request.eos_token_ids and not params.ignore_eos):
             request.finish_reason, request.stop_reason = "stop", token
             break
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_seq_len:
             request.finish_reason = "length"
             break
     if request.first_token_time is None:

@@ -15,11 +15,17 @@ the conversation (chat.py, tools.py), compiles its grammar (constraints.py), and
 `Generation` (generation.py) on the AsyncEngine; API-specific code only turns the generation's
 events into its wire types (chat_wire.py, responses_wire.py via responses.py) and writes them
 (SSE: sse.py; WebSocket: responses_ws.py). Conversations for `previous_response_id` live in
-sessions.py; API key and connection limit in access.py.
+sessions.py (bounded, expiring, continued only by the clients `--response-scope` admits); API
+key and connection limit in access.py; per-request limits (JSON depth, tools, schema bytes) in
+limits.py, the wall-clock limit in generation.py.
 
-Defaults: `temperature` 1.0 (0 is greedy), `top_p` 1.0; output budget 1024 tokens for chat
-completions and responses when the request sets none (cut to what fits the context; an explicit
-`max_tokens` / `max_output_tokens` that does not fit is a 400), 16 for legacy completions.
+Defaults: `temperature` 1.0 (below 1e-5, 0 included, is greedy), `top_p` 1.0; `seed` any
+signed 64-bit integer; output budget 1024 tokens for chat completions and responses when the
+request sets none (cut to what fits the context and the KV cache; an explicit `max_tokens` /
+`max_output_tokens` that does not fit, or a prompt that does not, is a 400), 16 for legacy
+completions. A request that fits only once others finish waits in the engine's bounded queue;
+a full queue or a wait past its limit is a 429 with `Retry-After` (runtime/config.py
+SchedulerConfig).
 
 Tools are rendered into the system prompt in the hermes format and calls are parsed in that
 same format (see server/tools.py). With tools and `tool_choice` auto the grammar lets the model

@@ -38,13 +38,15 @@ from prescient.server.generation import Generation
 from prescient.server.openai_http import chat_completions, completions, get_model, health, list_models, metrics
 from prescient.server.responses_http import create_response
 from prescient.server.responses_ws import responses_websocket
+from prescient.server.transport import h11_with_header_deadline
 
 log = logging.getLogger("prescient.server")
 _encode = msgspec.json.Encoder().encode
 
 
 def _error_response(err: APIError) -> Response:
-    return Response(_encode(err.body()), status_code=err.status, media_type="application/json")
+    return Response(_encode(err.body()), status_code=err.status, media_type="application/json",
+                    headers=err.headers)  # Retry-After on a 429 for load
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
@@ -81,6 +83,7 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
             yield
         finally:
             ctx.ready = False
+            ctx.close()
             await asyncio.to_thread(aengine.shutdown)
 
     routes = [
@@ -96,7 +99,7 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
     app = Starlette(
         routes=routes, lifespan=lifespan,
         middleware=[Middleware(AccessGuard, api_key=config.api_key, max_connections=config.max_connections,
-                               metrics=ctx.metrics)],
+                               metrics=ctx.metrics, body_timeout_s=config.body_timeout_s)],
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _unexpected})
     app.state.ctx = ctx
     return app
@@ -106,6 +109,7 @@ def uvicorn_config(app, host: str, port: int, config: ServerConfig) -> uvicorn.C
     return uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level="warning", access_log=False,
         ws="websockets-sansio",
+        http=h11_with_header_deadline(config.header_timeout_s),  # h11 + a deadline for headers
         # Frames over max_frame_bytes get an `error` event; past 4x that (at least 1 MiB) uvicorn
         # closes with 1009 before buffering more of it.
         ws_max_size=max(4 * config.max_frame_bytes, 1 << 20),

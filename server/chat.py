@@ -39,9 +39,26 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(tokenizer.eos_token_ids)
         self._special = tuple(s for s in tokenizer.hf.all_special_tokens if s)
+        # The longest token's text, as an upper bound in characters (a byte-level key spells each
+        # byte as one character, so it is never shorter than the text it stands for): a text
+        # longer than `max_model_len` of these cannot fit, and is refused without tokenizing it.
+        vocab = list(tokenizer.hf.get_vocab()) + list(tokenizer.hf.all_special_tokens)
+        self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
+
+    def check_length(self, chars: int, max_model_len: int | None, param: str) -> None:
+        """400 `context_length_exceeded` for a text of `chars` characters that cannot fit
+        `max_model_len` tokens whatever its tokens are (None: no check)."""
+        if max_model_len is not None and chars > max_model_len * self.max_token_chars:
+            raise bad_request(f"the prompt is {chars} characters: more than the context of {max_model_len} tokens "
+                              f"can hold (at most {self.max_token_chars} characters per token)", param=param,
+                              code="context_length_exceeded")
 
     def render(self, system: list[str], messages: list[dict], *, add_generation_prompt: bool = True,
-               prefix: Rendered | None = None) -> Rendered:
+               prefix: Rendered | None = None, max_model_len: int | None = None,
+               param: str = "messages") -> Rendered:
+        """The conversation as template text and token ids. Tokenizing costs ~0.6 s per million
+        characters, so the server calls this off its event loop (ServerContext.render), and a text
+        that cannot fit `max_model_len` is refused before it is tokenized."""
         system_text = "\n\n".join(s for s in system if s)
         full = ([{"role": "system", "content": system_text}] if system_text else []) + messages
         if not full:
@@ -51,6 +68,7 @@ class ChatRenderer:
                                                          add_generation_prompt=add_generation_prompt)
         except Exception as err:  # a template that refuses the conversation (role order, ...)
             raise bad_request(f"the chat template rejected the conversation: {err}", param="messages") from None
+        self.check_length(len(text), max_model_len, param)
         if prefix is not None and text.startswith(prefix.text):
             rest = text[len(prefix.text):]
             # Only where the new text starts at a special token is the split point a token

@@ -31,7 +31,18 @@ def format_spec(fmt: dict | None, param: str) -> GrammarSpec | None:
     try:
         return spec_from_response_format(fmt)
     except GrammarError as err:
-        raise bad_request(str(err), param=param, code="invalid_response_format") from None
+        raise bad_request(str(err), param=_field(err.feature, fmt, param), code="invalid_response_format") from None
+
+
+def _field(feature: str | None, fmt, param: str) -> str:
+    """The request field a format error is about: GrammarError names it as `response_format.<key>`;
+    Chat Completions nests the schema's keys under `json_schema`."""
+    key = (feature or "").removeprefix("response_format").lstrip(".")
+    if not key:
+        return param
+    if key == "schema" and isinstance(fmt, dict) and "json_schema" in fmt:
+        return f"{param}.json_schema" + (".schema" if isinstance(fmt["json_schema"], dict) else "")
+    return f"{param}.{key}"
 
 
 def pick_spec(format_grammar: GrammarSpec | None, tool_grammar: GrammarSpec | None,

@@ -8,16 +8,19 @@ turns a request's sampling fields into `SamplingParams` and checks the requested
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.slo import SLOConfig
-from prescient.server.chat import ChatRenderer
+from prescient.server.chat import ChatRenderer, Rendered
 from prescient.server.constraints import Constraints
 from prescient.server.errors import APIError, bad_request
 from prescient.server.metrics import ServerMetrics
 from prescient.server.protocol import SamplingFields
-from prescient.server.sessions import ResponseStore
+from prescient.server.sessions import RESPONSE_SCOPES, ResponseStore
 
 MODEL_ALIAS = "default"
 
@@ -33,8 +36,21 @@ class ServerConfig:
     max_responses_per_connection: int = 16  # responses in flight on one WebSocket
     default_max_tokens: int = 1024  # chat completions / responses when the request sets none
     default_completion_tokens: int = 16  # legacy completions, as OpenAI's default
-    response_store_size: int = 4096  # conversations kept for previous_response_id
-    response_ttl_s: float = 3600.0
+    response_store_size: int = 4096  # conversations kept for previous_response_id (LRU beyond)
+    response_ttl_s: float = 3600.0  # a stored conversation expires this long after its response
+    # Who may continue a stored response: "key" (the API key that created it, over HTTP or any
+    # WebSocket), "connection" (a WebSocket's responses only on that connection; HTTP's: by key),
+    # "global" (anyone who knows the id). See sessions.py.
+    response_scope: str = "key"
+    # Limits a public endpoint needs (server/limits.py; each refusal is a 4xx naming the field):
+    max_tools: int = 128  # tools declared in one request
+    max_schema_bytes: int = 256 << 10  # JSON of one request's tool parameters + response format
+    request_time_limit_s: float = 600.0  # wall clock from submission; past it: aborted, finish "error"
+    # Slow clients (server/transport.py, access.py, responses_ws.py): without these a client that
+    # sends half a request, or opens a WebSocket and goes quiet, holds its connection for good.
+    header_timeout_s: float = 10.0  # from connect (or the previous response) to a request's full headers
+    body_timeout_s: float = 30.0  # from the headers to the request body's last byte; past it 408
+    ws_idle_timeout_s: float = 300.0  # a WebSocket with no frame and no response running: closed (1001)
     shutdown_grace_s: int = 10  # in-flight HTTP requests get this long to finish on shutdown
     # The SLO /metrics judges requests against (runtime/slo.py defines the verdict). The defaults
     # are latency_bench's cpu-interactive preset, for this CPU-first server: a ~900-token prompt
@@ -50,9 +66,16 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_body_bytes", "max_frame_bytes", "ws_buffer_bytes",
-                     "max_responses_per_connection", "default_max_tokens", "default_completion_tokens"):
+                     "max_responses_per_connection", "default_max_tokens", "default_completion_tokens",
+                     "response_store_size", "max_tools", "max_schema_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name in ("response_ttl_s", "request_time_limit_s", "header_timeout_s", "body_timeout_s",
+                     "ws_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.response_scope not in RESPONSE_SCOPES:
+            raise ValueError(f"response_scope must be one of {', '.join(RESPONSE_SCOPES)}")
         for name in ("slo_ttft_ms", "slo_itl_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -83,9 +106,31 @@ class ServerContext:
         self.metrics = ServerMetrics(engine, config.slo, config.slo_window_s)
         aengine.step_hooks.append(self.metrics.step_hook)
         self.constraints = Constraints(engine, self.metrics)
-        self.store = ResponseStore(config.response_store_size, config.response_ttl_s)
+        self.store = ResponseStore(config.response_store_size, config.response_ttl_s, config.response_scope)
         self.ready = False  # set once warmed up; /health answers 503 before
         self.max_model_len = engine.max_model_len
+        self.kv_tokens = engine.kv_capacity  # a second limit on prompt + output (check_max_tokens)
+        # Chat templates and tokenizing run here, off the event loop: a long prompt costs ~0.6 s
+        # per million characters, and on the loop every stream and /health would wait for it.
+        # (The tokenizer releases the GIL while it works.)
+        self._text_pool = ThreadPoolExecutor(2, thread_name_prefix="prescient-tokenize")
+
+    async def render(self, system: list[str], messages: list[dict], *, param: str, **kwargs) -> Rendered:
+        """ChatRenderer.render off the event loop; a text that cannot fit the context is refused
+        before it is tokenized (400 naming `param`)."""
+        return await self._off_loop(partial(self.renderer.render, system, messages, max_model_len=self.max_model_len,
+                                            param=param, **kwargs))
+
+    async def encode_prompt(self, text: str, param: str) -> list[int]:
+        """A raw prompt's token ids, tokenized off the event loop (refused first if it cannot fit)."""
+        self.renderer.check_length(len(text), self.max_model_len, param)
+        return await self._off_loop(partial(self.tokenizer.encode, text))
+
+    async def _off_loop(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn)
+
+    def close(self) -> None:
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, MODEL_ALIAS):

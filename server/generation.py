@@ -9,8 +9,13 @@ the same everywhere:
     async for event in gen.events():  # TextDelta / CallStart / CallDelta / CallEnd / Finished
         ...
 
+A request refused for load raises APIError(429, code "overloaded", with `retry_after_s`): from
+`start()` when the engine's queue is full, from `events()` (before any event) when the queue
+filled meanwhile or the request waited too long to start.
+
 Leaving the loop early (a cancel, a disconnect, an exception) aborts the engine request, which
-frees its KV within one engine step.
+frees its KV within one engine step. So does `time_limit_s` (`--request-time-limit-s`), counted
+from `start()`: past it the request is aborted and finishes with reason "error".
 
 Token timing: each delta carries the tokens whose text it completes, with their engine times
 in seconds since submission and their source (target / draft / forced). A token whose text is
@@ -33,9 +38,9 @@ from dataclasses import dataclass, field
 
 from prescient.grammar import (ContentDelta, ToolCall, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart,
                                ToolCallStreamParser)
-from prescient.runtime.request import RequestOutput
+from prescient.runtime.request import OverloadedError, RequestOutput
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.server.errors import APIError, bad_request
+from prescient.server.errors import APIError, bad_request, overloaded
 
 
 @dataclass
@@ -105,7 +110,8 @@ def new_id(prefix: str) -> str:
 class Generation:
     def __init__(self, aengine, prompt_ids: list[int] | tuple[int, ...], params: SamplingParams, *,
                  request_id: str | None = None, session_id: str | None = None, grammar=None,
-                 parse_calls: bool = False, metrics=None, prompt_param: str = "prompt"):
+                 parse_calls: bool = False, metrics=None, prompt_param: str = "prompt",
+                 time_limit_s: float | None = None):
         self.aengine = aengine
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -114,6 +120,8 @@ class Generation:
         self.grammar = grammar
         self.metrics = metrics
         self.prompt_param = prompt_param
+        self.time_limit_s = time_limit_s
+        self._timer: asyncio.TimerHandle | None = None
         self._parser = ToolCallStreamParser() if parse_calls else None
         self._queue: asyncio.Queue | None = None
         self._pending = Tokens()
@@ -134,8 +142,22 @@ class Generation:
             message = str(err)
             param = "max_tokens" if "max_tokens" in message else self.prompt_param if "prompt" in message else None
             raise bad_request(message, param=param) from None
+        except OverloadedError as err:
+            raise overloaded(str(err), err.retry_after_s) from None
         if self.metrics is not None:
             self.metrics.on_submit(self.request_id, self.t_submit, len(self.prompt_ids))
+        if self.time_limit_s is not None:  # one timer, not a timeout on every output's wait
+            self._timer = asyncio.get_running_loop().call_later(self.time_limit_s, self._expire)
+
+    def _expire(self) -> None:
+        """Past the time limit: abort the engine request (it reports nothing after an abort), so
+        the stream's finish is ours to write. A real finish already queued is read first."""
+        if self.finished is not None:
+            return
+        self.aengine.abort(self.request_id)
+        self._queue.put_nowait(RequestOutput(
+            self.request_id, [], "", True, "error",
+            error=f"the request ran past the server's limit of {self.time_limit_s:g} s per request and was stopped"))
 
     async def events(self):
         if self._queue is None:
@@ -146,6 +168,8 @@ class Generation:
                 for event in self._on_output(out):
                     yield event
         finally:
+            if self._timer is not None:
+                self._timer.cancel()
             if self.finished is None:  # left early: free the engine request (and its KV)
                 self.aengine.abort(self.request_id)
                 if self.metrics is not None:
@@ -154,6 +178,8 @@ class Generation:
     # ---------------------------------------------------------------- per engine output
 
     def _on_output(self, out: RequestOutput) -> list[Event]:
+        if out.error_type == "overloaded":  # never started: a refusal, not a finish (events() ends)
+            raise overloaded(out.error or "the server is overloaded", out.retry_after_s or 1.0)
         self._take_tokens(out)
         events: list[Event] = []
         if out.new_text:
@@ -232,18 +258,25 @@ class Generation:
 
 
 def check_max_tokens(num_prompt_tokens: int, max_tokens: int | None, default: int, max_model_len: int,
-                     param: str, prompt_param: str = "input") -> int:
-    """The request's output budget: an explicit value must fit the context (400 naming the
-    field); the default is cut to what fits."""
-    room = max_model_len - num_prompt_tokens
-    if room < 1:
-        raise bad_request(f"the prompt has {num_prompt_tokens} tokens; the context is {max_model_len} "
-                          "(prompt + at least one generated token must fit)", param=prompt_param,
-                          code="context_length_exceeded")
+                     param: str, prompt_param: str = "input", kv_tokens: int | None = None) -> int:
+    """The request's output budget: prompt + output must fit the context and `kv_tokens`, what
+    the whole KV cache holds (the engine's `kv_capacity`; a sequence gets all of it, others
+    giving way). An explicit value that cannot fit is a 400 naming the field and the limit; the
+    default is cut to what fits."""
+    limits = [(max_model_len, f"the context is {max_model_len}")]
+    if kv_tokens is not None and kv_tokens < max_model_len:
+        limits.append((kv_tokens, f"the KV cache holds {kv_tokens} tokens"))
+    for limit, what in limits:  # the context first: a prompt over both is told about the context
+        if num_prompt_tokens >= limit:
+            raise bad_request(f"the prompt has {num_prompt_tokens} tokens; {what} "
+                              "(prompt + at least one generated token must fit)", param=prompt_param,
+                              code="context_length_exceeded")
+    limit, what = limits[-1]  # the smaller
+    room = limit - num_prompt_tokens
     if max_tokens is None:
         return min(default, room)
     if max_tokens > room:
-        raise APIError(400, f"{param} is {max_tokens}, but the prompt has {num_prompt_tokens} tokens and the "
-                       f"context is {max_model_len}: at most {room} tokens can be generated", param=param,
+        raise APIError(400, f"{param} is {max_tokens}, but the prompt has {num_prompt_tokens} tokens and "
+                       f"{what}: at most {room} tokens can be generated", param=param,
                        code="context_length_exceeded")
     return max_tokens

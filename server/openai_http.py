@@ -3,19 +3,23 @@
 Both generation endpoints answer as JSON or, with `stream: true`, as SSE chunks ending in
 `data: [DONE]` (`stream_options.include_usage` adds a last chunk with the usage). Everything that
 can be refused is refused before the first byte of the answer: malformed or mistyped bodies, an
-unknown model (404), a prompt over the context or `max_tokens` over what fits, a refused
-schema or tool list. An engine failure mid-stream ends the stream with an `{"error": ...}` chunk,
-which the SDK raises as an APIError.
+unknown model (404), a prompt over the context or the KV cache or `max_tokens` over what fits,
+a refused schema or tool list, one over the server's limits (server/limits.py), a body the client
+stopped sending (499, logged at debug level), a full engine queue (429 + Retry-After). An engine
+failure mid-stream ends the stream with an `{"error": ...}` chunk, which the SDK raises as an
+APIError; so does a generation stopped at `--request-time-limit-s`, and a request that waited
+too long to start (429 when not streamed; streamed, an error chunk with code "overloaded").
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from contextlib import aclosing
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from prescient.server import chat_wire as w
@@ -26,10 +30,12 @@ from prescient.server.context import ServerContext
 from prescient.server.errors import APIError, bad_request
 from prescient.server.generation import (CallDelta, CallStart, Finished, Generation, TextDelta, check_max_tokens,
                                          new_id)
+from prescient.server.limits import check_schemas
 from prescient.server.metrics import CONTENT_TYPE
 from prescient.server.protocol import ChatCompletionRequest, CompletionRequest, decode
 from prescient.server.tools import FunctionTool, tool_setup
 
+log = logging.getLogger("prescient.server")
 _encode = msgspec.json.Encoder().encode
 _CHUNK, _TEXT = "chat.completion.chunk", "text_completion"
 
@@ -39,10 +45,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    except ClientDisconnect:
+        # The client's own doing, not a server error: one quiet line, and an answer nobody reads
+        log.debug("client disconnected while sending its body to %s", request.url.path)
+        raise APIError(499, "the client disconnected before its request body arrived",
+                       code="client_disconnected") from None
     return bytes(body)
 
 
@@ -84,23 +96,25 @@ async def chat_completions(request: Request) -> Response:
         if t.type != "function":
             raise bad_request(f"tool type {t.type!r} is not supported (function only)", param=f"tools[{i}].type")
         tools.append(FunctionTool(t.function.name, t.function.description, t.function.parameters))
+    check_schemas(tools, req.response_format, "response_format", ctx.config.max_tools, ctx.config.max_schema_bytes)
     setup = tool_setup(tools, req.tool_choice, req.parallel_tool_calls)
     system, rest = split_system(messages_from_chat(req.messages))
-    prompt = ctx.renderer.render(system + [setup.system_text()], rest)
+    prompt = await ctx.render(system + [setup.system_text()], rest, param="messages")
     spec = pick_spec(format_spec(req.response_format, "response_format"), setup.grammar, "response_format")
     max_tokens = check_max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
                                   ctx.config.default_max_tokens, ctx.max_model_len,
-                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages")
+                                  "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages",
+                                  kv_tokens=ctx.kv_tokens)
     params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
                           logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     matcher = await ctx.constraints.matcher(spec, "response_format" if req.response_format else "tools")
     gen = Generation(ctx.aengine, prompt.token_ids, params, grammar=matcher, parse_calls=setup.parse_calls,
-                     metrics=ctx.metrics, prompt_param="messages")
+                     metrics=ctx.metrics, prompt_param="messages", time_limit_s=ctx.config.request_time_limit_s)
     gen.start()
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse.SSEResponse(_chat_chunks(ctx, gen, rid, created, include_usage, req.logprobs))
+        return sse.SSEResponse(_refusable(_chat_chunks(ctx, gen, rid, created, include_usage, req.logprobs)))
     return await unless_disconnected(request, _chat_json(ctx, gen, rid, created, req.logprobs))
 
 
@@ -163,20 +177,22 @@ async def completions(request: Request) -> Response:
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
     if isinstance(req.prompt, str):
-        prompt_ids = ctx.tokenizer.encode(req.prompt)
+        prompt_ids = await ctx.encode_prompt(req.prompt, "prompt")
     else:
         prompt_ids = list(req.prompt)
     if not prompt_ids:
         raise bad_request("prompt is empty", param="prompt", code="empty_input")
     max_tokens = check_max_tokens(len(prompt_ids), req.max_tokens, ctx.config.default_completion_tokens,
-                                  ctx.max_model_len, "max_tokens", "prompt")
+                                  ctx.max_model_len, "max_tokens", "prompt", kv_tokens=ctx.kv_tokens)
     params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
-    gen = Generation(ctx.aengine, prompt_ids, params, metrics=ctx.metrics, prompt_param="prompt")
+    gen = Generation(ctx.aengine, prompt_ids, params, metrics=ctx.metrics, prompt_param="prompt",
+                     time_limit_s=ctx.config.request_time_limit_s)
     gen.start()
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return sse.SSEResponse(_completion_chunks(ctx, gen, rid, created, include_usage, req.logprobs is not None))
+        return sse.SSEResponse(_refusable(_completion_chunks(ctx, gen, rid, created, include_usage,
+                                                             req.logprobs is not None)))
     return await unless_disconnected(request, _completion_json(ctx, gen, rid, created, req.logprobs is not None))
 
 
@@ -216,6 +232,17 @@ async def _completion_chunks(ctx: ServerContext, gen: Generation, rid: str, crea
                 if include_usage:
                     yield chunk([], usage=w.usage(ev.usage))
     yield sse.DONE
+
+
+async def _refusable(chunks):
+    """A stream whose request is refused for load after the 200 went out (it waited too long to
+    start): the refusal as an error chunk, code "overloaded" with `retry_after`, then the end."""
+    async with aclosing(chunks):
+        try:
+            async for c in chunks:
+                yield c
+        except APIError as err:
+            yield sse.data(_encode(err.body())) + sse.DONE
 
 
 def _error_chunk(message: str | None) -> bytes:

@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from prescient.server.errors import from_decode_error
+from prescient.server.limits import deep_field, depth_error, too_deep
 
 Temperature = Annotated[float, Meta(ge=0, le=2)]  # 0 = greedy
 TopP = Annotated[float, Meta(gt=0, le=1)]
@@ -174,8 +175,14 @@ T = TypeVar("T")
 
 
 def decode(data: bytes | str, type: type[T]) -> T:
-    """Decode JSON into a wire type; raises APIError(400) naming the offending field."""
+    """Decode JSON into a wire type; raises APIError(400) naming the offending field, also for
+    JSON nested deeper than `MAX_JSON_DEPTH` (server/limits.py)."""
     try:
-        return msgspec.json.decode(data, type=type)
+        value = msgspec.json.decode(data, type=type)
     except msgspec.MsgspecError as err:
         raise from_decode_error(err) from None
+    except RecursionError:  # past msgspec's own depth limit: too deep to find the field
+        raise depth_error(None) from None
+    if too_deep(data):
+        raise depth_error(deep_field(value))
+    return value

@@ -1,6 +1,6 @@
 """One Responses API `response.create`, independent of the transport (WebSocket or SSE).
 
-    run = ResponseRun(ctx, params)
+    run = ResponseRun(ctx, params, client)
     await run.prepare()               # validate, render the conversation, compile its grammar, submit
     send(run.opening())               # response.created, response.in_progress
     async for event in run.events():  # output items and deltas ... response.completed
@@ -8,13 +8,16 @@
     send(run.cancelled())             # when the transport stops it early: the closing events
 
 Events are wire Structs that the transport must encode as it receives them: later events
-mutate the same response object.
+mutate the same response object. A response refused for load after `prepare` (it waited too
+long to start, or the engine's queue filled meanwhile) raises APIError(429, "overloaded") from
+`events()` before any output: the transport answers it as it answers a refused `prepare`.
 
 Output items follow the generation: text opens a `message` item with one `output_text` part; a
 tool call opens a `function_call` item as soon as its name is fixed and streams its arguments.
 A finished response is stored under its id (server/sessions.py) unless `store` is false, so
-`previous_response_id` can continue it; the conversation's `session_id` (its first response's
-id) goes to the engine with every turn, which pins the conversation's KV between turns.
+`previous_response_id` can continue it (for the clients the store's scope admits; `client` is
+the sender, its API key and WebSocket connection); the conversation's `session_id` (its first
+response's id) goes to the engine with every turn, which pins the conversation's KV between turns.
 
 `generate: false` warms a conversation: its prompt (without the assistant prefix) is prefilled
 into the KV cache and stored, and the response completes with no output.
@@ -32,7 +35,8 @@ from prescient.server.errors import bad_request
 from prescient.server.generation import (CallDelta, CallEnd, CallStart, Finished, Generation, TextDelta, Tokens,
                                          check_max_tokens, new_id)
 from prescient.server.protocol import ResponseCreateParams
-from prescient.server.sessions import Conversation
+from prescient.server.limits import check_schemas
+from prescient.server.sessions import Client, Conversation
 from prescient.server.tools import FunctionTool, tool_setup
 
 
@@ -49,9 +53,10 @@ def _tools(params: ResponseCreateParams) -> list[FunctionTool]:
 
 
 class ResponseRun:
-    def __init__(self, ctx, params: ResponseCreateParams):
+    def __init__(self, ctx, params: ResponseCreateParams, client: Client = Client()):
         self.ctx = ctx
         self.params = params
+        self.client = client
         self.id = new_id("resp")
         self.stream_id = params.stream_id
         self.generate = params.generate is not False
@@ -81,32 +86,35 @@ class ResponseRun:
         ctx.check_model(p.model)
         previous = None
         if p.previous_response_id is not None:
-            previous = ctx.store.get(p.previous_response_id)
+            previous = ctx.store.get(p.previous_response_id, self.client)
             if previous is None:
                 raise bad_request(f"previous response {p.previous_response_id!r} not found (unknown or expired)",
                                   param="previous_response_id", code="previous_response_not_found")
-        setup = tool_setup(_tools(p), p.tool_choice, p.parallel_tool_calls)
+        tools = _tools(p)
+        fmt = p.text.format if p.text else None
+        check_schemas(tools, fmt, "text.format", ctx.config.max_tools, ctx.config.max_schema_bytes)
+        setup = tool_setup(tools, p.tool_choice, p.parallel_tool_calls)
         new = messages_from_items(p.input)
         if not new and previous is None:
             raise bad_request("input is required", param="input", code="empty_input")
         self._messages = (list(previous.messages) if previous else []) + new
         system, rest = split_system(self._messages)
-        self._rendered = ctx.renderer.render([p.instructions or ""] + system + [setup.system_text()], rest,
-                                             add_generation_prompt=self.generate,
-                                             prefix=previous.rendered if previous else None)
-        fmt = p.text.format if p.text else None
+        self._rendered = await ctx.render([p.instructions or ""] + system + [setup.system_text()], rest,
+                                          param="input", add_generation_prompt=self.generate,
+                                          prefix=previous.rendered if previous else None)
         spec = pick_spec(format_spec(fmt, "text.format"), setup.grammar, "text.format")
         prompt_ids = self._rendered.token_ids
         max_tokens = (check_max_tokens(len(prompt_ids), p.max_output_tokens, ctx.config.default_max_tokens,
-                                       ctx.max_model_len, "max_output_tokens") if self.generate
-                      else check_max_tokens(len(prompt_ids), None, 1, ctx.max_model_len, "max_output_tokens"))
+                                       ctx.max_model_len, "max_output_tokens", kv_tokens=ctx.kv_tokens)
+                      if self.generate else check_max_tokens(len(prompt_ids), None, 1, ctx.max_model_len,
+                                                             "max_output_tokens", kv_tokens=ctx.kv_tokens))
         sampling = ctx.sampling(p, max_tokens, logprobs=p.top_logprobs)
         matcher = await ctx.constraints.matcher(spec, "text.format" if fmt else "tools") if self.generate else None
         if p.store is not False:
             self._session_id = previous.session_id if previous else self.id
         self.gen = Generation(ctx.aengine, prompt_ids, sampling, request_id=self.id, session_id=self._session_id,
                               grammar=matcher, parse_calls=setup.parse_calls and self.generate, metrics=ctx.metrics,
-                              prompt_param="input")
+                              prompt_param="input", time_limit_s=ctx.config.request_time_limit_s)
         self.gen.start()
 
     # ---------------------------------------------------------------- events
@@ -239,7 +247,7 @@ class ResponseRun:
             ids, text = self.ctx.renderer.model_output(self.gen.output_ids)
             messages.append({"role": "assistant", "content": text})
             rendered = Rendered(rendered.text + text, rendered.token_ids + tuple(ids))
-        self.ctx.store.put(Conversation(self.id, self._session_id, tuple(messages), rendered))
+        self.ctx.store.put(Conversation(self.id, self._session_id, tuple(messages), rendered), self.client)
 
 
 def _timing(tokens: Tokens) -> dict:

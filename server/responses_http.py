@@ -2,8 +2,10 @@
 
 The same `ResponseRun` as the WebSocket drives it; over SSE each event is framed as
 `event: <type>` + `data: <json>` with `sequence_number` counting from 0 within the response.
-Refusals (bad input, unknown model, unknown previous_response_id) are HTTP errors before the
-stream starts. Without `stream`, the answer is the final `Response` object.
+Refusals (bad input, unknown model, unknown previous_response_id, a full engine queue) are HTTP
+errors before the stream starts; a request that then waits too long to start is a 429 with
+Retry-After, or once streaming an `error` event (code "overloaded", `retry_after`). Without
+`stream`, the answer is the final `Response` object.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from prescient.server import responses_wire as w
 from prescient.server import sse
 from prescient.server.errors import APIError
 from prescient.server.openai_http import read_body, unless_disconnected
 from prescient.server.protocol import ResponseCreateParams, decode
 from prescient.server.responses import ResponseRun
+from prescient.server.sessions import Client
 
 _encode = msgspec.json.Encoder().encode
 
@@ -27,7 +31,7 @@ _encode = msgspec.json.Encoder().encode
 async def create_response(request: Request) -> Response:
     ctx = request.app.state.ctx
     params = decode(await read_body(request, ctx.config.max_body_bytes), ResponseCreateParams)
-    run = ResponseRun(ctx, params)
+    run = ResponseRun(ctx, params, Client.of(request.headers))
     await run.prepare()
     if params.stream:
         return sse.SSEResponse(_stream(run))
@@ -52,6 +56,9 @@ async def _stream(run: ResponseRun):
 
     for event in run.opening():
         yield frame(event)
-    async with aclosing(run.events()) as events:
-        async for event in events:
-            yield frame(event)
+    try:
+        async with aclosing(run.events()) as events:
+            async for event in events:
+                yield frame(event)
+    except APIError as err:  # refused for load after the opening events: an `error` event ends it
+        yield frame(w.error_event(err, run.stream_id))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from msgspec import Struct, field
+from msgspec import UNSET, Struct, UnsetType, field
 
 
 class OutputText(Struct, tag="output_text", tag_field="type"):
@@ -190,6 +190,7 @@ class ErrorBody(Struct):
     code: str | None
     message: str
     param: str | None = None
+    retry_after: float | UnsetType = UNSET  # seconds; only on a refusal for load (code "overloaded")
 
 
 class ErrorEvent(Event, tag="error", tag_field="type", kw_only=True):
@@ -199,5 +200,6 @@ class ErrorEvent(Event, tag="error", tag_field="type", kw_only=True):
 
 def error_event(err, stream_id: str | None = None) -> ErrorEvent:
     """From an APIError."""
-    return ErrorEvent(error=ErrorBody(err.type, err.code, err.message, err.param), status=err.status,
+    retry_after = UNSET if err.retry_after_s is None else err.retry_after_s
+    return ErrorEvent(error=ErrorBody(err.type, err.code, err.message, err.param, retry_after), status=err.status,
                       stream_id=stream_id)

@@ -13,15 +13,22 @@ fill up, the response that overflowed it is stopped (its KV freed) and ends with
 event (`code: "slow_consumer"`), and every other connection keeps streaming. A client that keeps
 sending frames while reading nothing is disconnected (1008) once even error events do not fit.
 
+A failure inside a response's task (a server bug, too) ends that response with an `error`
+event (500, `code: "server_error"`), and one inside a frame's handling answers the frame so;
+either way the connection and its other responses go on.
+
 Cancel stops generation within one engine step (the abort reaches the engine thread before its
 next step) and ends the response with `response.incomplete`, `response.status: "cancelled"`.
-A disconnect cancels every response of the connection and frees their KV the same way.
+A disconnect cancels every response of the connection and frees their KV the same way. A
+connection with no frame and no response running for `ws_idle_timeout_s` is closed (1001).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,8 +39,14 @@ from prescient.server import responses_wire as w
 from prescient.server.errors import APIError, bad_request
 from prescient.server.protocol import ClientEvent, ResponseCancelEvent, decode
 from prescient.server.responses import ResponseRun
+from prescient.server.sessions import Client
 
+log = logging.getLogger("prescient.server")
 _encode = msgspec.json.Encoder().encode
+
+
+def _internal(err: Exception) -> APIError:
+    return APIError(500, f"internal error: {type(err).__name__}: {err}", code="server_error")
 
 
 class Outbox:
@@ -87,19 +100,25 @@ class ResponsesConnection:
         self.ctx = ctx
         self.config = ctx.config
         self.outbox = Outbox(ctx.config.ws_buffer_bytes)
+        self.client = Client.of(ws.headers, connection=uuid.uuid4().hex)  # whose stored responses it may continue
         self._next_seq = 0
         self.active: dict[str, _Active] = {}
         self.flooded = False  # set when even an error event no longer fits: the connection is dropped
+        self._last_activity = 0.0  # loop time of the last frame or the last response's end
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write())
         try:
             while True:
-                message = await self.ws.receive()
-                if message["type"] == "websocket.disconnect":
+                message = await self._next_message()
+                if message is None or message["type"] == "websocket.disconnect":
                     break
                 frame = message.get("text")
-                self.on_frame(frame if frame is not None else message.get("bytes") or b"")
+                try:
+                    self.on_frame(frame if frame is not None else message.get("bytes") or b"")
+                except Exception as err:  # a bug must not take the socket and its other responses down
+                    log.exception("unhandled error on a WebSocket frame")
+                    self.send_error(_internal(err))
                 if self.flooded:
                     # The socket is backed up, so the close frame may never be written: bounded.
                     with contextlib.suppress(Exception):
@@ -112,6 +131,25 @@ class ResponsesConnection:
             await asyncio.gather(*tasks, return_exceptions=True)
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
+
+    async def _next_message(self) -> dict | None:
+        """The client's next message, or None once the connection has gone `ws_idle_timeout_s`
+        with no frame and no response running (it is closed with 1001 then): an idle client must
+        not hold a connection slot for good."""
+        loop = asyncio.get_running_loop()
+        idle_s = self.config.ws_idle_timeout_s
+        self._last_activity = loop.time()
+        while True:
+            # while responses run, look again every idle_s: the clock starts at the last one's end
+            wait_s = idle_s if self.active else self._last_activity + idle_s - loop.time()
+            try:
+                return await asyncio.wait_for(self.ws.receive(), max(wait_s, 0.0))
+            except TimeoutError:  # receive() is cancelled with no message lost: it waits on a queue
+                if self.active or loop.time() - self._last_activity < idle_s:
+                    continue
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.ws.close(code=1001, reason=f"idle for {idle_s:g} s"), 1.0)
+            return None
 
     async def _write(self) -> None:
         try:
@@ -154,7 +192,7 @@ class ResponsesConnection:
             self.send_error(APIError(429, f"{len(self.active)} responses are already in flight on this "
                                      "connection", code="too_many_responses"), event.stream_id)
             return
-        active = _Active(ResponseRun(self.ctx, event))
+        active = _Active(ResponseRun(self.ctx, event, self.client))
         self.active[active.run.id] = active
         active.task = asyncio.create_task(self._run(active))
 
@@ -193,8 +231,12 @@ class ResponsesConnection:
             if not active.cancel_requested:
                 raise  # a disconnect or shutdown: nobody to tell
             self.send((run.opening() if not active.started else []) + run.cancelled(), force=True)
+        except Exception as err:  # a bug: the client still gets its answer, the log the traceback
+            log.exception("unhandled error in response %s", run.id)
+            self.send_error(_internal(err), run.stream_id)
         finally:
             self.active.pop(run.id, None)
+            self._last_activity = asyncio.get_running_loop().time()
 
 
 async def responses_websocket(ws: WebSocket) -> None:

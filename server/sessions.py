@@ -7,16 +7,49 @@ extends token for token (server/chat.py). `session_id` is the id of the conversa
 response and is passed to the engine on every turn, so the engine pins the conversation's KV
 blocks between turns (runtime/sessions.py) while the client runs its tools.
 
-The store is bounded (least recently used evicted first) and entries expire after a TTL.
+The store is bounded (least recently used evicted first) and entries expire after a TTL
+(`--response-store-size`, `--response-ttl-s`).
+
+Who may continue a stored response is the store's `scope` (`--response-scope`):
+
+    key         the API key that created it (over HTTP or any WebSocket); the default
+    connection  a response made on a WebSocket: only that connection; one made over HTTP: its key
+    global      any client that knows the id
+
+The server has one `--api-key`, which every authorized client holds, so today `key` lets any
+client that may connect and knows the id continue it (as `global` does), except on a server
+without a key, where clients presenting different bearer tokens are kept apart; `connection`
+keeps a WebSocket's conversations from every other connection and from HTTP. An id the
+requester may not continue is answered exactly as an unknown one (nothing tells it exists).
+`key` is the default because it is OpenAI's model (a stored response belongs to the credentials
+that made it) and an agent that reconnects after a dropped socket can still continue its turn.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from prescient.server.chat import Rendered
+
+RESPONSE_SCOPES = ("connection", "key", "global")
+
+
+@dataclass(frozen=True)
+class Client:
+    """The sender of a request as the store sees it: a digest of the bearer token it presented
+    (the raw key is not kept) and its WebSocket connection (None over HTTP)."""
+
+    key: str = ""
+    connection: str | None = None
+
+    @classmethod
+    def of(cls, headers, connection: str | None = None) -> "Client":
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        token = token.strip() if scheme.lower() == "bearer" else ""
+        return cls(hashlib.sha256(token.encode()).hexdigest() if token else "", connection)
 
 
 @dataclass(frozen=True)
@@ -28,30 +61,43 @@ class Conversation:
 
 
 class ResponseStore:
-    def __init__(self, max_entries: int = 4096, ttl_s: float = 3600.0, clock=time.monotonic):
+    def __init__(self, max_entries: int = 4096, ttl_s: float = 3600.0, scope: str = "key", clock=time.monotonic):
         if max_entries < 1 or ttl_s <= 0:
             raise ValueError("the response store needs max_entries >= 1 and ttl_s > 0")
+        if scope not in RESPONSE_SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(RESPONSE_SCOPES)}")
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        self.scope = scope
         self.clock = clock
-        self._entries: OrderedDict[str, tuple[Conversation, float]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[Conversation, float, tuple | None]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, conversation: Conversation) -> None:
-        self._entries[conversation.response_id] = (conversation, self.clock() + self.ttl_s)
+    def _owner(self, client: Client) -> tuple | None:
+        if self.scope == "global":
+            return None
+        if self.scope == "connection" and client.connection is not None:
+            return ("connection", client.connection)
+        return ("key", client.key)
+
+    def put(self, conversation: Conversation, client: Client = Client()) -> None:
+        self._entries[conversation.response_id] = (conversation, self.clock() + self.ttl_s, self._owner(client))
         self._entries.move_to_end(conversation.response_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
-    def get(self, response_id: str) -> Conversation | None:
+    def get(self, response_id: str, client: Client = Client()) -> Conversation | None:
+        """The conversation, if it is stored, unexpired and `client` may continue it."""
         entry = self._entries.get(response_id)
         if entry is None:
             return None
-        conversation, expires = entry
+        conversation, expires, owner = entry
         if expires <= self.clock():
             del self._entries[response_id]
+            return None
+        if owner is not None and owner not in (("key", client.key), ("connection", client.connection)):
             return None
         self._entries.move_to_end(response_id)
         return conversation

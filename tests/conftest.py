@@ -41,6 +41,12 @@ import torch
 from prescient.latency_bench.bundled import WORKLOADS  # the bench prompts, bundled with the package
 
 
+def pytest_addoption(parser):
+    parser.addoption("--soak", default=None, metavar="MINUTES",
+                     help="run the reliability soak (tests/reliability/test_soak.py) this many minutes on the "
+                          "default model with 32 agents; unset = a 20 s soak on the tiny model")
+
+
 def make_tiny_checkpoint(path: pathlib.Path, model_type: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:
     """Write a random-init HF checkpoint (float32) and return its folder."""
     import transformers

@@ -75,9 +75,10 @@ def lower_schema(schema: Any, closing: bool = True) -> Any:
     except RecursionError:
         return schema  # check_schema refuses it for its depth
     for _ in range(3):  # a definition lowered to false: its references are false too
-        dead = {f"#/{kind}/{name}" for kind in ("definitions", "$defs")
-                for name, sub in ((out.get(kind) if isinstance(out, dict) else None) or {}).items()
-                if sub is False}
+        defs = [out.get(kind) if isinstance(out, dict) else None for kind in ("definitions", "$defs")]
+        # a client's `$defs` may be any JSON value; one that is not an object defines nothing
+        dead = {f"#/{kind}/{name}" for kind, d in zip(("definitions", "$defs"), defs) if isinstance(d, dict)
+                for name, sub in d.items() if sub is False}
         if not dead or not isinstance(out, dict):
             break
         out = _without_refs_to(out, dead)

@@ -37,6 +37,7 @@ def test_json_object_regex_grammar():
 
 @pytest.mark.parametrize("fmt,feature", [
     ({"type": "xml"}, "response_format.type"),
+    ({"type": ["json_object"]}, "response_format.type"),  # unhashable: was a TypeError
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.schema"),
     ({"type": "json_schema", "schema": "not a schema"}, "response_format.schema"),
     ({"type": "regex"}, "response_format.regex"),

@@ -42,3 +42,37 @@ def test_exponential_race_matches_distribution():
     tokens = sample_from_probs(probs, exponential_noise((200_000, 4), make_generator(0)))
     freq = torch.bincount(tokens, minlength=4).float() / 200_000
     assert (freq - probs[0]).abs().sum() / 2 < 0.01
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])
+def test_tiny_temperature_is_greedy_not_nan(temperature):
+    """Issue 13: 1e-300 used to overflow logits / T to inf and give NaN probabilities (the server
+    then emitted one garbage token every step); below 1e-5 is greedy."""
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    p = target_probs_from_logits(LOGITS * 50, params)
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_temperature_at_the_threshold_still_samples_finitely():
+    params = SamplingParams(temperature=1e-5)
+    assert not params.greedy
+    p = target_probs_from_logits(LOGITS * 50, params)
+    assert torch.isfinite(p).all() and p.argmax().item() == 0
+
+
+@pytest.mark.parametrize("seed", [2 ** 63, -2 ** 63 - 1, 2 ** 64, 10 ** 30, True])
+def test_seed_out_of_range_is_a_value_error_naming_seed(seed):
+    """Issue 13: an out-of-range seed reached torch ("Overflow when unpacking long long")."""
+    with pytest.raises(ValueError, match=r"^seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+        SamplingParams(seed=seed)
+
+
+def test_seed_range_maps_one_to_one_onto_torch():
+    def draws(seed):
+        return torch.rand(4, generator=make_generator(SamplingParams(seed=seed).seed)).tolist()
+
+    assert draws(-2 ** 63) != draws(2 ** 63 - 1)
+    assert draws(-1) != draws(1)
+    assert draws(-1) == torch.rand(4, generator=torch.Generator().manual_seed(2 ** 64 - 1)).tolist()
+    assert draws(7) == draws(7)

@@ -42,13 +42,15 @@ def tiny_model_dir(smol_tokenizer_dir, tmp_path_factory):
     return path
 
 
-def tiny_engine(path, num_blocks: int = 512, speculate: str = "off"):
+def tiny_engine(path, num_blocks: int = 512, speculate: str = "off", **scheduler):
+    """`scheduler`: SchedulerConfig fields over the tiny defaults (48 sequences, 2048 tokens a step)."""
     from prescient.build import EngineSpec, build_engine
     from prescient.runtime.config import CacheConfig, SchedulerConfig
     from prescient.runtime.engine import EngineConfig
 
     config = EngineConfig(dtype="float64", cache=CacheConfig(num_blocks=num_blocks),
-                          scheduler=SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=2048))
+                          scheduler=SchedulerConfig(**{"max_num_seqs": 48, "max_num_batched_tokens": 2048,
+                                                       **scheduler}))
     spec = EngineSpec(model=str(path), dtype="float64", speculate=speculate, calibrate="now", progress=False)
     return build_engine(spec, config=config)
 
@@ -63,11 +65,13 @@ def tiny(tiny_model_dir):
 
 @pytest.fixture
 def make_tiny_server(tiny_model_dir):
-    """A tiny server with its own engine and config, stopped after the test."""
+    """A tiny server with its own engine and config, stopped after the test; `engine` takes
+    tiny_engine's keywords (num_blocks, SchedulerConfig fields)."""
     servers = []
 
-    def make(send_buffer: int | None = None, speculate: str | None = None, **config) -> LiveServer:
-        engine = tiny_engine(tiny_model_dir, speculate=speculate or "off")
+    def make(send_buffer: int | None = None, speculate: str | None = None, engine: dict | None = None,
+             **config) -> LiveServer:
+        engine = tiny_engine(tiny_model_dir, speculate=speculate or "off", **(engine or {}))
         server = LiveServer(engine, ServerConfig(model_name="tiny", **config), send_buffer)
         servers.append(server)
         return server

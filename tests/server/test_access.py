@@ -37,7 +37,7 @@ def test_api_key(make_tiny_server):
         return refused.value.response.status_code, first
 
     status, first = asyncio.run(ws_attempts())
-    assert status == 403 and first["type"] == "response.created"
+    assert status == 401 and first["type"] == "response.created"
 
 
 def test_connection_limit(make_tiny_server):

@@ -115,7 +115,7 @@ BAD_REQUESTS = [
      "invalid_grammar"),
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "banana"}}}), 400, "response_format", "invalid_grammar"),
-    ("/v1/chat/completions", chat(response_format={"type": "xml"}), 400, "response_format",
+    ("/v1/chat/completions", chat(response_format={"type": "xml"}), 400, "response_format.type",
      "invalid_response_format"),
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}],
                                   tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice",
