@@ -1,11 +1,14 @@
 """GrammarCompiler: one per tokenizer; compiles GrammarSpecs in the background, cached by spec.
 
 `submit(spec)` is called when a request arrives and returns at once; the compile runs on a small
-thread pool (xgrammar releases the GIL) so it overlaps queueing and prefill. The engine asks
-`pending.done()` without blocking and calls `pending.result()` when the request needs its first
-mask. The time limit runs from submission: a request whose grammar is not ready by then fails
-with GrammarError (xgrammar cannot cancel a compile, so it finishes in the background and its
-result still lands in the cache; a repeat of the same spec waits on that same compile).
+thread pool (xgrammar releases the GIL) so it overlaps queueing and prefill, or, with
+`CompilerConfig(isolate=True)` (the engine's compiler), in worker processes at low priority
+(compile_pool.py). The engine asks `pending.done()` without blocking and calls `pending.result()`
+when the request needs its first mask. The time limit runs from submission: a request whose
+grammar is not ready by then fails with GrammarError. On the thread pool xgrammar cannot cancel
+a compile, so it finishes in the background and its result still lands in the cache (a repeat of
+the same spec waits on that same compile); a worker process is killed at the limit instead, and
+the refusal is what the cache keeps.
 
 Every JSON schema that reaches xgrammar, tool argument schemas included, is first rewritten into
 a form xgrammar enforces exactly (schema/lower.py), passes `check_schema` (schema/check.py:
@@ -15,11 +18,9 @@ and, if it has a `pattern`, is compiled as EBNF (pattern.py).
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
-import os
 import re
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from prescient.grammar.compile_pool import CompilePool
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.forced_bound import forced_spans_safe
 from prescient.grammar.matcher import Matcher
@@ -50,8 +52,11 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:47:55] /project/cpp/
 @dataclass(frozen=True)
 class CompilerConfig:
     time_limit_s: float = 10.0
-    max_workers: int = 8  # grammars compiled at once
-    xgrammar_threads: int = 1  # threads inside one xgrammar compile
+    max_workers: int = 2  # grammars compiled at once
+    xgrammar_threads: int = 2  # threads inside one xgrammar compile
+    # Compile in `max_workers` worker processes (compile_pool.py: low priority, no shared GIL,
+    # killed at the time limit) instead of this process's threads. The engine's compiler does.
+    isolate: bool = False
     cache_size: int = 512  # compiled grammars kept, least recently used evicted
     # JSON layout. False fixes it to json.dumps' default (", " and ": ", one line): forced
     # spans then cover whole keys (`{"location": "` is one jump-forward span instead of none)
@@ -61,8 +66,8 @@ class CompilerConfig:
     # Objects that declare properties get additionalProperties: false when unset (see
     # schema/closed_objects.py): ~50x faster compiles, and the model writes only declared keys.
     close_declared_objects: bool = True
-    # Compile threads run at this nice value (Linux: a thread's own), so a heavy compile takes
-    # CPU the engine and the event loop leave over instead of slowing every stream's steps.
+    # Worker processes run at this nice value: a heavy compile takes the CPU the engine and the
+    # event loop leave over instead of slowing every stream's steps.
     nice: int = 10
 
     def __post_init__(self) -> None:
@@ -100,16 +105,22 @@ class PendingGrammar:
         try:
             return self._future.result(timeout=max(0.0, self._deadline - time.monotonic()))
         except FutureTimeout:
-            raise GrammarError(f"grammar compile exceeded the {self._time_limit_s:g} s time "
-                               "limit", feature="time_limit") from None
+            raise self._late() from None
 
+    async def wait(self) -> CompiledGrammar:
+        """`result()` for asyncio code, holding no thread while it waits. (Shielded: the compile
+        is shared through the cache, so one waiter giving up must not cancel it.)"""
+        done = asyncio.wrap_future(self._future)
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved" log
+        try:
+            await asyncio.wait_for(asyncio.shield(done), max(0.0, self._deadline - time.monotonic()))
+        except TimeoutError:
+            raise self._late() from None
+        return self._future.result()
 
-def _lower_priority(nice: int) -> None:
-    """Lower the calling thread's CPU priority (Linux only: elsewhere setpriority would lower
-    the whole process's)."""
-    if nice and sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    def _late(self) -> GrammarError:
+        return GrammarError(f"grammar compile exceeded the {self._time_limit_s:g} s time limit",
+                            feature="time_limit")
 
 
 class GrammarCompiler:
@@ -120,8 +131,8 @@ class GrammarCompiler:
         self._xgr = xgr.GrammarCompiler(
             tokenizer.info, max_threads=config.xgrammar_threads, cache_enabled=False
         )
-        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar",
-                                        initializer=_lower_priority, initargs=(config.nice,))
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar")
+        self._procs = CompilePool(tokenizer, config, self._result, self.build) if config.isolate else None
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -143,7 +154,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
             else:
                 self.misses += 1
-                future = self._pool.submit(self._compile, spec)
+                future = (self._procs.submit(spec, start + self.config.time_limit_s) if self._procs is not None
+                          else self._pool.submit(self.build, spec))
                 self._cache[spec] = future
                 if len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
@@ -156,10 +168,13 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._procs is not None:
+            self._procs.close()
 
-    # --- per-kind builders (run on the pool) ------------------------------------------------
+    # --- per-kind builders (run on the pool, or in a worker process) -----------------------
 
-    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+    def build(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile `spec` in the calling thread (no cache, no time limit)."""
         start = time.perf_counter()
         try:
             handle = self._builders[spec.kind](spec.source)
@@ -172,8 +187,11 @@ class GrammarCompiler:
             message = _LOG_PREFIX.sub("", lines[-1]) if lines else type(err).__name__
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {message}",
                                feature=spec.kind) from err
-        forced_spans = forced_spans_safe(str(handle.grammar))
-        return CompiledGrammar(spec, handle, self.tokenizer, time.perf_counter() - start, forced_spans)
+        return self._result(spec, handle, time.perf_counter() - start, forced_spans_safe(str(handle.grammar)))
+
+    def _result(self, spec: GrammarSpec, handle: xgr.CompiledGrammar, compile_s: float,
+                forced_spans: bool) -> CompiledGrammar:
+        return CompiledGrammar(spec, handle, self.tokenizer, compile_s, forced_spans)
 
     def _json_options(self) -> dict:
         # strict_mode=False keeps JSON Schema's meaning (undeclared keys allowed unless the

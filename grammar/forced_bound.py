@@ -8,12 +8,12 @@ up forced spans only for grammars whose forced runs are provably short (`forced_
 other grammars decode token by token under their masks (forced spans only save steps).
 
 The bound: a forced run is a prefix of every completion, so of the shortest one, which is the
-sum over the matcher's stack frames of the shortest completion of each frame's rest. Per rule
-that is at most `I(body)` (below, computed from upper bounds `M` of each rule's shortest
-expansion); along one chain of nested rules it is at most the sum of `I` down the chain. Rules
-that recurse are counted once per chain: each further level is one the model's own output built,
-and a recursive rule may leave at most `MAX_RECURSIVE_RUN` characters per level.
-Any text this module cannot read makes the grammar count as unbounded (forced spans off).
+sum over the matcher's stack frames of the shortest completion of each frame's rest. From upper
+bounds `M` on each rule's shortest expansion (a fixpoint), `_eval` bounds the innermost frame's
+rest (`I`) and each outer frame's rest once the frame nested in it returns (`A`); the bound is
+the largest sum down one chain of nested rules. A recursive rule's further levels are ones the
+model's own output built, and one level around a cycle may leave at most `MAX_RECURSIVE_RUN`
+characters. Any text this module cannot read counts as unbounded (forced spans off).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def forced_spans_safe(ebnf: str) -> bool:
     MAX_FORCED_RUN characters, per level of the model's own nesting."""
     try:
         return forced_run_bound(ebnf) <= MAX_FORCED_RUN
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
 def forced_run_bound(ebnf: str) -> float:
-    """Upper bound on a forced run (INF when a recursive rule may force over MAX_RECURSIVE_RUN
-    per level); raises ValueError on text it cannot read."""
+    """Upper bound on a forced run (INF when one level of recursion may force more than
+    MAX_RECURSIVE_RUN); raises ValueError on text it cannot read."""
     rules = _parse(ebnf)
     if "root" not in rules:
         raise ValueError("no root rule")
@@ -58,30 +58,36 @@ def forced_run_bound(ebnf: str) -> float:
         if new == shortest:
             break
         shortest = new
-    rest = {name: _eval(body, shortest)[1] for name, body in rules.items()}
-    refs = {name: _refs(body) & rules.keys() for name, body in rules.items()}
+    # per rule: the rest of its own frame (I), and for each rule it refers to, the most of its
+    # frame left once that rule's frame returns (`after`)
+    rest, after = {}, {}
+    for name, body in rules.items():
+        _, rest[name], refs = _eval(body, shortest)
+        after[name] = {ref: a for ref, a in refs.items() if ref in rules}
+    # chain[r]: the most a stack from a frame of r down can leave, = max(own rest, after[c] +
+    # chain[c]); depth first without recursion (expanded regexes nest thousands of rules)
     chain: dict[str, float] = {}
-    on_path: set[str] = set()
-    recursive: set[str] = set()
-
-    def longest(name: str) -> float:  # depth-first; an edge back onto the path is recursion
-        if name in chain:
-            return chain[name]
-        on_path.add(name)
-        below = 0.0
-        for ref in refs[name]:
-            if ref in on_path:
-                recursive.update((ref, name))
-            else:
-                below = max(below, longest(ref))
-        on_path.discard(name)
-        chain[name] = rest[name] + below
-        return chain[name]
-
-    total = longest("root")
-    if any(rest[name] > MAX_RECURSIVE_RUN for name in recursive):
-        return INF
-    return total
+    path, edge_after, on_path = ["root"], [0.0], {"root"}
+    pending = [iter(after["root"].items())]
+    while pending:
+        for child, a in pending[-1]:
+            if child in on_path:  # recursion: what one level around this cycle leaves
+                level = sum(edge_after[path.index(child) + 1:]) + a
+                if level > MAX_RECURSIVE_RUN:
+                    return INF
+            elif child not in chain:
+                path.append(child)
+                edge_after.append(a)
+                on_path.add(child)
+                pending.append(iter(after[child].items()))
+                break
+        else:
+            name = path.pop()
+            edge_after.pop()
+            on_path.discard(name)
+            pending.pop()
+            chain[name] = max([rest[name]] + [a + chain[c] for c, a in after[name].items() if c in chain])
+    return chain["root"]
 
 
 # --- the EBNF xgrammar prints: `name ::= ((seq) | (seq)) (=(lookahead))`, TagDispatch(...) ---
@@ -184,38 +190,38 @@ def _length(quoted: str) -> int:
     return len(_ESCAPE.sub("x", quoted[1:-1]))
 
 
-def _eval(node: list, shortest: dict[str, float]) -> tuple[float, float]:
-    """(M, I): upper bounds on the node's shortest expansion, and on the shortest completion of
-    its rest from any position inside it (nested rules' own frames not included)."""
+def _eval(node: list, shortest: dict[str, float]) -> tuple[float, float, dict[str, float]]:
+    """(M, I, A): upper bounds on the node's shortest expansion, on the shortest completion of its
+    rest from any position inside it that is not inside a nested rule, and for each rule it
+    refers to, on that rest once the nested rule's frame has returned."""
     kind = node[0]
     if kind == "lit":
-        return node[1], node[1]
+        return node[1], node[1], {}
     if kind == "ref":
         m = shortest.get(node[1], INF)
-        return m, m
+        return m, m, {node[1]: 0.0}
     if kind == "seq":
         parts = [_eval(n, shortest) for n in node[1]]
-        return sum(p[0] for p in parts), sum(p[1] for p in parts)
+        refs: dict[str, float] = {}
+        tail = rest = 0.0  # tail: the shortest expansion of the parts after the current one
+        for m, i, inner in reversed(parts):
+            rest = max(rest, i + tail)
+            for ref, a in inner.items():
+                refs[ref] = max(refs.get(ref, 0.0), a + tail)
+            tail += m
+        return tail, rest, refs
     if kind == "choice":
         parts = [_eval(n, shortest) for n in node[1]]
-        return min(p[0] for p in parts), max(p[1] for p in parts)
-    if kind == "rep":  # inside an iteration: its rest, then at most `count` more
-        m, i = _eval(node[1], shortest)
-        more = node[2] * m if node[2] else 0  # (0 * INF would be NaN)
-        return more, i + more
+        refs = {}
+        for _, _, inner in parts:
+            for ref, a in inner.items():
+                refs[ref] = max(refs.get(ref, 0.0), a)
+        return min(p[0] for p in parts), max(p[1] for p in parts), refs
+    if kind == "rep":  # inside an iteration: its rest, then at most `count - 1` more
+        m, i, inner = _eval(node[1], shortest)
+        count = node[2]
+        more = (count - 1) * m if count > 1 else 0  # (0 * INF would be NaN)
+        return count * m if count else 0, i + more, {ref: a + more for ref, a in inner.items()}
     if kind == "dispatch":
-        return node[1], node[1]
+        return node[1], node[1], {name: node[1] for name in node[2]}
     raise ValueError(kind)
-
-
-def _refs(node: list) -> set[str]:
-    kind = node[0]
-    if kind == "ref":
-        return {node[1]}
-    if kind in ("seq", "choice"):
-        return set().union(*(_refs(n) for n in node[1])) if node[1] else set()
-    if kind == "rep":
-        return _refs(node[1])
-    if kind == "dispatch":
-        return set(node[2])
-    return set()

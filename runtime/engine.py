@@ -271,11 +271,13 @@ class Engine:
     def grammar_compiler(self):
         """The one xgrammar compiler for this engine's tokenizer (cached grammars, time limit)."""
         if self._grammar_compiler is None:
-            from prescient.grammar import GrammarCompiler, GrammarTokenizer
+            from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarTokenizer
 
             gtok = GrammarTokenizer.from_huggingface(self.tokenizer.hf, vocab_size=self.model.config.vocab_size,
                                                      stop_token_ids=list(self.eos_token_ids))
-            self._grammar_compiler = GrammarCompiler(gtok)
+            # compiles in low-priority worker processes, killed at the time limit: a heavy one
+            # must not take the CPU (or the GIL) from the steps (grammar/compile_pool.py)
+            self._grammar_compiler = GrammarCompiler(gtok, CompilerConfig(isolate=True, max_workers=6))
         return self._grammar_compiler
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:

@@ -3,16 +3,17 @@
 `response_format` (Chat Completions) / `text.format` (Responses: json_schema, json_object, and the
 `regex` / `grammar` extensions) or the tool-call grammar `tool_choice` asks for become a
 `GrammarSpec` (prescient.grammar), compiled by the engine's compiler (`Engine.grammar_compiler()`,
-cached per spec, so an agent's repeated tool list compiles once) on its background pool while the
-handler awaits it without blocking the event loop. The matcher goes to the engine with the
-request (`grammar=`), which masks each step's logits with it.
+cached per spec, so an agent's repeated tool list compiles once) in its low-priority worker
+processes (grammar/compile_pool.py) while the handler awaits it without blocking the event loop
+or holding a thread. The matcher goes to the engine with the request (`grammar=`), which masks
+each step's logits with it.
 
 The handler waits for the compile rather than handing the engine a pending one: a schema or
 grammar that cannot be enforced exactly is then a 400 naming the field before anything streams,
 and the engine thread never blocks on a compile while other requests wait for their next token.
 The cost is the first compile of a new spec (~50-150 ms) on that request's TTFT; repeats are
-cache hits. The compiler is built on first use (a ~0.5 s vocabulary scan unconstrained servers
-never pay).
+cache hits. The compiler is built on first use (a ~0.5 s vocabulary scan, and its worker
+processes: ~2.5 s to start, ~310 MB each, which unconstrained servers never pay).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class Constraints:
                 self._compiler = await asyncio.to_thread(self._engine.grammar_compiler)
         return self._compiler
 
+    def close(self) -> None:
+        """Stop the compiler's worker processes (server shutdown)."""
+        if self._compiler is not None:
+            self._compiler.close()
+
     async def matcher(self, spec: GrammarSpec | None, param: str):
         """A fresh matcher for `spec` (None: unconstrained); 400 naming `param` if refused."""
         if spec is None:
@@ -74,7 +80,7 @@ class Constraints:
         start = time.perf_counter()
         pending = compiler.submit(spec)
         try:
-            compiled = pending.result() if pending.done() else await asyncio.to_thread(pending.result)
+            compiled = pending.result() if pending.done() else await pending.wait()
         except GrammarError as err:
             raise bad_request(str(err), param=param, code="invalid_grammar") from None
         if self._metrics is not None:

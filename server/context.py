@@ -131,6 +131,7 @@ class ServerContext:
 
     def close(self) -> None:
         self._text_pool.shutdown(wait=False, cancel_futures=True)
+        self.constraints.close()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_name, MODEL_ALIAS):

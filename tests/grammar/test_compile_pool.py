@@ -1,0 +1,101 @@
+"""CompilerConfig(isolate=True): compiles in low-priority worker processes, results and refusals
+as in-process, a compile past the time limit killed (and its refusal cached)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarError, GrammarSpec
+
+from .conftest import accepts_text
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# A schema from the bundled jsonschemabench sample that takes ~1-2 s to compile on 2 cores.
+SLOW_ID = "o6290"
+
+
+def _slow_schema() -> str:
+    from prescient.latency_bench.bundled import jsonschemabench_file
+
+    for line in jsonschemabench_file("Github_medium.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["id"] == SLOW_ID:
+            return json.dumps(row["schema"])
+    raise LookupError(SLOW_ID)
+
+
+def _until_up(compiler: GrammarCompiler) -> None:
+    """Compile trivial grammars until one makes it within the limit (the workers take ~2.5 s to
+    start, which the first compiles' limit counts)."""
+    deadline = time.monotonic() + 60
+    for i in range(1, 10_000):
+        try:
+            compiler.compile(GrammarSpec("regex", f"a{{{i}}}"))
+            return
+        except GrammarError:
+            assert time.monotonic() < deadline, "the compile workers did not start"
+            time.sleep(0.1)
+
+
+def test_workers_compile_like_the_process_does(real_tokenizer):
+    compiler = GrammarCompiler(real_tokenizer, CompilerConfig(isolate=True, time_limit_s=30))
+    try:
+        compiled = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMA)))
+        assert accepts_text(compiled.matcher(), real_tokenizer, '{"a": 12}')
+        assert not accepts_text(compiled.matcher(), real_tokenizer, '{"a": "x"}')
+        with pytest.raises(GrammarError, match="invalid regex") as err:
+            compiler.compile(GrammarSpec("regex", "a(b"))
+        assert err.value.feature == "regex"
+        with pytest.raises(GrammarError, match="'not'"):  # refused by the schema checks, in the worker
+            compiler.compile(GrammarSpec("json_schema", json.dumps({"type": "string", "not": {"enum": ["a"]}})))
+        assert not compiler.compile(GrammarSpec("regex", "(c{1000}){1000}")).forced_spans
+        workers = list(compiler._procs._procs)
+        assert len(workers) == 2
+        deadline = time.monotonic() + 30  # each lowers its own priority once started
+        while not all(os.getpriority(os.PRIO_PROCESS, p.pid) >= 10 for p in workers):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        compiler.close()
+    time.sleep(0.2)
+    assert all(p.poll() is not None for p in workers)  # close() stops them
+
+
+def test_compile_past_the_limit_is_killed_and_refused(real_tokenizer):
+    compiler = GrammarCompiler(real_tokenizer, CompilerConfig(isolate=True, time_limit_s=0.5))
+    try:
+        _until_up(compiler)
+        before = {p.pid for p in compiler._procs._procs}
+        slow = GrammarSpec("json_schema", _slow_schema())
+        start = time.monotonic()
+        with pytest.raises(GrammarError, match="time limit") as err:
+            compiler.compile(slow)
+        assert err.value.feature == "time_limit" and time.monotonic() - start < 1.5
+        with pytest.raises(GrammarError, match="time limit"):  # the refusal is cached
+            compiler.compile(slow)
+        assert compiler.hits >= 1
+        # the other worker serves at once; the killed one is replaced
+        assert compiler.compile(GrammarSpec("regex", "xyz")).spec.source == "xyz"
+        time.sleep(0.2)
+        assert len(before - {p.pid for p in compiler._procs._procs}) == 1
+    finally:
+        compiler.close()
+
+
+def test_pool_grows_while_every_worker_is_busy(real_tokenizer):
+    compiler = GrammarCompiler(real_tokenizer, CompilerConfig(isolate=True, max_workers=3, time_limit_s=60))
+    try:
+        slow = _slow_schema()
+        pending = [compiler.submit(GrammarSpec("json_schema", json.dumps({**json.loads(slow), "title": f"v{i}"})))
+                   for i in range(2)]
+        light = compiler.submit(GrammarSpec("regex", "[0-9]{3}"))
+        assert compiler._procs._threads == 3  # a third worker for the job the two warm ones cannot take
+        assert light.result().spec.source == "[0-9]{3}"
+        assert all(p.result().forced_spans for p in pending)
+        assert compiler._procs._threads == 3  # the cap
+    finally:
+        compiler.close()
