@@ -40,6 +40,8 @@ class EngineSpec:
     kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True
     session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
+    max_waiting: int = 256  # queued requests before a new one is refused as overloaded (429)
+    max_queue_wait_s: float = 30.0  # a request not started this long after arrival: overloaded
     calibrate: str = "idle"
     weights_cache: bool = True  # memory-map converted GGUF weights from the user's cache
     progress: bool = True  # stage progress on stderr
@@ -129,7 +131,8 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
     config = config or EngineConfig(
         dtype=spec.dtype,
         cache=CacheConfig(kv_cache_bytes=int(spec.kv_cache_gb * (1 << 30)), enable_prefix_caching=spec.enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
+                                  max_waiting=spec.max_waiting, max_queue_wait_s=spec.max_queue_wait_s),
         session_ttl_s=spec.session_ttl_s,
     )
     block_size = config.cache.block_size

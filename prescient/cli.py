@@ -43,6 +43,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="most tokens in one engine step (prefill chunk size)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued requests before a new one is refused with 429 (Retry-After)")
+    p.add_argument("--max-queue-wait-s", type=float, default=30.0,
+                   help="a request not started this long after it arrived ends with 429 (Retry-After)")
     p.add_argument("--session-ttl-s", type=float, default=300.0,
                    help="how long a finished agent turn keeps its KV pinned for the next turn, seconds")
     p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA tensors run the Triton kernels)")
@@ -103,7 +107,8 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     return EngineSpec(model=args.model, dtype=args.dtype, device=args.device, speculate=args.speculate,
                       draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb,
-                      session_ttl_s=args.session_ttl_s,
+                      session_ttl_s=args.session_ttl_s, max_waiting=args.max_waiting,
+                      max_queue_wait_s=args.max_queue_wait_s,
                       calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet)
 
 
