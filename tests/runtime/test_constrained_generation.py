@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from prescient.grammar import GrammarSpec, spec_from_response_format
+from prescient.grammar import spec_from_response_format
 from prescient.latency_bench.bundled import jsonschemabench_file
 from prescient.runtime.sampling_params import SamplingParams
 from tests.conftest import sibling_engine

@@ -3,7 +3,6 @@ exponential-race sampler's empirical distribution."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
