@@ -37,8 +37,17 @@
  * the caller merges them.  The split depends only on the shapes, never on the thread
  * count, so results are bitwise the same with any number of threads.
  *
- * ISA: per-function target attributes and the run-time ISA of cpu_gemv.c (pg_isa), so
- * the same source builds everywhere; the portable path is plain C.
+ * KV dtypes: fp32 and bf16 caches have q's dtype; an int8 cache (any q dtype) holds
+ * round(x / s) with one fp32 scale s = amax / 127 per (position, kv head), written by
+ * pa_store_kv_i8.  Its values are widened to fp32 in registers (exact), q.k is summed over
+ * the raw int8 values and the K scale applied once to the 16 scores of a chunk; the V scale
+ * multiplies the softmax weight P (the row sums l keep the unscaled P), so neither scale
+ * costs a multiply per element.
+ *
+ * ISA: per-function target attributes and the run-time ISA of cpu_gemv.c (pg_isa, tiers in
+ * cpu_isa.h), so the same source builds everywhere: ISA_AVX2 runs the AVX2 + FMA step (two
+ * ymm of scores per query row, K widened to fp32 as it is transposed), ISA_AVX512 and up the
+ * AVX-512 step, vdpbf16ps for bf16 K from ISA_AVX512_BF16; the portable path is plain C.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -50,18 +59,15 @@
 #include <math.h>
 
 #include "cpu_bf16.h"
+#include "cpu_isa.h"
+#include "cpu_gemv.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PA_X86 1
 #endif
 
-/* From cpu_gemv.c (same .so). */
-typedef void (*pg_task_fn)(const void *ctx, int i0, int i1);
-void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk);
-int pg_isa(void);
-
-#define PA_VERSION 2
+#define PA_VERSION 3
 #define PA_CHUNK 16       /* context positions per step: one zmm of scores per query row */
 #define PA_MAX_ROWS 64    /* query rows per kv head (tokens x group) per item, at head_dim 64 */
 #define PA_ACC_FLOATS 16384  /* accumulators of an item (rows x head_dim over its kv heads) */
@@ -79,10 +85,14 @@ int pg_isa(void);
 #define PA_PF_POS 16
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
 enum { PA_EDIMS = 1, PA_ECU = 2, PA_ECTX = 3, PA_EBLOCK = 4, PA_EMASK = 5, PA_ENOMEM = 6,
        PA_ECUEND = 7 };
+/* pa_store_kv_i8's (same -(code + 8 * index) form, index a token). */
+enum { PS_EDIMS = 1, PS_ESLOT = 2 };
+
+/* Cache dtype code of an int8 cache with per-(position, kv head) scales (fp32 and bf16 caches
+ * use DT_F32 / DT_BF16 of cpu_gemv.h). */
+#define PA_KV_I8 8
 
 /* Below this much work (query rows x context positions, summed over items) the caller runs
  * alone: handing items to the pool costs about a microsecond. */
@@ -101,6 +111,8 @@ typedef struct {
     int64_t num_tokens, num_heads, head_dim, num_kv_heads, num_blocks, block_size;
     int64_t num_seqs, max_blocks, num_words, dtype;
     int64_t flags;                        /* PA_SOLO: run on the calling thread only */
+    int64_t k_scale, v_scale;             /* [num_blocks, block_size, num_kv_heads] fp32, int8 only */
+    int64_t kv_dtype;                     /* dtype (q's) or PA_KV_I8 */
     double scale;
 } pa_args_t;
 
@@ -129,12 +141,15 @@ typedef struct {
     const int32_t *bt, *cl, *cu, *mask;
     char *out;
     int64_t qs_tok, qs_head;
-    int T, H, D, KVH, NB, BS, S, MB, W, dt, G, isa, esz;
+    const float *ks, *vs;    /* int8 caches: scales [NB * BS][KVH] */
+    int T, H, D, KVH, NB, BS, S, MB, W, G, isa;
+    int dt, esz;             /* q and out: dtype, bytes per element */
+    int kvdt, kesz;          /* the caches: DT_F32, DT_BF16 or PA_KV_I8; bytes per element */
     float scl;               /* scale * log2(e): scores in the base-2 domain */
     const pa_item_t *items;
     float *partials;         /* [nparts][part_stride]: acc [rows][D], m [rows], l [rows] */
     size_t part_stride;
-    int perm;                /* accumulators in [even | odd] order per 32 (bf16 AVX-512) */
+    int perm;                /* accumulators in [even | odd] order per 32 (bf16 K/V, AVX-512) */
     _Atomic int err;         /* set by an item whose scratch allocation failed */
 } pa_job_t;
 
@@ -214,6 +229,8 @@ typedef struct {
     float *lv;       /* [RT][16] running sums per lane (summed into l at the end) */
     uint32_t *vis;   /* [nt] visibility bits of the chunk per query token */
     const void **qrow;    /* [RT] q row pointers */
+    float *ksc, *vsc;     /* [16] int8 caches: K scale * scl and V scale of the chunk's
+                           * positions for the current head (0 past the chunk's end) */
 } pa_ws_t;
 
 /* The chunk PA_PF_POS positions ahead: its K/V row addresses, prefetched line by line as
@@ -227,20 +244,20 @@ typedef struct {
 static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
 {
     const size_t D = (size_t)J->D;
-    /* the header, then eleven regions, each padded to a cache line */
-    const size_t sizes[11] = {
+    /* the header, then twelve regions, each padded to a cache line */
+    const size_t sizes[12] = {
         sizeof(pa_ws_t), 16 * D * 4, 16 * D * 4, (size_t)RT * 16 * 4, (size_t)RT * D * 4,
         (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4, (size_t)RT * 4,
-        (size_t)nt * 4 + (size_t)RT * sizeof(void *), (size_t)RT * 16 * 4};
+        (size_t)nt * 4 + (size_t)RT * sizeof(void *), (size_t)RT * 16 * 4, 32 * 4};
     size_t bytes = 0;
-    for (int i = 0; i < 11; i++)
+    for (int i = 0; i < 12; i++)
         bytes += (sizes[i] + 63) & ~(size_t)63;
     char *p = (char *)tls_scratch(0, bytes);
     if (!p)
         return NULL;
     pa_ws_t *w = (pa_ws_t *)p;
-    void *region[11];
-    for (int i = 0; i < 11; i++) {
+    void *region[12];
+    for (int i = 0; i < 12; i++) {
         region[i] = p;
         p += (sizes[i] + 63) & ~(size_t)63;
     }
@@ -254,6 +271,8 @@ static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
     w->corr = (float *)region[8];
     w->qrow = (const void **)region[9];
     w->lv = (float *)region[10];
+    w->ksc = (float *)region[11];
+    w->vsc = w->ksc + 16;
     w->vis = (uint32_t *)(w->qrow + RT);
     return w;
 }
@@ -318,11 +337,21 @@ static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                 kt[d * PA_CHUNK + t] = 0.f;
             continue;
         }
-        if (J->dt == DT_F32) {
+        if (J->kvdt == DT_F32) {
             const float *ks = (const float *)(krow[t] + hoff);
             for (int d = 0; d < D; d++)
                 kt[d * PA_CHUNK + t] = ks[d];
             vr[t] = (const float *)(vrow[t] + hoff);
+        } else if (J->kvdt == PA_KV_I8) {
+            /* raw int8 values: the scales go on the scores and on P below */
+            const int8_t *ks = (const int8_t *)(krow[t] + hoff);
+            const int8_t *vs = (const int8_t *)(vrow[t] + hoff);
+            float *vd = w->vf + (size_t)t * D;
+            for (int d = 0; d < D; d++) {
+                kt[d * PA_CHUNK + t] = (float)ks[d];
+                vd[d] = (float)vs[d];
+            }
+            vr[t] = vd;
         } else {
             const uint16_t *ks = (const uint16_t *)(krow[t] + hoff);
             const uint16_t *vs = (const uint16_t *)(vrow[t] + hoff);
@@ -338,6 +367,13 @@ static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
     for (int j = 0; j < PA_NV; j++)
         for (int i = 0; i < PA_VL; i++)
             lane_bit[j][i] = 1 << (j * PA_VL + i);
+    /* Per-lane score scale (scl, times the K scale of an int8 cache) and P scale (V's). */
+    const int i8 = J->kvdt == PA_KV_I8;
+    pvf sscl[PA_NV], pscl[PA_NV];
+    for (int j = 0; j < PA_NV; j++) {
+        sscl[j] = i8 ? pv_load(w->ksc + j * PA_VL) : (pvf){0} + J->scl;
+        pscl[j] = i8 ? pv_load(w->vsc + j * PA_VL) : (pvf){0} + 1.f;
+    }
     /* Scores, 4 rows at a time: 4 x PA_NV independent FMA chains, each K load used 4 times
      * (one row alone would be a single chain of D dependent FMAs per vector). */
     for (int r = r0; r < r0 + RH; r += 4) {
@@ -357,7 +393,7 @@ static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
             }
         for (int m = 0; m < mr; m++)
             for (int j = 0; j < PA_NV; j++)
-                pv_store(w->sp + (size_t)(r + m) * PA_CHUNK + j * PA_VL, sv[m][j] * J->scl);
+                pv_store(w->sp + (size_t)(r + m) * PA_CHUNK + j * PA_VL, sv[m][j] * sscl[j]);
     }
     for (int r = r0; r < r0 + RH; r++) {
         const uint32_t vis = w->vis[(r - r0) / G];
@@ -377,7 +413,7 @@ static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
         for (int j = 0; j < PA_NV; j++) {
             const pvf p = (pvf)((pvi)exp2_pv(sv[j] - mn) & ((lane_bit[j] & (int32_t)vis) != 0));
             pv_store(lv + j * PA_VL, pv_load(lv + j * PA_VL) * c + p);
-            pv_store(s + j * PA_VL, p);
+            pv_store(s + j * PA_VL, p * pscl[j]);
         }
         w->m[r] = mn;
         float *a = w->acc + (size_t)r * D;
@@ -492,21 +528,43 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16])
 }
 
 /* kt[c][t] = 32-bit word c of row t + hoff (rows t >= n read as zeros): nw words per row,
- * bf16 pairs (d = 2c, 2c + 1) or fp32 values.  nw % 16 == 0.  Each 64-byte line loaded
- * here has its twin in the prefetch chunk (pf rows, pn of them) requested now. */
+ * bf16 pairs (d = 2c, 2c + 1), fp32 values or 4 int8 values (d = 4c .. 4c + 3).  nw % 8 == 0
+ * (a last block of 8 words is read with a mask: nothing past the row).  Each 64-byte line
+ * loaded here has its twin in the prefetch chunk (pf rows, pn of them) requested now. */
 static void transpose_chunk(const char *const rows[PA_CHUNK], size_t hoff, int n, int nw,
                             uint32_t *kt, const pa_pf_t *pf)
 {
     for (int c = 0; c < nw; c += 16) {
+        const int nj = nw - c >= 16 ? 16 : nw - c;
+        const __mmask16 lm = (__mmask16)((1u << nj) - 1u);
         __m512i r[16];
         for (int t = 0; t < pf->n; t++)
             _mm_prefetch(pf->k[t] + hoff + (size_t)c * 4, _MM_HINT_T0);
         for (int t = 0; t < 16; t++)
-            r[t] = t < n ? _mm512_loadu_si512((const void *)((const uint32_t *)(rows[t] + hoff) + c))
+            r[t] = t < n ? _mm512_maskz_loadu_epi32(lm, (const uint32_t *)(rows[t] + hoff) + c)
                          : _mm512_setzero_si512();
         transpose16(r);
-        for (int j = 0; j < 16; j++)
+        for (int j = 0; j < nj; j++)
             _mm512_store_si512((void *)(kt + (size_t)(c + j) * 16), r[j]);
+    }
+}
+
+/* Byte b (0..3) of each 32-bit lane as a signed value, in fp32 (exact). */
+#define PA_I8_BYTE(x, b) _mm512_cvtepi32_ps(_mm512_srai_epi32( \
+    (b) == 3 ? (x) : _mm512_slli_epi32((x), 24 - 8 * (b)), 24))
+
+/* The int8 K words of transpose_chunk (kw[c][t]: d = 4c .. 4c + 3) widened once into
+ * kt[d][t] = K[t][d] as fp32 (no scale: it goes on the scores), for more rows than qk_i8
+ * takes in one block (it widens in registers, once per block of 8 rows). */
+static void widen_i8_words(const uint32_t *kw, int D, float *kt)
+{
+    for (int c = 0; c < D / 4; c++) {
+        const __m512i x = _mm512_load_si512((const void *)(kw + (size_t)c * 16));
+        float *dst = kt + (size_t)c * 4 * 16;
+        _mm512_store_ps(dst, PA_I8_BYTE(x, 0));
+        _mm512_store_ps(dst + 16, PA_I8_BYTE(x, 1));
+        _mm512_store_ps(dst + 32, PA_I8_BYTE(x, 2));
+        _mm512_store_ps(dst + 48, PA_I8_BYTE(x, 3));
     }
 }
 
@@ -566,6 +624,35 @@ void qk_bf16w_rows(const uint32_t *kt, int D, const void *const *qv, float *s, c
         _mm512_store_ps(s + m * 16, _mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
+/* Scores of MR <= 8 fp32 q rows against int8 K words (kw[c][t], d = 4c .. 4c + 3), each
+ * word widened in registers once for all MR rows: 4 values, 4 FMAs per row (chains: 4, 2
+ * or 1 per row as MR grows, so that 8 or more are in flight). */
+static inline __attribute__((always_inline))
+void qk_i8_rows(const uint32_t *kw, int D, const void *const *qv, float *s, const int MR)
+{
+    const int NA = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
+    const float *q[8];
+    __m512 acc[8][4];
+    for (int m = 0; m < MR; m++) {
+        q[m] = (const float *)qv[m];
+        for (int a = 0; a < NA; a++)
+            acc[m][a] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < D / 4; c++) {
+        const __m512i x = _mm512_load_si512((const void *)(kw + (size_t)c * 16));
+        const __m512 k[4] = {PA_I8_BYTE(x, 0), PA_I8_BYTE(x, 1), PA_I8_BYTE(x, 2), PA_I8_BYTE(x, 3)};
+        for (int b = 0; b < 4; b++)
+            for (int m = 0; m < MR; m++)
+                acc[m][b % NA] = _mm512_fmadd_ps(k[b], _mm512_set1_ps(q[m][4 * c + b]), acc[m][b % NA]);
+    }
+    for (int m = 0; m < MR; m++) {
+        __m512 v = acc[m][0];
+        for (int a = 1; a < NA; a++)
+            v = _mm512_add_ps(v, acc[m][a]);
+        _mm512_store_ps(s + m * 16, v);
+    }
+}
+
 #define PA_ROWS_SWITCH(FN, n, ...)                    \
     switch (n) {                                      \
     case 1: FN(__VA_ARGS__, 1); break;                \
@@ -592,13 +679,21 @@ static void qk_bf16w(const uint32_t *kt, int D, const void *const *q, float *s, 
 
 static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R);
 
+static void qk_i8(const uint32_t *kw, int D, const void *const *q, float *s, int R)
+{
+    PA_ROWS_SWITCH(qk_i8_rows, R, kw, D, q, s)
+}
+
 /* Online-softmax update of rows [r0, r0 + RH) from their chunk scores (in place: scores
  * -> P); row r0 + ti * G + g belongs to query token ti.  Row sums stay 16-lane vectors
  * (lv, reduced once at the end of the item), and the horizontal max is taken only when
- * some visible score exceeds the running max: after the first chunks it rarely does. */
-static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl)
+ * some visible score exceeds the running max: after the first chunks it rarely does.
+ * i8: the scores are scaled per lane by w->ksc (K scale * scl) instead of scl, and the P
+ * stored for P.V is multiplied by the V scales w->vsc (l sums the unscaled P). */
+static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
 {
-    const __m512 vscl = _mm512_set1_ps(scl);
+    const __m512 vscl = i8 ? _mm512_load_ps(w->ksc) : _mm512_set1_ps(scl);
+    const __m512 vpsc = i8 ? _mm512_load_ps(w->vsc) : _mm512_set1_ps(1.f);
     for (int r = r0, ti = 0; r < r0 + RH; ti++) {
         const __mmask16 vm = (__mmask16)w->vis[ti];
         for (int g = 0; g < G; g++, r++) {
@@ -616,7 +711,7 @@ static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl)
                 continue;
             }
             const __m512 p = _mm512_maskz_mov_ps(vm, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
-            _mm512_store_ps(sp, p);
+            _mm512_store_ps(sp, i8 ? _mm512_mul_ps(p, vpsc) : p);
             float *lv = w->lv + (size_t)r * 16;
             _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), _mm512_set1_ps(c), p));
             w->m[r] = mn;
@@ -624,14 +719,17 @@ static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl)
     }
 }
 
+/* How P.V reads V rows: fp32 as they are, bf16 widened as [even | odd] per 32 elements,
+ * int8 widened in order (sign extension, then an exact conversion). */
+enum { PA_V_F32 = 0, PA_V_BF16 = 1, PA_V_I8 = 2 };
+
 /* acc[m][cb .. cb + 16 NV) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR rows; the V
- * vectors of a position are loaded once and used by all MR rows.  VBF16: V rows are bf16
- * (vr = byte addresses of the head's rows), widened here as [even | odd] per 32 elements;
- * else fp32 rows. */
+ * vectors of a position are loaded once and used by all MR rows.  VM (PA_V_*): the dtype of
+ * the V rows vr (byte addresses of the head's rows in the cache, or fp32 rows in scratch). */
 static inline __attribute__((always_inline))
 void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, int D,
              const float *corr, const char *const *pfv, int pn, size_t pfoff,
-             const int VBF16, const int MR, const int NV)
+             const int VM, const int MR, const int NV)
 {
     __m512 a[6][4];
     for (int m = 0; m < MR; m++) {
@@ -641,16 +739,26 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
     }
     for (int t = 0; t < n; t++) {
         __m512 vv[4];
-        /* The same lines of the prefetch chunk's V row (first row block only). */
-        if (t < pn)
-            for (int v = 0; v < NV; v += (VBF16 ? 2 : 1))
-                _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * (VBF16 ? 2 : 4), _MM_HINT_T0);
-        if (VBF16) {
+        /* The same lines of the prefetch chunk's V row (first row block only); an int8
+         * row block of <= 64 values starting at cb (a multiple of 64) is one line. */
+        if (t < pn) {
+            if (VM == PA_V_I8)
+                _mm_prefetch(pfv[t] + pfoff + (size_t)cb, _MM_HINT_T0);
+            else
+                for (int v = 0; v < NV; v += (VM == PA_V_BF16 ? 2 : 1))
+                    _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * (VM == PA_V_BF16 ? 2 : 4),
+                                 _MM_HINT_T0);
+        }
+        if (VM == PA_V_BF16) {
             for (int v = 0; v < NV; v += 2) {
                 const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)vr[t] + cb + v * 16));
                 vv[v] = bf16_even(x);
                 vv[v + 1] = bf16_odd(x);
             }
+        } else if (VM == PA_V_I8) {
+            for (int v = 0; v < NV; v++)
+                vv[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)((const int8_t *)vr[t] + cb + v * 16))));
         } else {
             for (int v = 0; v < NV; v++)
                 vv[v] = _mm512_loadu_ps((const float *)vr[t] + cb + v * 16);
@@ -677,9 +785,9 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
     }
 
 /* Rows in blocks of 6 and head_dim in blocks of 64 (a last block of 32 when D % 64 == 32):
- * at most 24 accumulators + 4 V vectors.  vr: the cache's rows (bf16 or fp32, prefetching
- * the pf chunk's twins, pfoff into their rows) or, pf NULL, rows widened in scratch. */
-static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, int D, int vbf16,
+ * at most 24 accumulators + 4 V vectors.  vr: the cache's rows (vm: PA_V_*, prefetching
+ * the pf chunk's twins, pfoff into their rows) or, pf NULL, fp32 rows widened in scratch. */
+static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, int D, int vm,
                      const pa_pf_t *pf, size_t pfoff)
 {
     for (int cb = 0; cb < D; cb += 64) {
@@ -691,9 +799,12 @@ static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, i
             const float *corr = w->corr + r;
             const int pn = pf && r == r0 ? pf->n : 0;
             const char *const *pfv = pf ? pf->v : NULL;
-            if (vbf16) {
-                if (full) { PA_PV_ROWS(1, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
-                else { PA_PV_ROWS(1, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            if (vm == PA_V_BF16) {
+                if (full) { PA_PV_ROWS(PA_V_BF16, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(PA_V_BF16, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            } else if (vm == PA_V_I8) {
+                if (full) { PA_PV_ROWS(PA_V_I8, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(PA_V_I8, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
             } else {
                 if (full) { PA_PV_ROWS(0, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
                 else { PA_PV_ROWS(0, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
@@ -710,13 +821,43 @@ static void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
 {
     const int D = J->D;
     const void *vr[PA_CHUNK];
-    int vbf16 = 0;
-    const pa_pf_t *vpf = pf;  /* V prefetches: in P.V, or in the widening loop below */
-    if (J->dt == DT_F32) {
+    int vm = PA_V_F32;
+    const pa_pf_t *vpf = pf;  /* V prefetches: in P.V, or in the widening loops below */
+    if (J->kvdt == DT_F32) {
         transpose_chunk(krow, hoff, n, D, (uint32_t *)w->kt, pf);
         qk_f32(w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
         for (int t = 0; t < n; t++)
             vr[t] = vrow[t] + hoff;
+    } else if (J->kvdt == PA_KV_I8) {
+        /* Up to 8 rows widen K in registers; more widen it once into kt (after the words,
+         * which take its first D / 4 rows: vf is free until V is widened below). */
+        uint32_t *kw = (uint32_t *)w->vf;
+        transpose_chunk(krow, hoff, n, D / 4, kw, pf);
+        if (RH <= 8) {
+            qk_i8(kw, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+        } else {
+            widen_i8_words(kw, D, w->kt);
+            qk_f32(w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+        }
+        if (RH <= 6) {
+            for (int t = 0; t < n; t++)
+                vr[t] = vrow[t] + hoff;
+            vm = PA_V_I8;
+        } else {
+            /* Several row blocks: widen the chunk's V once (in order). */
+            vpf = NULL;
+            for (int t = 0; t < n; t++) {
+                const int8_t *src = (const int8_t *)(vrow[t] + hoff);
+                float *dst = w->vf + (size_t)t * D;
+                if (t < pf->n)
+                    for (int d = 0; d < D; d += 64)
+                        _mm_prefetch(pf->v[t] + hoff + (size_t)d, _MM_HINT_T0);
+                for (int d = 0; d < D; d += 16)
+                    _mm512_store_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                        _mm_loadu_si128((const __m128i *)(src + d)))));
+                vr[t] = dst;
+            }
+        }
     } else {
         transpose_chunk(krow, hoff, n, D / 2, (uint32_t *)w->kt, pf);
         if (J->isa >= ISA_AVX512_BF16)
@@ -727,7 +868,7 @@ static void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
             /* One row block: widen V in registers as it is used. */
             for (int t = 0; t < n; t++)
                 vr[t] = vrow[t] + hoff;
-            vbf16 = 1;
+            vm = PA_V_BF16;
         } else {
             /* Several row blocks would each widen it again: widen the chunk once, in the
              * same [even | odd] order. */
@@ -747,8 +888,8 @@ static void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
             }
         }
     }
-    softmax_chunk(w, r0, RH, J->G, J->scl);
-    pv_chunk(w, r0, RH, n, vr, D, vbf16, vpf, hoff);
+    softmax_chunk(w, r0, RH, J->G, J->scl, J->kvdt == PA_KV_I8);
+    pv_chunk(w, r0, RH, n, vr, D, vm, vpf, hoff);
 }
 
 /* out row = acc * inv in the output dtype (D % 32 == 0 here); perm: acc holds each 32-wide
@@ -830,6 +971,327 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 }
 
 #pragma GCC pop_options
+
+/* ------------------------------------------------------------------------- */
+/* AVX2 + FMA chunk step (ISA_AVX2: Haswell, Zen 1-3)                         */
+/* ------------------------------------------------------------------------- */
+
+/* The AVX-512 step's shape on 8-lane ymm: a row's 16 scores are two ymm (lanes 0-7, 8-15 of
+ * the chunk), K is transposed into kt[D][16] -- as fp32 whatever the cache dtype, widened
+ * while it is transposed: with no vdpbf16ps and half the registers, widening a K value once
+ * per chunk beats widening it again for every query row --, and P.V widens V rows in
+ * registers, in order (bf16: zero-extend and shift; int8: sign-extend and convert), so the
+ * accumulators need no permutation. */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+#define PA_AI static inline __attribute__((always_inline))
+
+/* 2^x for x <= 0 on 8 lanes: x clamped at -127 (2^-127 and below come out as 0: the exponent
+ * field is 0), n = round(x), f = x - n in [-1/2, 1/2], the polynomial of exp2_ps, then 2^n
+ * put into the exponent bits. */
+PA_AI __m256 exp2_ps8(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5252733804059840e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381608e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* In-register transpose of an 8 x 8 block of 32-bit words: r[i] lane j -> r[j] lane i.
+ * Unpack pairs, shuffle into 4 x 4 blocks per 128-bit lane, then swap 128-bit lanes. */
+PA_AI void transpose8(__m256 r[8])
+{
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* u[4h + j]: column j (low lane) and j + 4 (high lane) of rows 4h .. 4h + 3 */
+    for (int h = 0; h < 2; h++) {
+        const __m256 *tt = t + 4 * h;
+        u[4 * h + 0] = _mm256_shuffle_ps(tt[0], tt[2], 0x44);
+        u[4 * h + 1] = _mm256_shuffle_ps(tt[0], tt[2], 0xee);
+        u[4 * h + 2] = _mm256_shuffle_ps(tt[1], tt[3], 0x44);
+        u[4 * h + 3] = _mm256_shuffle_ps(tt[1], tt[3], 0xee);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+        r[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+    }
+}
+
+/* kt[d][t] = K[t][d] in fp32 for the chunk's n rows (kvdt DT_F32, DT_BF16 or PA_KV_I8; an
+ * int8 K without its scale), rows t >= n as zeros.  The rows are read as 32-bit words (1 fp32,
+ * a bf16 pair or 4 int8 values), 8 words of 8 rows per transpose; each 64-byte line read has
+ * its twin in the prefetch chunk requested now.  D % 32 == 0, so words per row % 8 == 0. */
+static void transpose_chunk_avx2(const char *const rows[PA_CHUNK], size_t hoff, int n, int D,
+                                 int kvdt, float *kt, const pa_pf_t *pf)
+{
+    const int nw = kvdt == DT_F32 ? D : kvdt == DT_BF16 ? D / 2 : D / 4;
+    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
+    for (int c = 0; c < nw; c += 8) {
+        if ((c & 15) == 0)
+            for (int t = 0; t < pf->n; t++)
+                _mm_prefetch(pf->k[t] + hoff + (size_t)c * 4, _MM_HINT_T0);
+        for (int t0 = 0; t0 < PA_CHUNK; t0 += 8) {
+            __m256 r[8];
+            for (int j = 0; j < 8; j++)
+                r[j] = t0 + j < n ? _mm256_loadu_ps((const float *)(rows[t0 + j] + hoff) + c)
+                                  : _mm256_setzero_ps();
+            if (t0 < n)
+                transpose8(r);
+            /* r[j]: word c + j of positions t0 .. t0 + 7 */
+            for (int j = 0; j < 8; j++) {
+                const __m256i x = _mm256_castps_si256(r[j]);
+                if (kvdt == DT_F32) {
+                    _mm256_store_ps(kt + (size_t)(c + j) * 16 + t0, r[j]);
+                } else if (kvdt == DT_BF16) {
+                    float *dst = kt + (size_t)(c + j) * 2 * 16 + t0;
+                    _mm256_store_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+                    _mm256_store_ps(dst + 16, _mm256_castsi256_ps(_mm256_and_si256(x, hi16)));
+                } else {
+                    float *dst = kt + (size_t)(c + j) * 4 * 16 + t0;
+                    _mm256_store_ps(dst, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24), 24)));
+                    _mm256_store_ps(dst + 16, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 16), 24)));
+                    _mm256_store_ps(dst + 32, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 8), 24)));
+                    _mm256_store_ps(dst + 48, _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 24)));
+                }
+            }
+        }
+    }
+}
+
+/* Scores of MR <= 4 rows: s[m][0..16) = sum_d q[m][d] kt[d][:], fp32; NA chains per half
+ * keep 8 or more independent FMAs in flight (two FMA pipes, 4-cycle latency) within the
+ * 16 ymm registers. */
+PA_AI void qk_rows_avx2(const float *kt, int D, const void *const *qv, float *s, const int MR)
+{
+    const int NA = MR == 1 ? 4 : MR <= 3 ? 2 : 1;
+    const float *q[4];
+    __m256 acc[4][4][2];
+    for (int m = 0; m < MR; m++) {
+        q[m] = (const float *)qv[m];
+        for (int a = 0; a < NA; a++)
+            acc[m][a][0] = acc[m][a][1] = _mm256_setzero_ps();
+    }
+    int d = 0;
+    for (; d + NA <= D; d += NA)
+        for (int a = 0; a < NA; a++) {
+            const __m256 k0 = _mm256_load_ps(kt + (size_t)(d + a) * 16);
+            const __m256 k1 = _mm256_load_ps(kt + (size_t)(d + a) * 16 + 8);
+            for (int m = 0; m < MR; m++) {
+                const __m256 qb = _mm256_broadcast_ss(q[m] + d + a);
+                acc[m][a][0] = _mm256_fmadd_ps(k0, qb, acc[m][a][0]);
+                acc[m][a][1] = _mm256_fmadd_ps(k1, qb, acc[m][a][1]);
+            }
+        }
+    for (; d < D; d++) {
+        const __m256 k0 = _mm256_load_ps(kt + (size_t)d * 16);
+        const __m256 k1 = _mm256_load_ps(kt + (size_t)d * 16 + 8);
+        for (int m = 0; m < MR; m++) {
+            const __m256 qb = _mm256_broadcast_ss(q[m] + d);
+            acc[m][0][0] = _mm256_fmadd_ps(k0, qb, acc[m][0][0]);
+            acc[m][0][1] = _mm256_fmadd_ps(k1, qb, acc[m][0][1]);
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        __m256 v0 = acc[m][0][0], v1 = acc[m][0][1];
+        for (int a = 1; a < NA; a++) {
+            v0 = _mm256_add_ps(v0, acc[m][a][0]);
+            v1 = _mm256_add_ps(v1, acc[m][a][1]);
+        }
+        _mm256_store_ps(s + m * 16, v0);
+        _mm256_store_ps(s + m * 16 + 8, v1);
+    }
+}
+
+static void qk_avx2(const float *kt, int D, const void *const *q, float *s, int R)
+{
+    for (int r = 0; r < R; r += 4)
+        switch (R - r) {
+        case 1: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 1); break;
+        case 2: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 2); break;
+        case 3: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 3); break;
+        default: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 4); break;
+        }
+}
+
+/* softmax_chunk on two ymm per row: visibility bits become lane masks (bit t of vis against
+ * 1 << t), the horizontal max is taken only when a visible score exceeds the running max. */
+static void softmax_avx2(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
+{
+    const __m256i bit0 = _mm256_set_epi32(128, 64, 32, 16, 8, 4, 2, 1);
+    const __m256i bit1 = _mm256_slli_epi32(bit0, 8);
+    const __m256 sc0 = i8 ? _mm256_load_ps(w->ksc) : _mm256_set1_ps(scl);
+    const __m256 sc1 = i8 ? _mm256_load_ps(w->ksc + 8) : _mm256_set1_ps(scl);
+    const __m256 ps0 = i8 ? _mm256_load_ps(w->vsc) : _mm256_set1_ps(1.f);
+    const __m256 ps1 = i8 ? _mm256_load_ps(w->vsc + 8) : _mm256_set1_ps(1.f);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int r = r0, ti = 0; r < r0 + RH; ti++) {
+        const uint32_t vis = w->vis[ti];
+        const __m256i vb = _mm256_set1_epi32((int)vis);
+        const __m256 m0 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(vb, bit0), bit0));
+        const __m256 m1 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(vb, bit1), bit1));
+        for (int g = 0; g < G; g++, r++) {
+            float *sp = w->sp + (size_t)r * 16;
+            const __m256 s0 = _mm256_mul_ps(_mm256_load_ps(sp), sc0);
+            const __m256 s1 = _mm256_mul_ps(_mm256_load_ps(sp + 8), sc1);
+            const float mo = w->m[r];
+            const __m256 vmo = _mm256_set1_ps(mo);
+            float mn = mo, c = 1.f;
+            const int gt = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(s0, vmo, _CMP_GT_OQ), m0)) |
+                           _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(s1, vmo, _CMP_GT_OQ), m1));
+            if (gt) {
+                __m256 x = _mm256_max_ps(_mm256_blendv_ps(ninf, s0, m0), _mm256_blendv_ps(ninf, s1, m1));
+                __m128 y = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+                y = _mm_max_ps(y, _mm_movehl_ps(y, y));
+                y = _mm_max_ss(y, _mm_movehdup_ps(y));
+                mn = _mm_cvtss_f32(y);
+                c = exp2f(mo - mn);  /* 0 for the first visible scores (mo = -inf) */
+            }
+            w->corr[r] = c;
+            if (mn == -INFINITY) {  /* nothing visible yet: P = 0, acc and l stay 0 */
+                _mm256_store_ps(sp, _mm256_setzero_ps());
+                _mm256_store_ps(sp + 8, _mm256_setzero_ps());
+                continue;
+            }
+            const __m256 vmn = _mm256_set1_ps(mn);
+            const __m256 p0 = _mm256_and_ps(exp2_ps8(_mm256_sub_ps(s0, vmn)), m0);
+            const __m256 p1 = _mm256_and_ps(exp2_ps8(_mm256_sub_ps(s1, vmn)), m1);
+            float *lv = w->lv + (size_t)r * 16;
+            const __m256 vc = _mm256_set1_ps(c);
+            _mm256_store_ps(lv, _mm256_fmadd_ps(_mm256_load_ps(lv), vc, p0));
+            _mm256_store_ps(lv + 8, _mm256_fmadd_ps(_mm256_load_ps(lv + 8), vc, p1));
+            _mm256_store_ps(sp, _mm256_mul_ps(p0, ps0));
+            _mm256_store_ps(sp + 8, _mm256_mul_ps(p1, ps1));
+            w->m[r] = mn;
+        }
+    }
+}
+
+/* acc[m][cb .. cb + 32) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR <= 3 rows: 12
+ * accumulators, each V vector loaded (and widened) once for all MR rows.  VM: PA_V_* of the
+ * rows vr; the pf chunk's twin lines are prefetched meanwhile (first row block only). */
+PA_AI void pv_tile_avx2(const float *P, int n, const void *const *vr, int cb, float *acc, int D,
+                        const float *corr, const char *const *pfv, int pn, size_t pfoff,
+                        const int VM, const int MR)
+{
+    __m256 a[3][4];
+    for (int m = 0; m < MR; m++) {
+        const __m256 c = _mm256_set1_ps(corr[m]);
+        for (int v = 0; v < 4; v++)
+            a[m][v] = _mm256_mul_ps(_mm256_load_ps(acc + (size_t)m * D + cb + v * 8), c);
+    }
+    for (int t = 0; t < n; t++) {
+        if (t < pn) {
+            if (VM == PA_V_F32) {
+                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 4, _MM_HINT_T0);
+                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 4 + 64, _MM_HINT_T0);
+            } else if (VM == PA_V_BF16) {
+                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 2, _MM_HINT_T0);
+            } else if ((cb & 63) == 0) {
+                _mm_prefetch(pfv[t] + pfoff + (size_t)cb, _MM_HINT_T0);
+            }
+        }
+        __m256 vv[4];
+        for (int v = 0; v < 4; v++) {
+            if (VM == PA_V_F32)
+                vv[v] = _mm256_loadu_ps((const float *)vr[t] + cb + v * 8);
+            else if (VM == PA_V_BF16)
+                vv[v] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128((const __m128i *)((const uint16_t *)vr[t] + cb + v * 8))), 16));
+            else
+                vv[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)((const int8_t *)vr[t] + cb + v * 8))));
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m256 p = _mm256_broadcast_ss(P + m * 16 + t);
+            for (int v = 0; v < 4; v++)
+                a[m][v] = _mm256_fmadd_ps(vv[v], p, a[m][v]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < 4; v++)
+            _mm256_store_ps(acc + (size_t)m * D + cb + v * 8, a[m][v]);
+}
+
+#define PA_PV2_ROWS(VM, mr, ...)                             \
+    switch (mr) {                                            \
+    case 1: pv_tile_avx2(__VA_ARGS__, VM, 1); break;         \
+    case 2: pv_tile_avx2(__VA_ARGS__, VM, 2); break;         \
+    default: pv_tile_avx2(__VA_ARGS__, VM, 3); break;        \
+    }
+
+/* Rows in blocks of 3, head_dim in blocks of 32 (D % 32 == 0). */
+static void pv_chunk_avx2(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, int D, int vm,
+                          const pa_pf_t *pf, size_t pfoff)
+{
+    for (int cb = 0; cb < D; cb += 32)
+        for (int r = r0; r < r0 + RH; r += 3) {
+            const int mr = r0 + RH - r;
+            const float *P = w->sp + (size_t)r * 16;
+            float *acc = w->acc + (size_t)r * D;
+            const float *corr = w->corr + r;
+            const int pn = pf && r == r0 ? pf->n : 0;
+            const char *const *pfv = pf ? pf->v : NULL;
+            if (vm == PA_V_BF16) { PA_PV2_ROWS(PA_V_BF16, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            else if (vm == PA_V_I8) { PA_PV2_ROWS(PA_V_I8, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            else { PA_PV2_ROWS(PA_V_F32, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+        }
+}
+
+/* One kv head (rows [r0, r0 + RH)) against the chunk's n positions, AVX2; pf: the chunk to
+ * prefetch meanwhile. */
+static void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+                      const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
+                      size_t hoff, const pa_pf_t *pf)
+{
+    const int D = J->D, kvdt = J->kvdt;
+    const void *vr[PA_CHUNK];
+    int vm = kvdt == DT_F32 ? PA_V_F32 : kvdt == DT_BF16 ? PA_V_BF16 : PA_V_I8;
+    const pa_pf_t *vpf = pf;
+    transpose_chunk_avx2(krow, hoff, n, D, kvdt, w->kt, pf);
+    qk_avx2(w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+    softmax_avx2(w, r0, RH, J->G, J->scl, kvdt == PA_KV_I8);
+    if (vm == PA_V_F32 || RH <= 3) {
+        for (int t = 0; t < n; t++)
+            vr[t] = vrow[t] + hoff;
+    } else {
+        /* Several row blocks would each widen V again: widen the chunk once. */
+        for (int t = 0; t < n; t++) {
+            const char *src = vrow[t] + hoff;
+            float *dst = w->vf + (size_t)t * D;
+            if (t < pf->n)
+                for (int d = 0; d < D * J->kesz; d += 64)
+                    _mm_prefetch(pf->v[t] + hoff + (size_t)d, _MM_HINT_T0);
+            for (int d = 0; d < D; d += 8)
+                _mm256_store_ps(dst + d, vm == PA_V_BF16
+                    ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                          _mm_loadu_si128((const __m128i *)((const uint16_t *)src + d))), 16))
+                    : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                          _mm_loadl_epi64((const __m128i *)((const int8_t *)src + d)))));
+            vr[t] = dst;
+        }
+        vm = PA_V_F32;
+        vpf = NULL;
+    }
+    pv_chunk_avx2(w, r0, RH, n, vr, D, vm, vpf, hoff);
+}
+
+#pragma GCC pop_options
+
 #endif /* PA_X86 */
 
 /* ------------------------------------------------------------------------- */
@@ -860,16 +1322,17 @@ static inline char *out_row(const pa_job_t *J, int tok0, int h0, int RH, int r)
                     J->D * J->esz;
 }
 
-/* K and V row addresses (for kv head 0) of the next min(left, 16) positions, from block
- * `*blk`, offset `*off` on (advanced past them); returns how many. */
+/* K and V row addresses (for kv head 0) and cache slots of the next min(left, 16)
+ * positions, from block `*blk`, offset `*off` on (advanced past them); returns how many. */
 static inline int chunk_rows(const int32_t *bt, int bs, const char *kbase, const char *vbase,
                              size_t row_stride, int left, int *blk, int *off,
-                             const char **krow, const char **vrow)
+                             const char **krow, const char **vrow, size_t *slots)
 {
     const int n = left < PA_CHUNK ? (left > 0 ? left : 0) : PA_CHUNK;
     int b = *blk, o = *off;
     for (int t = 0; t < n; t++) {
         const size_t slot = (size_t)bt[b] * bs + o;
+        slots[t] = slot;
         krow[t] = kbase + slot * row_stride;
         vrow[t] = vbase + slot * row_stride;
         if (++o == bs) {
@@ -917,8 +1380,9 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         atomic_store((_Atomic int *)&J->err, 1);  /* the one field items write */
         return;
     }
-    /* Only vdpbf16ps multiplies bf16 q as is; every other path wants fp32 q rows. */
-    const int widen_q = J->dt == DT_BF16 && J->isa != ISA_AVX512_BF16;
+    /* Only vdpbf16ps (bf16 q x bf16 K) multiplies bf16 q as is; every other path wants fp32
+     * q rows. */
+    const int widen_q = J->dt == DT_BF16 && !(J->kvdt == DT_BF16 && J->isa >= ISA_AVX512_BF16);
     for (int r = 0; r < RT; r++) {
         const int hi = r / RH, ri = r % RH;
         const char *src = J->q + ((size_t)(tok0 + ri / G) * J->qs_tok +
@@ -938,14 +1402,16 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
     memset(w->lv, 0, (size_t)RT * 16 * sizeof(float));
 
     const int32_t *bt = J->bt + (size_t)it->seq * J->MB;
-    const size_t row_stride = (size_t)J->KVH * D * esz;    /* bytes between positions */
-    const size_t head_bytes = (size_t)D * esz;
+    const size_t row_stride = (size_t)J->KVH * D * J->kesz;  /* bytes between positions */
+    const size_t head_bytes = (size_t)D * J->kesz;
     const size_t span = (size_t)it->nh * head_bytes;        /* the item's heads, per position */
     const char *kbase = J->k + (size_t)it->h0 * head_bytes;
     const char *vbase = J->v + (size_t)it->h0 * head_bytes;
     /* A prefetch cursor runs PA_PF_POS positions ahead of the compute: the item's first
      * PA_PF_POS positions are requested at once, later chunks line by line (pa_pf_t). */
     const char *krow[PA_CHUNK], *vrow[PA_CHUNK];
+    size_t slots[PA_CHUNK], pf_slots[PA_CHUNK];
+    const int i8 = J->kvdt == PA_KV_I8;
     pa_pf_t pf;
     int blk = it->c0 / J->BS, off = it->c0 % J->BS;
     int pf_blk = blk, pf_off = off, pf_pos = it->c0;
@@ -954,16 +1420,40 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
                                 &pf_blk, &pf_off);
     for (int pos0 = it->c0; pos0 < it->c1; pos0 += PA_CHUNK) {
         const int n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, it->c1 - pos0, &blk, &off,
-                                 krow, vrow);
+                                 krow, vrow, slots);
         pf.n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, it->c1 - pf_pos, &pf_blk, &pf_off,
-                          pf.k, pf.v);
+                          pf.k, pf.v, pf_slots);
         pf_pos += pf.n;
+        if (i8) {
+            /* The prefetch chunk's scales: a line holds 64 / (4 KVH) positions' worth. */
+            uintptr_t last = 0;
+            for (int t = 0; t < pf.n; t++) {
+                const float *ka = J->ks + pf_slots[t] * J->KVH + it->h0;
+                if (((uintptr_t)ka >> 6) != last) {
+                    last = (uintptr_t)ka >> 6;
+                    __builtin_prefetch(ka);
+                    __builtin_prefetch(J->vs + pf_slots[t] * J->KVH + it->h0);
+                }
+            }
+        }
         for (int i = 0; i < it->nt; i++)
             w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
         for (int hi = 0; hi < it->nh; hi++) {
+            if (i8) {
+                /* This head's scales of the chunk's positions; lanes past n are masked. */
+                const int h = it->h0 + hi;
+                for (int t = 0; t < PA_CHUNK; t++) {
+                    w->ksc[t] = t < n ? J->ks[slots[t] * J->KVH + h] * J->scl : 0.f;
+                    w->vsc[t] = t < n ? J->vs[slots[t] * J->KVH + h] : 0.f;
+                }
+            }
 #ifdef PA_X86
             if (J->isa >= ISA_AVX512) {
                 head_avx512(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
+                continue;
+            }
+            if (J->isa == ISA_AVX2) {
+                head_avx2(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
                 continue;
             }
 #endif
@@ -1090,6 +1580,8 @@ int pa_tree_attention(const pa_args_t *a)
     const int64_t W = a->mask_bits ? a->num_words : 0;
     if (T < 0 || H < 1 || D < 1 || KVH < 1 || H % KVH || NB < 0 || BS < 1 || S < 0 || MB < 0 ||
         (a->dtype != DT_F32 && a->dtype != DT_BF16) || (a->mask_bits && W < 1) ||
+        (a->kv_dtype != a->dtype && a->kv_dtype != PA_KV_I8) ||
+        (a->kv_dtype == PA_KV_I8 && (!a->k_scale || !a->v_scale)) ||
         T > INT32_MAX / 2 || H * D > INT32_MAX / 2 || D > 65536 || MB * BS > INT32_MAX / 2)
         return pa_err(PA_EDIMS, 0);
     if (T == 0)
@@ -1111,11 +1603,15 @@ int pa_tree_attention(const pa_args_t *a)
     J.S = (int)S; J.MB = (int)MB; J.W = (int)W; J.dt = (int)a->dtype;
     J.G = (int)(H / KVH);
     J.esz = J.dt == DT_F32 ? 4 : 2;
+    J.kvdt = (int)a->kv_dtype;
+    J.kesz = J.kvdt == DT_F32 ? 4 : J.kvdt == DT_BF16 ? 2 : 1;
+    J.ks = (const float *)(intptr_t)a->k_scale;
+    J.vs = (const float *)(intptr_t)a->v_scale;
     J.scl = (float)(a->scale * 1.4426950408889634);
     J.isa = pg_isa();
     if (D % 32)
         J.isa = ISA_PORTABLE;  /* the vector paths work in 32-wide blocks of head_dim */
-    J.perm = J.isa >= ISA_AVX512 && J.dt == DT_BF16;
+    J.perm = J.isa >= ISA_AVX512 && J.kvdt == DT_BF16;
 
     /* Validate everything the items will index with, before any work starts. */
     if (J.cu[0] != 0 || J.cu[S] != T)
@@ -1228,5 +1724,81 @@ int pa_tree_attention(const pa_args_t *a)
         return pa_err(PA_ENOMEM, 0);
     for (int g = 0; g < ngroups; g++)
         merge_parts(&J, &groups[g], merge_tmp);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- */
+/* Writing new K/V rows into an int8 cache                                    */
+/* ------------------------------------------------------------------------- */
+
+/* pa_store_kv_i8's arguments, one buffer as for pa_tree_attention (_STORE_ARGS in
+ * cpu_attention.py). */
+typedef struct {
+    int64_t k, v, k_cache, v_cache, k_scale, v_scale, slots;
+    int64_t k_stride_tok, k_stride_head, v_stride_tok, v_stride_head;  /* elements */
+    int64_t num_tokens, num_kv_heads, head_dim, num_slots, dtype;      /* dtype of k and v */
+} pa_store_args_t;
+
+/* One head's row: scale = amax / 127, dst = round(x / scale) (to nearest even, as torch.round)
+ * clamped to [-127, 127]; an all-zero row gets scale 0 and zeros.  Written like
+ * reference.quantize_kv, operation for operation (a true division, not a multiply by
+ * 1 / scale), so the two agree bit for bit.  Two passes over the source, both in L1. */
+static void quantize_row(const void *src, int dt, int D, int8_t *dst, float *scale)
+{
+    float amax = 0.f;
+    if (dt == DT_F32) {
+        const float *x = (const float *)src;
+        for (int d = 0; d < D; d++) {
+            const float a = fabsf(x[d]);
+            amax = a > amax ? a : amax;
+        }
+    } else {
+        const uint16_t *x = (const uint16_t *)src;
+        for (int d = 0; d < D; d++) {
+            const float a = fabsf(bf16_to_f32(x[d]));
+            amax = a > amax ? a : amax;
+        }
+    }
+    const float s = amax / 127.f;
+    *scale = s;
+    for (int d = 0; d < D; d++) {
+        const float x = dt == DT_F32 ? ((const float *)src)[d] : bf16_to_f32(((const uint16_t *)src)[d]);
+        float y = s > 0.f ? rintf(x / s) : 0.f;
+        y = y > 127.f ? 127.f : y < -127.f ? -127.f : y;
+        dst[d] = (int8_t)(y == y ? y : 0.f);  /* NaN input: 0 rather than undefined */
+    }
+}
+
+/* k_cache/v_cache slot s (int8 [num_slots][KVH][D]) and k_scale/v_scale slot s (fp32
+ * [num_slots][KVH]) = the quantized rows of token i, for s = slots[i] >= 0 (negative: skip).
+ * k, v: [num_tokens][KVH][D] fp32 or bf16 through their token / head strides.  Returns 0, or
+ * -(PS_ESLOT + 8 * i) for the first token i whose slot is >= num_slots (nothing written), or
+ * -PS_EDIMS. */
+int pa_store_kv_i8(const pa_store_args_t *a)
+{
+    const int64_t T = a->num_tokens, KVH = a->num_kv_heads, D = a->head_dim, NS = a->num_slots;
+    if (T < 0 || KVH < 1 || D < 1 || NS < 0 || (a->dtype != DT_F32 && a->dtype != DT_BF16) ||
+        T > INT32_MAX / 8)
+        return pa_err(PS_EDIMS, 0);
+    const int64_t *slots = (const int64_t *)(intptr_t)a->slots;
+    for (int64_t i = 0; i < T; i++)
+        if (slots[i] >= NS)
+            return pa_err(PS_ESLOT, i);
+    const int dt = (int)a->dtype;
+    const size_t esz = dt == DT_F32 ? 4 : 2;
+    const char *k = (const char *)(intptr_t)a->k, *v = (const char *)(intptr_t)a->v;
+    int8_t *kc = (int8_t *)(intptr_t)a->k_cache, *vc = (int8_t *)(intptr_t)a->v_cache;
+    float *ks = (float *)(intptr_t)a->k_scale, *vs = (float *)(intptr_t)a->v_scale;
+    for (int64_t i = 0; i < T; i++) {
+        if (slots[i] < 0)
+            continue;
+        for (int64_t h = 0; h < KVH; h++) {
+            const size_t at = (size_t)slots[i] * KVH + h;
+            quantize_row(k + (size_t)(i * a->k_stride_tok + h * a->k_stride_head) * esz, dt, (int)D,
+                         kc + at * D, ks + at);
+            quantize_row(v + (size_t)(i * a->v_stride_tok + h * a->v_stride_head) * esz, dt, (int)D,
+                         vc + at * D, vs + at);
+        }
+    }
     return 0;
 }

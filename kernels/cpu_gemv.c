@@ -18,9 +18,11 @@
  * costs a horizontal reduction per (row, input) pair, which is cheap next to the K/32
  * dot-product steps it ends.
  *
- * ISA: the AVX-512 kernels are compiled with per-function target attributes and
- * chosen at run time from CPUID, so the same source builds (and runs, on a portable
- * scalar path) without -march=native or on CPUs without AVX-512.
+ * ISA tiers (cpu_isa.h): AVX-512 (+BF16) and AVX2 + FMA kernels, each compiled in its
+ * own `#pragma GCC target` region and chosen at run time from CPUID (capped by
+ * pg_set_isa_cap), so the same source builds and runs without -march=native and on
+ * CPUs without AVX-512 or AVX2.  The portable tier is plain C that gcc vectorises, or
+ * NEON intrinsics on aarch64.
  *
  * Threads: one caller thread plus (nthreads - 1) persistent workers.  Work is handed
  * out in row chunks through one atomic ticket, so a worker that is slow to wake
@@ -43,6 +45,8 @@
 #include <math.h>
 
 #include "cpu_bf16.h"
+#include "cpu_isa.h"
+#include "cpu_gemv.h"
 
 #if defined(__linux__)
 #include <linux/futex.h>
@@ -60,7 +64,6 @@
 #endif
 
 #define PG_VERSION 3
-#define PG_MAX_M 16        /* rows of x handled in registers; more -> caller uses GEMM */
 #define PG_MAX_THREADS 16
 /* Work items per thread and call (see pg_linear).  Tuning knob; -D to override. */
 #ifndef PG_CHUNKS_PER_THREAD
@@ -73,8 +76,6 @@
 #define PG_PF_BYTES 8192
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
-enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
 
 /* ------------------------------------------------------------------------- */
 /* Job description                                                            */
@@ -83,7 +84,6 @@ enum { ISA_PORTABLE = 0, ISA_AVX512 = 1, ISA_AVX512_BF16 = 2 };
 /* A generic pool task (pg_parallel_for): run items [i0, i1) of the caller's job.  Other
  * kernels built into this .so (cpu_attention.c) share the pool through it: on a 2-core
  * machine two pools, each with a worker spinning on the second core, would fight. */
-typedef void (*pg_task_fn)(const void *ctx, int i0, int i1);
 
 typedef struct {
     pg_task_fn task;        /* NULL: the GEMV below; else task(task_ctx, n0, n1) per chunk
@@ -114,10 +114,122 @@ static inline void store1(const job_t *j, int m, int n, float v)
         ((uint16_t *)j->y)[off] = f32_to_bf16(v);
 }
 
+#if defined(__aarch64__)
 /* ------------------------------------------------------------------------- */
-/* Portable path (no AVX-512, or another architecture).  16 independent lane   */
-/* sums per dot product: gcc vectorises that without -ffast-math (a single     */
-/* scalar sum would be an order-dependent reduction it must keep serial).      */
+/* Portable tier on aarch64: NEON (in every aarch64 CPU).  32 q registers of  */
+/* 4 floats: a tile is NR = 4 weight rows x MR <= 4 inputs, 8 columns (two q  */
+/* vectors per row) per step, each weight vector loaded once and used for MR  */
+/* inputs.  MR <= 2 keeps separate accumulators for the two halves of a step  */
+/* (more FMA chains in flight); at MR = 4 the 16 accumulators suffice.  bf16  */
+/* weights widen exactly by a 16-bit shift (vshll).  Columns past the last    */
+/* multiple of 8 are summed in scalar code into the reduced totals.           */
+/* ------------------------------------------------------------------------- */
+#include <arm_neon.h>
+
+#define PG_NEON_PF(ptr) __builtin_prefetch((const char *)(ptr) + PG_PF_BYTES)
+
+static inline __attribute__((always_inline))
+void tile_neon(const job_t *j, const void *wp, const float *x, int n, int m0,
+               const int MR, const int NR, const int BF16)
+{
+    const int K = j->K;
+    const float *w32 = (const float *)wp;
+    const uint16_t *w16 = (const uint16_t *)wp;
+    const int H = MR <= 2 ? MR : 0;      /* accumulator offset of the second half */
+    float32x4_t acc[4][4];
+    for (int m = 0; m < MR + H; m++)
+        for (int r = 0; r < NR; r++)
+            acc[m][r] = vdupq_n_f32(0.f);
+    /* One prefetch per 64-byte line of each row: every 2nd (fp32) or 4th (bf16) step. */
+    const int line_mask = BF16 ? 31 : 15;
+    int k = 0;
+    for (; k + 8 <= K; k += 8) {
+        float32x4_t wl[4], wh[4];
+        if ((k & line_mask) == 0)
+            for (int r = 0; r < NR; r++)
+                PG_NEON_PF(BF16 ? (const void *)(w16 + (size_t)r * K + k)
+                                : (const void *)(w32 + (size_t)r * K + k));
+        for (int r = 0; r < NR; r++) {
+            if (BF16) {
+                const uint16x8_t h = vld1q_u16(w16 + (size_t)r * K + k);
+                wl[r] = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16));
+                wh[r] = vreinterpretq_f32_u32(vshll_high_n_u16(h, 16));
+            } else {
+                wl[r] = vld1q_f32(w32 + (size_t)r * K + k);
+                wh[r] = vld1q_f32(w32 + (size_t)r * K + k + 4);
+            }
+        }
+        for (int m = 0; m < MR; m++) {
+            const float32x4_t xl = vld1q_f32(x + (size_t)m * K + k);
+            const float32x4_t xh = vld1q_f32(x + (size_t)m * K + k + 4);
+            for (int r = 0; r < NR; r++) {
+                acc[m][r] = vfmaq_f32(acc[m][r], wl[r], xl);
+                acc[m + H][r] = vfmaq_f32(acc[m + H][r], wh[r], xh);
+            }
+        }
+    }
+    for (int m = 0; m < MR; m++) {
+        float s[4];
+        if (H)
+            for (int r = 0; r < NR; r++)
+                acc[m][r] = vaddq_f32(acc[m][r], acc[m + H][r]);
+        if (NR == 4) {
+            const float32x4_t t = vpaddq_f32(vpaddq_f32(acc[m][0], acc[m][1]),
+                                             vpaddq_f32(acc[m][2], acc[m][3]));
+            vst1q_f32(s, t);
+        } else {
+            for (int r = 0; r < NR; r++)
+                s[r] = vaddvq_f32(acc[m][r]);
+        }
+        for (int r = 0; r < NR; r++) {
+            for (int kk = k; kk < K; kk++) {
+                const float wv = BF16 ? bf16_to_f32(w16[(size_t)r * K + kk]) : w32[(size_t)r * K + kk];
+                s[r] += wv * x[(size_t)m * K + kk];
+            }
+            store1(j, m0 + m, n + r, s[r]);
+        }
+    }
+}
+
+#define PG_NEON_MR(MR, NR, BF16, ...)                                                    \
+    switch (MR) {                                                                        \
+    case 1: tile_neon(__VA_ARGS__, 1, NR, BF16); break;                                  \
+    case 2: tile_neon(__VA_ARGS__, 2, NR, BF16); break;                                  \
+    case 3: tile_neon(__VA_ARGS__, 3, NR, BF16); break;                                  \
+    default: tile_neon(__VA_ARGS__, 4, NR, BF16); break;                                 \
+    }
+
+/* Rows [n0, n1) x all M: 4-row tiles, inputs in blocks of 4 (the later blocks re-read the
+ * tile from L1; DRAM sees each weight byte once), then the leftover rows one at a time. */
+static inline __attribute__((always_inline)) void rows_neon(const job_t *j, int n0, int n1, const int BF16)
+{
+    const int K = j->K, M = j->M;
+    const size_t es = BF16 ? 2 : 4;
+    const char *W = (const char *)j->w;
+    const float *X = (const float *)j->xk;
+    int n = n0;
+    for (; n + 4 <= n1; n += 4)
+        for (int m0 = 0; m0 < M; m0 += 4)
+            PG_NEON_MR(M - m0, 4, BF16, j, W + (size_t)n * K * es, X + (size_t)m0 * K, n, m0)
+    for (; n < n1; n++)
+        for (int m0 = 0; m0 < M; m0 += 4)
+            PG_NEON_MR(M - m0, 1, BF16, j, W + (size_t)n * K * es, X + (size_t)m0 * K, n, m0)
+}
+
+static void rows_portable(const job_t *j, int n0, int n1)
+{
+    if (j->wdt == DT_F32)
+        rows_neon(j, n0, n1, 0);
+    else
+        rows_neon(j, n0, n1, 1);
+}
+
+#else /* !__aarch64__ */
+
+/* ------------------------------------------------------------------------- */
+/* Portable path (x86 without AVX2, other non-arm64 CPUs).  16 independent  */
+/* lane sums per dot product: gcc vectorises that without -ffast-math (a    */
+/* single scalar sum is an order-dependent reduction it must keep serial).  */
 /* ------------------------------------------------------------------------- */
 
 #define PG_LANES 16
@@ -165,36 +277,17 @@ static void rows_portable(const job_t *j, int n0, int n1)
         }
     }
 }
+#endif /* __aarch64__ */
 
 #ifdef PG_X86
 /* ------------------------------------------------------------------------- */
-/* AVX-512 kernels                                                            */
-/*                                                                            */
-/* Tile: NR weight rows x MR input rows, MR * NR <= 16 zmm accumulators (see */
-/* PG_ROWS_DRIVER for the shapes).  Each 64-byte weight chunk is loaded once  */
-/* and used MR times; the x chunks come from L1 (x is at most 16 x K).  Four  */
-/* rows give four independent accumulator chains at M = 1.  The epilogue     */
-/* reduces four accumulators at a time into one __m128 (for NR = 4 that is    */
-/* y[m, n..n+3], four contiguous outputs stored in one go).                   */
+/* Epilogue stores shared by the AVX2 and AVX-512 tiles: 128-bit SSE4.1 only, */
+/* so that they inline into both (gcc inlines only into callers whose ISA     */
+/* is a superset of the callee's).                                            */
 /* ------------------------------------------------------------------------- */
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,sse4.1")
-
-/* Reduce four 16-lane vectors to their four horizontal sums (one __m128). */
-static inline __attribute__((always_inline)) __m256 fold256(__m512 a)
-{
-    return _mm256_add_ps(_mm512_castps512_ps256(a),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-static inline __attribute__((always_inline)) __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
-{
-    __m256 ab = _mm256_hadd_ps(fold256(a), fold256(b)); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
-    __m256 cd = _mm256_hadd_ps(fold256(c), fold256(d));
-    __m256 abcd = _mm256_hadd_ps(ab, cd);               /* a0-3 b0-3 c0-3 d0-3 | a4-7 ...   */
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
+#pragma GCC target("sse4.1")
 
 /* fp32 -> bf16 round-to-nearest-even for 4 lanes, NaNs kept quiet (matches f32_to_bf16);
  * integer ops only, so it needs no AVX512_BF16. Result in the low 64 bits. */
@@ -258,6 +351,37 @@ static inline __attribute__((always_inline)) void store_2x2(const job_t *j, int 
     }
 }
 
+#pragma GCC pop_options
+
+/* ------------------------------------------------------------------------- */
+/* AVX-512 kernels                                                            */
+/*                                                                            */
+/* Tile: NR weight rows x MR input rows, MR * NR <= 16 zmm accumulators (see */
+/* PG_ROWS_DRIVER for the shapes).  Each 64-byte weight chunk is loaded once  */
+/* and used MR times; the x chunks come from L1 (x is at most 16 x K).  Four  */
+/* rows give four independent accumulator chains at M = 1.  The epilogue     */
+/* reduces four accumulators at a time into one __m128 (for NR = 4 that is    */
+/* y[m, n..n+3], four contiguous outputs stored in one go).                   */
+/* ------------------------------------------------------------------------- */
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,sse4.1")
+
+/* Reduce four 16-lane vectors to their four horizontal sums (one __m128). */
+static inline __attribute__((always_inline)) __m256 fold256(__m512 a)
+{
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+static inline __attribute__((always_inline)) __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d)
+{
+    __m256 ab = _mm256_hadd_ps(fold256(a), fold256(b)); /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m256 cd = _mm256_hadd_ps(fold256(c), fold256(d));
+    __m256 abcd = _mm256_hadd_ps(ab, cd);               /* a0-3 b0-3 c0-3 d0-3 | a4-7 ...   */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
 /* Epilogue: reduce acc[m][r] (sums for y[m0 + m, n + r]) four at a time and store.
  * NR == 4: one contiguous y[m, n..n+3] per input row; NR == 2: 2x2 blocks; NR == 1:
  * four inputs of one row. */
@@ -317,6 +441,7 @@ void tile_f32(const job_t *j, const float *w, const float *x, int n, int m0,
         }
         for (int m = 0; m < MR; m++) {
             __m512 xv = _mm512_loadu_ps(x + (size_t)m * K + k);
+            if (NR > 1) PG_KEEP(xv);
             for (int r = 0; r < NR; r++)
                 acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
         }
@@ -362,6 +487,7 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
         }
         for (int m = 0; m < MR; m++) {
             __m512 xv = _mm512_maskz_loadu_ps(mk, x + (size_t)m * K + k);
+            if (NR > 1) PG_KEEP(xv);
             for (int r = 0; r < NR; r++)
                 acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
         }
@@ -453,6 +579,7 @@ void tile_bf16(const job_t *j, const uint16_t *w, const uint16_t *x, int n, int 
         }
         for (int m = 0; m < MR; m++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (size_t)m * K + k));
+            if (NR > 1) PG_KEEP(xv);
             for (int r = 0; r < NR; r++)
                 acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
         }
@@ -485,6 +612,223 @@ static void cvt_f32_to_bf16_avx512bf16(const float *src, uint16_t *dst, size_t n
 }
 
 #pragma GCC pop_options
+
+/* ------------------------------------------------------------------------- */
+/* AVX2 + FMA kernels (ISA_AVX2: Haswell, Zen 1-3)                            */
+/*                                                                            */
+/* The AVX-512 tiles' scheme in 8-lane ymm registers, of which there are only */
+/* 16: a tile keeps MR x NR accumulators, its NR weight vectors (each loaded  */
+/* once and used for MR inputs) and one x vector live, so MR * NR + NR + 1   */
+/* <= 16.  Shapes (see PG_ROWS_DRIVER_AVX2): 4 rows x 1-2 inputs, else 2 rows */
+/* x up to 6 inputs per pass (15 registers), the inputs split into passes as */
+/* evenly as possible; leftover rows 1 x up to 8.  x is loaded into a        */
+/* register once per step (a memory-operand FMA per weight row made M >= 3    */
+/* load-bound: 50 -> 63 GMAC/s on one core, of a 67 GMAC/s ymm FMA peak).     */
+/* One software prefetch per 64-byte line of each weight row, as in the       */
+/* AVX-512 tiles.  In a -march=native build on an AVX-512 CPU the region adds */
+/* to the AVX-512 flags (gcc then may use EVEX encodings and ymm16-31); the   */
+/* generic build (tested) is pure AVX2.                                       */
+/* ------------------------------------------------------------------------- */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+/* The four horizontal sums of a, b, c, d (8 lanes each) as one __m128. */
+static inline __attribute__((always_inline)) __m128 hsum4_ymm(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    __m256 ab = _mm256_hadd_ps(a, b);      /* a01 a23 b01 b23 | a45 a67 b45 b67 */
+    __m256 cd = _mm256_hadd_ps(c, d);
+    __m256 abcd = _mm256_hadd_ps(ab, cd);  /* a0-3 b0-3 c0-3 d0-3 | a4-7 ...   */
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* As emit_tile: reduce acc[m][r] (sums for y[m0 + m, n + r]) four at a time and store. */
+static inline __attribute__((always_inline))
+void emit_tile_ymm(const job_t *j, __m256 acc[8][4], int n, int m0, const int MR, const int NR)
+{
+    const __m256 z = _mm256_setzero_ps();
+    if (NR == 4) {
+        for (int m = 0; m < MR; m++)
+            store_row4(j, m0 + m, n, hsum4_ymm(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    } else if (NR == 2) {
+        for (int m = 0; m < MR; m += 2) {
+            const int two = m + 1 < MR;
+            store_2x2(j, m0 + m, n, hsum4_ymm(acc[m][0], acc[m][1], two ? acc[m + 1][0] : z,
+                                              two ? acc[m + 1][1] : z), two);
+        }
+    } else {
+        for (int m = 0; m < MR; m += 4)
+            store_col4(j, m0 + m, MR - m < 4 ? MR - m : 4, n,
+                       hsum4_ymm(acc[m][0], m + 1 < MR ? acc[m + 1][0] : z,
+                                 m + 2 < MR ? acc[m + 2][0] : z, m + 3 < MR ? acc[m + 3][0] : z));
+    }
+}
+
+/* Lane masks for the last K % 8 columns: g_lanes8 + 8 - r enables lanes [0, r). */
+static const int32_t g_lanes8[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+
+/* One 8-column step of a tile: the NR weight vectors wv times MR x vectors, into
+ * accumulator rows A..A+MR-1.  At MR = 1 the steps alternate between two accumulator sets
+ * (A = 0, 1; summed in PG_YMM_FOLD): 4 rows alone are 4 FMA chains, which at FMA latency 4
+ * cap a cache-resident M = 1 at one FMA per cycle. */
+#define PG_YMM_STEP(XLOAD, A)                                                            \
+    do {                                                                                 \
+        for (int r = 0; r < NR; r++)                                                     \
+            PG_KEEP(wv[r]);                                                              \
+        for (int m = 0; m < MR; m++) {                                                   \
+            __m256 xv = XLOAD;                                                           \
+            if (NR > 1) PG_KEEP(xv);                                                     \
+            for (int r = 0; r < NR; r++)                                                 \
+                acc[m + (A)][r] = _mm256_fmadd_ps(wv[r], xv, acc[m + (A)][r]);           \
+        }                                                                                \
+    } while (0)
+#define PG_YMM_SETS (MR == 1 ? 2 : 1)
+#define PG_YMM_INIT                                                                      \
+    for (int m = 0; m < MR * PG_YMM_SETS; m++)                                           \
+        for (int r = 0; r < NR; r++)                                                     \
+            acc[m][r] = _mm256_setzero_ps()
+#define PG_YMM_FOLD                                                                      \
+    if (MR == 1)                                                                         \
+        for (int r = 0; r < NR; r++)                                                     \
+            acc[0][r] = _mm256_add_ps(acc[0][r], acc[1][r])
+
+/* fp32 weights, fp32 x: a 64-byte line (16 floats, two steps) of each row per iteration. */
+static inline __attribute__((always_inline))
+void tile2_f32(const job_t *j, const float *w, const float *x, int n, int m0,
+               const int MR, const int NR, int pf, int pfB)
+{
+    const int K = j->K;
+    __m256 acc[8][4], wv[4];
+    PG_YMM_INIT;
+    int k = 0;
+    for (; k + 16 <= K; k += 16) {
+        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH(w + (size_t)r * K + k));
+        for (int h = 0; h < 16; h += 8) {
+            for (int r = 0; r < NR; r++)
+                wv[r] = _mm256_loadu_ps(w + (size_t)r * K + k + h);
+            PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k + h), PG_YMM_SETS == 2 ? (h >> 3) & 1 : 0);
+        }
+    }
+    if (k + 8 <= K) {
+        for (int r = 0; r < NR; r++)
+            wv[r] = _mm256_loadu_ps(w + (size_t)r * K + k);
+        PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k), 0);
+        k += 8;
+    }
+    if (k < K) {
+        /* Masked lanes load as 0 in both operands (and never fault). */
+        const __m256i mk = _mm256_loadu_si256((const __m256i *)(g_lanes8 + 8 - (K - k)));
+        for (int r = 0; r < NR; r++)
+            wv[r] = _mm256_maskload_ps(w + (size_t)r * K + k, mk);
+        PG_YMM_STEP(_mm256_maskload_ps(x + (size_t)m * K + k, mk), 0);
+    }
+    PG_YMM_FOLD;
+    emit_tile_ymm(j, acc, n, m0, MR, NR);
+}
+
+/* 8 bf16 -> 8 fp32: zero-extend to 32 bits, shift the bf16 into the high half (exact). */
+static inline __attribute__((always_inline)) __m256 bf16x8_to_f32_ymm(const uint16_t *p)
+{
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* bf16 weights, fp32 x: a 64-byte line (32 bf16, four steps) of each row per iteration. */
+static inline __attribute__((always_inline))
+void tile2_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0,
+                 const int MR, const int NR, int pf, int pfB)
+{
+    const int K = j->K;
+    __m256 acc[8][4], wv[4];
+    PG_YMM_INIT;
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH(w + (size_t)r * K + k));
+        for (int h = 0; h < 32; h += 8) {
+            for (int r = 0; r < NR; r++)
+                wv[r] = bf16x8_to_f32_ymm(w + (size_t)r * K + k + h);
+            PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k + h), PG_YMM_SETS == 2 ? (h >> 3) & 1 : 0);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        for (int r = 0; r < NR; r++)
+            wv[r] = bf16x8_to_f32_ymm(w + (size_t)r * K + k);
+        PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k), 0);
+    }
+    if (k < K) {
+        /* No 16-bit masked load in AVX2: copy the < 8 last weights into a zeroed buffer
+         * (once per tile); x's masked lanes load as 0. */
+        const __m256i mk = _mm256_loadu_si256((const __m256i *)(g_lanes8 + 8 - (K - k)));
+        for (int r = 0; r < NR; r++) {
+            uint16_t t[8] = {0};
+            memcpy(t, w + (size_t)r * K + k, (size_t)(K - k) * 2);
+            wv[r] = bf16x8_to_f32_ymm(t);
+        }
+        PG_YMM_STEP(_mm256_maskload_ps(x + (size_t)m * K + k, mk), 0);
+    }
+    PG_YMM_FOLD;
+    emit_tile_ymm(j, acc, n, m0, MR, NR);
+}
+
+/* Rows [n0, n1) for all M with the AVX2 tile `TILE`.  M <= 2: 4 rows x M (4 independent
+ * FMA chains per input at M = 1).  M >= 3: 2 rows x up to 6 inputs, the M inputs in
+ * B = ceil(M / 6) passes over the 2-row tile (later passes re-read it from L1; DRAM sees
+ * each weight byte once), pass b prefetching the lines s = b (mod B).  Rows left over: one
+ * row x up to 8 inputs. */
+#define PG_TILE_MR6(TILE, MR, NR, ...)                                                   \
+    switch (MR) {                                                                        \
+    case 1: TILE(__VA_ARGS__, 1, NR, pfb, pfB); break;                                   \
+    case 2: TILE(__VA_ARGS__, 2, NR, pfb, pfB); break;                                   \
+    case 3: TILE(__VA_ARGS__, 3, NR, pfb, pfB); break;                                   \
+    case 4: TILE(__VA_ARGS__, 4, NR, pfb, pfB); break;                                   \
+    case 5: TILE(__VA_ARGS__, 5, NR, pfb, pfB); break;                                   \
+    default: TILE(__VA_ARGS__, 6, NR, pfb, pfB); break;                                  \
+    }
+#define PG_TILE_MR8(TILE, MR, NR, ...)                                                   \
+    switch (MR) {                                                                        \
+    case 7: TILE(__VA_ARGS__, 7, NR, pfb, pfB); break;                                   \
+    case 8: TILE(__VA_ARGS__, 8, NR, pfb, pfB); break;                                   \
+    default: PG_TILE_MR6(TILE, MR, NR, __VA_ARGS__) break;                               \
+    }
+
+#define PG_ROWS_DRIVER_AVX2(NAME, TILE, WT)                                              \
+    static void NAME(const job_t *j, int n0, int n1)                                     \
+    {                                                                                    \
+        const int K = j->K, M = j->M;                                                    \
+        const WT *W = (const WT *)j->w;                                                  \
+        const float *X = (const float *)j->xk;                                           \
+        int n = n0, pfb = 0, pfB = 1;                                                    \
+        if (M <= 2) {                                                                    \
+            for (; n + 4 <= n1; n += 4) {                                                \
+                if (M == 1) TILE(j, W + (size_t)n * K, X, n, 0, 1, 4, 0, 1);             \
+                else TILE(j, W + (size_t)n * K, X, n, 0, 2, 4, 0, 1);                    \
+            }                                                                            \
+        } else {                                                                         \
+            pfB = (M + 5) / 6;                                                           \
+            for (; n + 2 <= n1; n += 2) {                                                \
+                const WT *w = W + (size_t)n * K;                                         \
+                int m0 = 0;                                                              \
+                for (pfb = 0; pfb < pfB; pfb++) {                                        \
+                    /* ceil(rest / passes left): <= 6 since pfB = ceil(M / 6) */         \
+                    const int mr = (M - m0 + pfB - pfb - 1) / (pfB - pfb);               \
+                    PG_TILE_MR6(TILE, mr, 2, j, w, X + (size_t)m0 * K, n, m0)            \
+                    m0 += mr;                                                            \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+        pfb = 0; pfB = 0; /* leftover rows: too few to be worth prefetching */           \
+        for (; n < n1; n++) {                                                            \
+            const WT *w = W + (size_t)n * K;                                             \
+            for (int m0 = 0; m0 < M; m0 += 8) {                                          \
+                PG_TILE_MR8(TILE, M - m0 < 8 ? M - m0 : 8, 1, j, w, X + (size_t)m0 * K, n, m0) \
+            }                                                                            \
+        }                                                                                \
+    }
+
+PG_ROWS_DRIVER_AVX2(rows_avx2_f32, tile2_f32, float)
+PG_ROWS_DRIVER_AVX2(rows_avx2_bf16w, tile2_bf16w, uint16_t)
+
+#pragma GCC pop_options
 #endif /* PG_X86 */
 
 /* ------------------------------------------------------------------------- */
@@ -500,22 +844,25 @@ static int detect_isa(void)
     unsigned a, b, c, d;
     if (!__get_cpuid(1, &a, &b, &c, &d))
         return ISA_PORTABLE;
-    const int fma = (c >> 12) & 1;
+    const int fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
     if (!(c & (1u << 27)))          /* OSXSAVE */
         return ISA_PORTABLE;
-    /* XCR0: the OS must save SSE, AVX, opmask, ZMM_Hi256 and Hi16_ZMM state. */
+    /* XCR0: the OS must save SSE and AVX state (bits 1-2) for AVX2, and also opmask,
+     * ZMM_Hi256 and Hi16_ZMM (bits 5-7) for AVX-512. */
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & 0xe6u) != 0xe6u)
-        return ISA_PORTABLE;
-    if (__get_cpuid_max(0, NULL) < 7)
+    if ((lo & 0x6u) != 0x6u || __get_cpuid_max(0, NULL) < 7)
         return ISA_PORTABLE;
     __cpuid_count(7, 0, a, b, c, d);
-    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
-    if (!(f && dq && bw && vl && fma))
+    const int avx2 = (b >> 5) & 1;
+    if (!(avx2 && fma && f16c))
         return ISA_PORTABLE;
+    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
+    if (!(f && dq && bw && vl) || (lo & 0xe6u) != 0xe6u)
+        return ISA_AVX2;
+    const int vnni = (c >> 11) & 1;
     __cpuid_count(7, 1, a, b, c, d);
-    if ((a >> 5) & 1)               /* AVX512_BF16 */
+    if (((a >> 5) & 1) && vnni)     /* AVX512_BF16 (+ VNNI, which every such CPU has) */
         return ISA_AVX512_BF16;
     return ISA_AVX512;
 #else
@@ -544,6 +891,13 @@ static void run_rows(const job_t *j, int n0, int n1)
             rows_avx512_bf16(j, n0, n1);
         else
             rows_avx512_bf16w(j, n0, n1);
+        return;
+    }
+    if (j->isa == ISA_AVX2) {
+        if (j->wdt == DT_F32)
+            rows_avx2_f32(j, n0, n1);
+        else
+            rows_avx2_bf16w(j, n0, n1);
         return;
     }
 #endif
@@ -581,6 +935,8 @@ static inline void cpu_relax(void)
 {
 #ifdef PG_X86
     _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
 #endif
 }
 
@@ -749,7 +1105,8 @@ int pg_max_m(void) { return PG_MAX_M; }
 int pg_isa(void) { return current_isa(); }
 int pg_num_threads(void) { return g_nthreads; }
 
-/* Cap the ISA (0 portable, 1 AVX-512, 2 AVX-512+BF16); returns the ISA now in use. */
+/* Cap the ISA tier (cpu_isa.h: 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512+BF16); returns the
+ * tier now in use. */
 int pg_set_isa_cap(int cap)
 {
     g_isa_cap = cap;
@@ -859,6 +1216,50 @@ void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk)
     pool_run(&j);
 }
 
+/* Streaming-read probe (latency_bench/gemv_bench.py): the XOR of the 64-bit words of
+ * buf[0, bytes), read over the pool in 64 KB chunks with the kernels' software prefetch, so
+ * that its GB/s is the read bandwidth the GEMV tiles can hope for on this machine.  XOR is
+ * order-independent, so gcc vectorises the loop at whatever width the build allows. */
+typedef struct {
+    const uint64_t *p;
+    size_t words;
+    _Atomic uint64_t acc;
+} probe_t;
+
+#define PG_PROBE_WORDS 8192   /* 64 KB per pool item */
+
+static void probe_task(const void *ctx, int i0, int i1)
+{
+    probe_t *pr = (probe_t *)ctx;
+    uint64_t a[8] = {0};
+    for (int c = i0; c < i1; c++) {
+        size_t w0 = (size_t)c * PG_PROBE_WORDS;
+        size_t w1 = w0 + PG_PROBE_WORDS < pr->words ? w0 + PG_PROBE_WORDS : pr->words;
+        size_t w = w0;
+        for (; w + 8 <= w1; w += 8) {
+            __builtin_prefetch((const char *)(pr->p + w) + PG_PF_BYTES);
+            for (int i = 0; i < 8; i++)
+                a[i] ^= pr->p[w + i];
+        }
+        for (; w < w1; w++)
+            a[0] ^= pr->p[w];
+    }
+    atomic_fetch_xor(&pr->acc, a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7]);
+}
+
+uint64_t pg_read_probe(const void *buf, size_t bytes)
+{
+    probe_t pr;
+    pr.p = (const uint64_t *)buf;
+    pr.words = bytes / 8;
+    atomic_init(&pr.acc, 0);
+    size_t items = (pr.words + PG_PROBE_WORDS - 1) / PG_PROBE_WORDS;
+    if (items > 0x7fffffff)
+        return 0;
+    pg_parallel_for(probe_task, &pr, (int)items, 4);
+    return atomic_load(&pr.acc);
+}
+
 /* Per-thread scratch for converted activations (M*K elements, tiny). */
 static __thread void *tl_scratch = NULL;
 static __thread size_t tl_scratch_cap = 0;
@@ -938,15 +1339,11 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     return 0;
 }
 
-/* The same with the weight's fixed arguments in a descriptor built once per weight:
- * through ctypes every argument costs ~70 ns, and a decode step makes ~200 calls. */
-typedef struct {
-    const void *w;
-    const float *bias;
-    int32_t wdt, N, K;
-} pg_weight_t;
-
+/* The same with the weight's fixed arguments in a descriptor (cpu_gemv.h); block-format
+ * weights go to cpu_qgemv.c. */
 int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
 {
+    if (d->wdt >= DT_Q_FIRST)
+        return pq_linear_w(d, x, y, M, xdt);
     return pg_linear(d->w, d->wdt, d->bias, x, xdt, y, M, d->N, d->K);
 }

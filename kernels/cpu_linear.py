@@ -2,11 +2,12 @@
 
 ``F.linear`` at M=1 streams weights at roughly a third of DRAM bandwidth on the target CPUs
 (see docs/CPU_PERFORMANCE.md).  This module wraps ``cpu_gemv.c``: a plain-C,
-multi-threaded, bandwidth-bound matrix-vector kernel (AVX512_BF16 ``vdpbf16ps`` for bf16
-weights, AVX-512 FMA for fp32, a portable path otherwise) that reuses each weight chunk for all
-M input rows.  The C file is compiled with the system C compiler at first use, cached per user
-under ``~/.cache/prescient/kernels`` (keyed by a hash of the source, flags, compiler and CPU),
-and called through ctypes with tensor data pointers.  If no compiler is found or the build
+multi-threaded, bandwidth-bound matrix-vector kernel that reuses each weight chunk for all M
+input rows, in ISA tiers (``ISA_TIERS``): AVX512_BF16 ``vdpbf16ps`` for bf16 weights, AVX-512
+FMA, AVX2 + FMA, and a portable path (NEON intrinsics on aarch64, plain C elsewhere).  The C
+file is compiled with the system C compiler at first use, cached per user under
+``~/.cache/prescient/kernels`` (keyed by a hash of the source, flags, compiler and CPU), and
+called through ctypes with tensor data pointers.  If no compiler is found or the build
 fails, every call falls back to ``torch.nn.functional.linear`` and one warning is logged.
 The same .so also holds the CPU tree-attention kernel (``cpu_attention.c``, wrapped by
 ``cpu_attention.py``), so both share one thread pool; ``library()`` hands it out.
@@ -18,22 +19,31 @@ Public API::
     y = lin(x, out=buf)                           # same, into a preallocated buffer (~1 us less)
     available()                                   # True when the C kernel is in use
     library()                                     # the .so (also cpu_attention's), or None
-    kernel_info()                                 # ISA, threads, .so path, or why not
+    kernel_info()                                 # ISA tier in use, threads, .so path, or why not
+    machine_tiers()                               # ISA tiers this CPU runs, lowest first
+    prefill_mode()                                # how a bf16 weight's M > 16 call runs now
     set_num_threads(n), set_spin(spin_us, yield_us)
 
 The weight keeps torch's [out, in] row-major layout (no copy when it is already contiguous and
 of the requested dtype), so M > 16 calls (prefill) use the same tensor with ``F.linear`` and a
-tied LM head can share the embedding table.
+tied LM head can share the embedding table.  Prefill of a bf16 weight below the avx512_bf16
+tier does not use a bf16 GEMM: without AVX512_BF16, oneDNN's bf16 GEMM is several times
+slower than fp32 (150 vs 34 ms for 512x576 @ 576x3072, one thread, oneDNN capped at AVX2),
+so the weight is widened to fp32 a row block at a time (sized for L2) and each block is
+multiplied into its output columns; no full fp32 copy of the weight is ever held.  The tier
+deciding this is ``pg_isa()`` (capped by PRESCIENT_ISA), so the AVX2 path runs on any CPU.
 
 Numerics: fp32 accumulation.  bf16 weights on AVX512_BF16 multiply bf16 activations (an fp32
 x is rounded to bf16 once per call, as F.linear on a bf16 weight would); elsewhere x stays
-fp32.  A bf16 output is rounded to nearest even from the fp32 sum.
+fp32 (also in the blocked prefill).  A bf16 output is rounded to nearest even from the fp32
+sum.
 
 Threads: the kernel runs its own pool (caller + 1 worker by default), independent of torch's
 intra-op threads.  On a 2-core machine use ``torch.set_num_threads(1)`` next to it: torch's
 OpenMP worker would otherwise compete for the core the pool's worker spins on.  Calls may come
 from any thread; the pool serves one call at a time and a concurrent caller runs on its own
-thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel,
+thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel, ``PRESCIENT_ISA=portable|avx2|
+avx512|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
 ``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
 build cache.
@@ -66,10 +76,12 @@ MAX_M = 16
 
 _SRC = Path(__file__).with_name("cpu_gemv.c")
 # Every C source of the .so (one library, one thread pool): all are hashed and compiled.
-_SOURCES = (_SRC, Path(__file__).with_name("cpu_attention.c"))
-_HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)  # included by both; hashed, not compiled
+_SOURCES = (_SRC, *(Path(__file__).with_name(f) for f in ("cpu_attention.c", "cpu_qgemv.c", "cpu_qgemv_k.c", "cpu_layer.c")))
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_bf16.h", "cpu_isa.h", "cpu_gemv.h", "cpu_qgemv.h"))  # hashed, not compiled
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-_ISA_NAMES = {0: "portable", 1: "avx512", 2: "avx512_bf16"}
+#: ISA tiers (kernels/cpu_isa.h), lowest first; PRESCIENT_ISA=<name> caps the tier in use.
+_ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+ISA_TIERS = tuple(_ISA_NAMES.values())
 
 _C_VERSION = 3  # must match PG_VERSION in cpu_gemv.c
 
@@ -201,10 +213,24 @@ def _bind(lib: ctypes.CDLL) -> None:
     _lib = lib
 
 
+def _env_isa_cap() -> Optional[int]:
+    """PRESCIENT_ISA as a tier index (None when unset); ValueError naming the valid tiers."""
+    isa = os.environ.get("PRESCIENT_ISA", "").strip().lower()
+    if not isa:
+        return None
+    if isa not in ISA_TIERS:
+        raise ValueError(f"PRESCIENT_ISA={os.environ['PRESCIENT_ISA']!r}: expected one of "
+                         f"{', '.join(ISA_TIERS)}")
+    return ISA_TIERS.index(isa)
+
+
 def _apply_env(lib: ctypes.CDLL) -> None:
     n = os.environ.get("PRESCIENT_GEMV_THREADS")
     if n:
         lib.pg_set_num_threads(int(n))
+    cap = _env_isa_cap()
+    if cap is not None:
+        lib.pg_set_isa_cap(cap)
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
     if spin:
         parts = [int(p) for p in spin.split(",")]
@@ -217,6 +243,7 @@ def _load_library() -> None:
     with _lock:
         if _lib_tried:
             return
+        _env_isa_cap()  # a bad PRESCIENT_ISA raises here, on every call, before anything loads
         _lib_tried = True
         errors = []
         cc = _compiler()
@@ -310,15 +337,64 @@ def set_spin(spin_us: int, yield_us: int = 3000) -> None:
         lib.pg_set_spin_us(int(spin_us), int(yield_us))
 
 
-def _set_isa_cap(cap: int) -> str:
-    """Testing hook: 0 portable, 1 AVX-512 (bf16 via widening), 2 AVX512_BF16; also caps
-    cpu_attention, which shares the .so."""
+def _set_isa_cap(cap: int | str) -> str:
+    """Cap the tier (an index or a name of ISA_TIERS; 99 = none) and return the tier now in use;
+    also caps cpu_attention and cpu_qgemv, which share the .so.  For tests and benchmarks."""
+    if isinstance(cap, str):
+        cap = ISA_TIERS.index(cap)
     return _ISA_NAMES[library().pg_set_isa_cap(int(cap))]
+
+
+def machine_tiers() -> list[str]:
+    """The tiers this CPU can run, lowest first (what the kernel tests sweep)."""
+    lib = library()
+    if lib is None:
+        return []
+    cur = lib.pg_isa()
+    lib.pg_set_isa_cap(99)
+    best = lib.pg_isa()
+    lib.pg_set_isa_cap(cur if cur != best else 99)
+    return list(ISA_TIERS[:best + 1])
 
 
 def _set_solo_bytes(n: int) -> None:
     """Testing/tuning hook: matrices under ``n`` weight bytes run on the calling thread only."""
     _lib.pg_set_solo_bytes(int(n))
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill (M > MAX_M) of bf16 weights
+# --------------------------------------------------------------------------------------------
+
+#: fp32 bytes of one weight row block of the blocked prefill: half of a 1 MB L2 (Zen 4/5;
+#: Intel server cores have 1-2 MB), leaving room for the x and y panels the GEMM streams.
+#: 512x576 @ 576x49152 on one core: blocks of 256 rows 292 ms, 512 rows 445 ms.
+_PREFILL_BLOCK_BYTES = 512 * 1024
+_cpu_flags_bf16: Optional[bool] = None
+
+
+def _prefill_rows(K: int, N: int) -> int:
+    """Weight rows per block: a multiple of 16 in [16, N] near _PREFILL_BLOCK_BYTES."""
+    rows = max(16, _PREFILL_BLOCK_BYTES // (4 * K) // 16 * 16)
+    return min(rows, N)
+
+
+def _bf16_gemm_native() -> bool:
+    """Whether torch's bf16 GEMM is the fast path: the tier in use (``pg_isa()``, so capped by
+    PRESCIENT_ISA / _set_isa_cap) has AVX512_BF16.  Without the .so, the CPU flags decide
+    (avx512_bf16 or amx_bf16 on x86, the bf16 extension on aarch64)."""
+    global _cpu_flags_bf16
+    if _lib is not None:
+        return _lib.pg_isa() >= ISA_TIERS.index("avx512_bf16")
+    if _cpu_flags_bf16 is None:
+        flags = set(_cpu_signature().split())
+        _cpu_flags_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return _cpu_flags_bf16
+
+
+def prefill_mode() -> str:
+    """How a bf16 weight's M > MAX_M call runs now: 'bf16_gemm' (F.linear) or 'fp32_blocked'."""
+    return "bf16_gemm" if _bf16_gemm_native() else "fp32_blocked"
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,7 +404,9 @@ def _set_solo_bytes(n: int) -> None:
 class PackedLinear:
     """A weight ready for the small-M kernel.  ``__call__(x)``: x [..., in_features] fp32 or
     bf16 on CPU -> y [..., out_features] of x's dtype; M = prod(x.shape[:-1]).  M <= 16 runs
-    the C kernel (fp32 accumulation), larger M, other devices/dtypes or autograd use F.linear.
+    the C kernel (fp32 accumulation), larger M a GEMM (``fallback``: F.linear, or the fp32
+    row-block GEMM for a bf16 weight below avx512_bf16); other devices/dtypes or autograd use
+    F.linear.
     Inference only: the weight is held detached (a gradient reaches x, never the weight)."""
 
     __slots__ = ("weight", "bias", "in_features", "out_features", "dtype",
@@ -361,11 +439,56 @@ class PackedLinear:
         return (f"PackedLinear(in={self.in_features}, out={self.out_features}, "
                 f"dtype={self.dtype}, bias={self.bias is not None})")
 
-    def fallback(self, x: torch.Tensor) -> torch.Tensor:
-        """F.linear on the same weight (used for M > MAX_M and whenever the kernel can't run)."""
+    def fallback(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The GEMM path (M > MAX_M, and whenever the kernel can't run): F.linear on the same
+        weight, except a bf16 weight on a tier without AVX512_BF16, which runs the fp32
+        row-block GEMM (``_blocked_fp32``).  ``out``, when given, must be contiguous, of x's
+        dtype, with M*out_features elements; the result is written there and returned."""
+        if (self.dtype == torch.bfloat16 and x.dtype in _DT and x.is_cpu and x.numel()
+                and not (x.requires_grad and torch.is_grad_enabled()) and not _bf16_gemm_native()):
+            return self._blocked_fp32(x, out)
         if x.dtype == self.dtype:
-            return F.linear(x, self.weight, self.bias)
-        return F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x.to(self.dtype), self.weight, self.bias).to(x.dtype)
+        if out is not None:
+            out.copy_(y.reshape(out.shape))
+            return out
+        return y
+
+    def _blocked_fp32(self, x: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """y = x @ W^T (+ b) in fp32 for a bf16 W: x [..., K] fp32/bf16 -> y [..., N] of x's
+        dtype.  W is widened ``rows`` rows at a time into one fp32 buffer [rows, K] (kept in L2)
+        and each block is multiplied into its output columns, so the only fp32 copies are x,
+        that buffer and, for a bf16 y, one [M, rows] block of the product."""
+        K, N = self.in_features, self.out_features
+        M = x.numel() // K
+        shape = tuple(x.shape[:-1]) + (N,)
+        x32 = x.reshape(M, K).to(torch.float32)                       # [M, K]
+        if out is not None:
+            if out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous():
+                raise ValueError("out must be contiguous, of x's dtype, with M*out_features "
+                                 "elements")
+            y = out.view(M, N)                                        # [M, N]
+        else:
+            y = torch.empty(M, N, dtype=x.dtype)
+        rows = _prefill_rows(K, N)
+        wbuf = torch.empty(rows, K, dtype=torch.float32)             # [rows, K]
+        # A bf16 y gets each block through an fp32 [M, rows] buffer, rounded once on copy.
+        ybuf = None if y.dtype == torch.float32 else torch.empty(M, rows, dtype=torch.float32)
+        b32 = self._bias32
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            wb = wbuf[:n1 - n0]
+            wb.copy_(self.weight[n0:n1])
+            dst = y[:, n0:n1] if ybuf is None else ybuf[:, :n1 - n0]
+            if b32 is None:
+                torch.mm(x32, wb.T, out=dst)
+            else:
+                torch.addmm(b32[n0:n1], x32, wb.T, out=dst)
+            if ybuf is not None:
+                y[:, n0:n1].copy_(dst)
+        return out if out is not None else y.view(shape)
 
     def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """y = x @ weight.T (+ bias).  ``out`` (contiguous, x's dtype, M*out_features
@@ -402,11 +525,7 @@ class PackedLinear:
             _load()
             if _fn is not None:
                 return self(x, out)
-        y = self.fallback(x)
-        if out is not None:
-            out.copy_(y.reshape(out.shape))
-            return out
-        return y
+        return self.fallback(x, out)
 
 
 def pack_weight(w: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -3,6 +3,9 @@
 CUDA tensors run the Triton kernels, CPU tensors the pure-torch reference, except
 `tree_attention` on float32/bfloat16 CPU tensors, which runs the C kernel of cpu_attention.py
 (built with the CPU GEMV's .so; the reference when it cannot be built, and for float64/float16).
+int8 KV caches (`store_kv`/`tree_attention` with `k_scale`/`v_scale`, see reference.quantize_kv)
+run the C kernels on CPU (store and attention) and the reference elsewhere: there is no Triton
+int8 path yet.
 The environment variable PRESCIENT_KERNELS overrides that per call: `triton` forces Triton (on
 CPU tensors that needs TRITON_INTERPRET=1 set before the first Triton kernel is imported),
 `reference` forces the reference (the C attention kernel included); PRESCIENT_CPU_ATTENTION=0
@@ -67,7 +70,15 @@ def store_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 cache
+    v_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 cache
 ) -> None:
+    if k_cache.dtype == torch.int8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("store_kv: an int8 cache needs k_scale and v_scale")
+        if _use_cpu_kernel(k_cache) and k.dtype in _C_ATTENTION_DTYPES:
+            return _cpu_attention.store_kv_int8(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
+        return reference.store_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     if use_triton(k_cache.device):
         return _triton_module("triton_kv").store_kv(k_cache, v_cache, k, v, slot_mapping)
     return reference.store_kv(k_cache, v_cache, k, v, slot_mapping)
@@ -82,27 +93,42 @@ def tree_attention(
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     mask_bits: torch.Tensor | None,  # [num_tokens, num_words] int32, None = causal
     scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 cache
+    v_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 cache
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    args = (q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, scale)
+    if k_cache.dtype == torch.int8:
+        if _use_cpu_attention(q, k_cache, v_cache):
+            return _cpu_attention.tree_attention(*args, k_scale=k_scale, v_scale=v_scale)
+        return reference.tree_attention(*args, k_scale=k_scale, v_scale=v_scale)
     if _use_cpu_attention(q, k_cache, v_cache):
         impl = _cpu_attention
     elif use_triton(q.device):
         impl = _triton_module("triton_tree_attention")
     else:
         impl = reference
-    return impl.tree_attention(
-        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, scale
-    )
+    if k_scale is not None or v_scale is not None:  # the impl raises; Triton has no scales
+        return impl.tree_attention(*args, k_scale=k_scale, v_scale=v_scale)
+    return impl.tree_attention(*args)
 
 
 def _use_cpu_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """CPU float32/bfloat16 tree_attention runs the C kernel unless PRESCIENT_KERNELS forces a
-    backend, PRESCIENT_CPU_ATTENTION=0, autograd needs the graph, or the kernel could not be
-    built.  Called once per layer: an unset variable costs ~0.5 us to read, so each is read
-    once, and only for calls the kernel could take."""
-    global _cpu_attention
+    """CPU float32/bfloat16 tree_attention (caches of q's dtype, or int8) runs the C kernel
+    unless PRESCIENT_KERNELS forces a backend, PRESCIENT_CPU_ATTENTION=0, autograd needs the
+    graph, or the kernel could not be built.  Called once per layer: an unset variable costs
+    ~0.5 us to read, so each is read once, and only for calls the kernel could take."""
     dtype = q.dtype
-    if (not q.is_cpu or dtype not in _C_ATTENTION_DTYPES or k_cache.dtype is not dtype
-            or v_cache.dtype is not dtype or (q.requires_grad and torch.is_grad_enabled())):
+    kv_dtype = k_cache.dtype if k_cache.dtype is torch.int8 else dtype
+    if (not q.is_cpu or dtype not in _C_ATTENTION_DTYPES or k_cache.dtype is not kv_dtype
+            or v_cache.dtype is not kv_dtype or (q.requires_grad and torch.is_grad_enabled())):
+        return False
+    return _use_cpu_kernel(k_cache)
+
+
+def _use_cpu_kernel(t: torch.Tensor) -> bool:
+    """A CPU tensor's op may run the C kernels of cpu_attention.py (loads them on first use)."""
+    global _cpu_attention
+    if not t.is_cpu:
         return False
     env = os.environ
     if env.get(_BACKEND_ENV, "auto") not in ("", "auto"):
@@ -119,9 +145,15 @@ def kv_copy(
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     src_slots: torch.Tensor,  # [n] int64
     dst_slots: torch.Tensor,  # [n] int64
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, an int8 cache's
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     impl = _triton_module("triton_kv") if use_triton(k_cache.device) else reference
-    return impl.kv_copy(k_cache, v_cache, src_slots, dst_slots)
+    impl.kv_copy(k_cache, v_cache, src_slots, dst_slots)
+    if k_scale is not None:  # an int8 row means nothing without its scale: move them together
+        for scale in (k_scale, v_scale):
+            flat = scale.view(-1, scale.shape[-1])  # [slots, num_kv_heads]
+            flat[dst_slots] = flat[src_slots]
 
 
 def greedy_verify(

@@ -41,24 +41,63 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
+# int8 KV cache: symmetric, one fp32 scale per (position, kv head) = amax / 127 of its head_dim
+# values, q = round(x / scale) (half to even) in [-127, 127].  The error of a dequantized value
+# is at most scale / 2 (amax / 254); an all-zero row has scale 0 and dequantizes to zeros.
+KV_INT8_QMAX = 127
+
+
+def quantize_kv(
+    x: torch.Tensor,  # [..., head_dim] float
+) -> tuple[torch.Tensor, torch.Tensor]:  # q [..., head_dim] int8, scale [...] float32
+    """Quantize K or V rows for an int8 cache.  The C store (cpu_attention.store_kv_int8) does
+    the same fp32 operations (a true division by the scale) and matches this bit for bit."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / KV_INT8_QMAX  # [...]
+    step = scale.unsqueeze(-1)
+    q = torch.where(step > 0, xf / step, 0.0).round_().clamp_(-KV_INT8_QMAX, KV_INT8_QMAX)
+    return q.nan_to_num_(0.0).to(torch.int8), scale
+
+
+def dequantize_kv(
+    q: torch.Tensor,  # [..., head_dim] int8
+    scale: torch.Tensor,  # [...] float32
+) -> torch.Tensor:  # [..., head_dim] float32
+    return q.float() * scale.unsqueeze(-1)
+
+
 def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = skip
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 K
+    v_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 V
 ) -> None:
+    """Write the new rows into their slots; an int8 cache (which needs both scale tensors)
+    stores quantize_kv of them and their scales."""
     k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_slots, num_kv_heads, head_dim]
     v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    if k_cache.dtype == torch.int8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("store_kv: an int8 cache needs k_scale and v_scale")
+        flats = (k_flat, v_flat, k_scale.view(-1, k_scale.shape[2]),
+                 v_scale.view(-1, v_scale.shape[2]))  # scales: [num_slots, num_kv_heads]
+        rows = (*quantize_kv(k), *quantize_kv(v))
+        rows = (rows[0], rows[2], rows[1], rows[3])  # in the order of flats
+    else:
+        flats = (k_flat, v_flat)
+        rows = (k.to(k_flat.dtype), v.to(v_flat.dtype))
     keep = slot_mapping >= 0
     if bool(keep.all()):
         # The common case: index_copy_ avoids materializing boolean-indexed copies of k and v.
-        k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+        for flat, row in zip(flats, rows):
+            flat.index_copy_(0, slot_mapping, row)
     else:
         slots = slot_mapping[keep]
-        k_flat[slots] = k[keep].to(k_flat.dtype)
-        v_flat[slots] = v[keep].to(v_flat.dtype)
+        for flat, row in zip(flats, rows):
+            flat[slots] = row[keep]
 
 
 def gather_kv(
@@ -157,18 +196,26 @@ def tree_attention(
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
     mask_bits: torch.Tensor | None,  # [num_tokens, num_words] int32, None = causal
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 K
+    v_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] fp32, int8 V
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype
+    """An int8 cache (both scales given) is dequantized (dequantize_kv) and attended in fp32
+    (float64 for a float64 q), the output rounded once to q's dtype."""
+    if (k_scale is None) != (v_scale is None) or (k_scale is None) == (k_cache.dtype == torch.int8):
+        raise ValueError("tree_attention: k_scale and v_scale go with an int8 cache, and only then")
+    scales = None if k_scale is None else (k_scale, v_scale)
     cu = cu_seqlens_q.tolist()
     ctx = context_lens.tolist()
     if len(ctx) == 1 and cu[1] - cu[0] == q.shape[0] > 0:  # one sequence: no output scatter
-        return _attend_sequence(q, k_cache, v_cache, block_tables[0], ctx[0], mask_bits, scale)
+        return _attend_sequence(q, k_cache, v_cache, block_tables[0], ctx[0], mask_bits, scale,
+                                scales)
     out = torch.empty_like(q)
     for i, context_len in enumerate(ctx):
         start, end = cu[i], cu[i + 1]
         if end > start:
             rows = None if mask_bits is None else mask_bits[start:end]
             out[start:end] = _attend_sequence(
-                q[start:end], k_cache, v_cache, block_tables[i], context_len, rows, scale
+                q[start:end], k_cache, v_cache, block_tables[i], context_len, rows, scale, scales
             )
     return out
 
@@ -181,10 +228,16 @@ def _attend_sequence(
     context_len: int,
     mask_bits: torch.Tensor | None,  # [q_len, num_words] int32, None = causal
     scale: float,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # int8 cache: (k_scale, v_scale)
 ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
     k, v = gather_kv(k_cache, v_cache, block_table, context_len)
     mask = _query_mask(mask_bits, q.shape[0], context_len, q.device)
-    return _attend(q, k, v, mask, scale)
+    if scales is None:
+        return _attend(q, k, v, mask, scale)
+    ks, vs = gather_kv(*scales, block_table, context_len)  # [context_len, num_kv_heads] each
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k, v = dequantize_kv(k, ks).to(wide), dequantize_kv(v, vs).to(wide)
+    return _attend(q.to(wide), k, v, mask, scale).to(q.dtype)
 
 
 def kv_copy(

@@ -16,10 +16,13 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.engine import DTYPES, Engine, EngineConfig
+from prescient.runtime.loader import QUANTIZE
 from prescient.runtime.model import LlamaModel
-from prescient.runtime.weights_cache import load_model_files
+from prescient.runtime.weights_cache import WEIGHTS, load_model_files
 
 SPECULATE = ("ngram", "draft", "off")
 # how the speculator's verify-cost table is obtained (speculative/speculator.make_speculator):
@@ -31,13 +34,18 @@ CALIBRATE = ("idle", "now", "fresh", "off")
 @dataclass(frozen=True)
 class EngineSpec:
     model: str | None = None  # a .gguf file or a Hugging Face folder; None = the default model
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # activations, norms and KV cache
+    # how the weight matrices are held: native = a GGUF's quantized blocks as they are (its float
+    # tensors, and a Hugging Face folder, in `dtype`); bfloat16 / float32 = dequantized at load
+    weights: str = "native"
+    quantize: str | None = None  # int8 (q8_0) | int4 (q4_1): a float checkpoint's linears, at load
     device: str = "cpu"
     speculate: str = "ngram"
     draft_model: str | None = None  # for speculate="draft"; None = layer-truncated target
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     kv_cache_gb: float = 1.0
+    kv_dtype: str = "auto"  # "auto" = the compute dtype; "int8" = int8 rows + a scale per token and head
     enable_prefix_caching: bool = True
     session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
     max_waiting: int = 256  # queued requests before a new one is refused as overloaded (429)
@@ -51,10 +59,16 @@ class EngineSpec:
             raise ValueError(f"unsupported dtype {self.dtype!r} (supported: {', '.join(DTYPES)})")
         if self.speculate not in SPECULATE:
             raise ValueError(f"speculate must be one of {SPECULATE}, got {self.speculate!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {tuple(QUANTIZE)} or unset, got {self.quantize!r}")
         if self.calibrate not in CALIBRATE:
             raise ValueError(f"calibrate must be one of {CALIBRATE}, got {self.calibrate!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.kv_cache_gb <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, kv_cache_gb > 0")
+        if self.kv_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
         import torch
 
         kind = self.device.split(":")[0]
@@ -73,7 +87,7 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: object | None  # runtime.tokenizer.Tokenizer
     eos_token_ids: tuple[int, ...]
-    identity: str | None  # weights content hash + dtype (runtime/weights_cache.py)
+    identity: str | None  # weights content hash + weights mode + dtype (runtime/weights_cache.py)
     config: object = None  # runtime.config.ModelConfig; None = the model's own
 
     def __post_init__(self) -> None:
@@ -101,11 +115,25 @@ class _Stage:
                   file=sys.stderr, flush=True)
 
 
+def weights_label(spec: EngineSpec) -> str:
+    """How the spec's weights are held, as LlamaModel.weights_description() names it."""
+    parts = [f"--quantize {spec.quantize}"] if spec.quantize else []
+    if spec.weights != "native":
+        parts.append(f"--weights {spec.weights}")
+    return ", ".join(parts) or "native"
+
+
 def load_model(spec: EngineSpec) -> LoadedModel:
     """Weights (cached conversion when the model is a GGUF), tokenizer and the model itself."""
-    with stage(f"loading {spec.model or 'the default model'} ({spec.dtype})", spec.progress):
-        files = load_model_files(spec.model, spec.dtype, spec.weights_cache, spec.progress)
-        model = LlamaModel(files.config, files.weights, dtype=DTYPES[spec.dtype], device=spec.device)
+    flags = f"--weights {spec.weights}" + (f" --quantize {spec.quantize}" if spec.quantize else "")
+    with stage(f"loading {spec.model or 'the default model'} ({flags}, --dtype {spec.dtype})", spec.progress):
+        files = load_model_files(spec.model, spec.dtype, spec.weights_cache, spec.progress,
+                                 weights=spec.weights, quantize=spec.quantize)
+        model = LlamaModel(files.config, files.weights, dtype=DTYPES[spec.dtype], device=spec.device,
+                           weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],
+                           weights_mode=weights_label(spec))
+    if spec.progress:
+        print(f"prescient: {memory_line(model, spec.kv_dtype)}", file=sys.stderr, flush=True)
     if spec.device == "cpu":
         # the native kernels compile once per machine (tens of seconds); say so when it happens
         from prescient.kernels import cpu_linear
@@ -118,6 +146,13 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     return LoadedModel(model, files.tokenizer, files.eos_token_ids, files.identity, files.config)
 
 
+def memory_line(model: LlamaModel, kv_dtype: str = "auto") -> str:
+    """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token"."""
+    kv = torch.int8 if kv_dtype == "int8" else model.dtype
+    return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB; "
+            f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
+
+
 def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: EngineConfig | None = None) -> Engine:
     """An Engine (with its speculator, unless speculate="off") for `spec`. `loaded` shares an
     already loaded model (its dtype and device must be the spec's); `config` replaces the
@@ -128,9 +163,13 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
     loaded = loaded or load_model(spec)
     if loaded.model.dtype is not DTYPES[spec.dtype]:
         raise ValueError(f"the loaded model is {loaded.model.dtype}, the spec asks for {spec.dtype}")
+    if loaded.model.weights_mode and loaded.model.weights_mode != weights_label(spec):
+        raise ValueError(f"the loaded model's weights are {loaded.model.weights_mode}, the spec asks for "
+                         f"{weights_label(spec)}")
     config = config or EngineConfig(
         dtype=spec.dtype,
-        cache=CacheConfig(kv_cache_bytes=int(spec.kv_cache_gb * (1 << 30)), enable_prefix_caching=spec.enable_prefix_caching),
+        cache=CacheConfig(kv_cache_bytes=int(spec.kv_cache_gb * (1 << 30)), enable_prefix_caching=spec.enable_prefix_caching,
+                          kv_dtype=None if spec.kv_dtype == "auto" else spec.kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
                                   max_waiting=spec.max_waiting, max_queue_wait_s=spec.max_queue_wait_s),
         session_ttl_s=spec.session_ttl_s,

@@ -96,10 +96,13 @@ class CacheConfig:
     num_blocks: int | None = None  # None: sized from kv_cache_bytes
     kv_cache_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
+    kv_dtype: str | None = None  # None: the model's dtype; "int8": int8 rows + a scale per token and head
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_dtype not in (None, "int8"):
+            raise ValueError(f"kv_dtype must be None (the model's dtype) or 'int8', got {self.kv_dtype!r}")
 
 
 @dataclass(frozen=True)

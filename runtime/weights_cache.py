@@ -1,17 +1,26 @@
-"""Converted-weights cache: a GGUF dequantized once, then memory-mapped on every later start.
+"""Converted-weights cache: a GGUF converted once, then memory-mapped on every later start.
 
-Reading a GGUF means dequantizing every tensor (seconds on 2 cores) and building the tokenizer
-from GGUF metadata (seconds more). The first load of a file in a dtype writes, under
-`cache_dir("weights")/<sha256 of the file>-<dtype>/`:
+Reading a GGUF means dequantizing every tensor (seconds on 2 cores), or in the native weights
+mode copying its blocks, and building the tokenizer from GGUF metadata (seconds more). The first
+load of a file in a weights mode writes, under
+`cache_dir("weights")/<sha256 of the file>-<mode>-<converter version>/`:
 
-    weights.safetensors   canonical names (runtime/loader.py), already in the model's dtype
-    config.json           ModelConfig + eos ids
+    weights.safetensors   canonical names (runtime/loader.py): float tensors in the mode's dtype
+                          (native: the file's own), quantized blocks as uint8 [N, row_bytes]
+                          with a metadata entry "quantized" naming each one's qtype and [N, K]
+    config.json           ModelConfig + eos ids + the weights mode
     tokenizer/            the Hugging Face tokenizer, saved (tokenizer.json + chat template)
 
 Later loads memory-map the safetensors and read the saved tokenizer (well under a second).
 The key is the file's content hash, so a changed file is never served stale; the hash itself is
 remembered per (path, size, mtime) so a start does not re-read the whole file to find its entry.
 A Hugging Face folder is already safetensors and loads directly (no cache).
+
+Weights modes (`--weights`): `native` keeps a GGUF's quantized tensors in their blocks and its
+float tensors in their own dtype (the model casts those to the compute dtype); `bfloat16` /
+`float32` dequantize every tensor into that dtype; None (callers that predate the modes) is every
+tensor in the compute dtype. `quantize` (`--quantize int8|int4`) quantizes a float checkpoint's
+linear weights at load (loader.quantize_linears); it is part of the entry's mode.
 """
 
 from __future__ import annotations
@@ -36,12 +45,16 @@ from prescient.runtime import loader as loader_module
 from prescient.runtime import tokenizer as tokenizer_module
 from prescient.runtime.config import ModelConfig, RopeScaling
 from prescient.runtime.engine import DTYPES
-from prescient.runtime.loader import LoadedCheckpoint, load_checkpoint, resolve_model_path
+from prescient.runtime import linear as linear_module
+from prescient.runtime.linear import QuantWeight
+from prescient.runtime.loader import (QUANTIZE, LoadedCheckpoint, ModelLoadError, is_quantized, load_checkpoint,
+                                      quantize_linears, resolve_model_path)
 from prescient.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("prescient.loader")
 
-_FORMAT = 2  # the cached layout; the converter's own version is in `converter_version`
+_FORMAT = 3  # the cached layout (3: quantized blocks + weights modes); the converter's own version is in `converter_version`
+WEIGHTS = ("native", "bfloat16", "float32")
 
 
 @functools.cache
@@ -50,7 +63,7 @@ def converter_version() -> str:
     config, tokenizer and this module) and the libraries it calls. A change to any of them is a
     new entry, never a stale one."""
     h = hashlib.sha256(str(_FORMAT).encode())
-    for module in (loader_module, config_module, tokenizer_module):
+    for module in (loader_module, config_module, tokenizer_module, linear_module):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     for dist in ("gguf", "transformers", "tokenizers", "safetensors", "torch"):
@@ -63,40 +76,71 @@ def converter_version() -> str:
 
 @dataclass
 class ModelFiles:
-    """A checkpoint ready for `LlamaModel`: weights in `dtype`, tokenizer loaded."""
+    """A checkpoint ready for `LlamaModel`: weights in the mode's dtype (or blocks), tokenizer loaded."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | QuantWeight]
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]
-    identity: str  # content hash + dtype: what a measurement on this model is keyed by
+    identity: str  # content hash + weights mode + dtype: what a measurement on this model is keyed by
     from_cache: bool
+    mode: str = ""  # the weights mode the entry was made in (`weights_mode`)
 
 
-def load_model_files(path: str | None, dtype: str, use_cache: bool = True, progress: bool = False) -> ModelFiles:
+def weights_mode(weights: str | None, dtype: str, quantize: str | None = None) -> str:
+    """The name of a conversion: what the cache entry and the identity are keyed by."""
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    mode = weights or dtype
+    return f"{mode}+{QUANTIZE[quantize]}" if quantize else mode
+
+
+def load_model_files(path: str | None, dtype: str, use_cache: bool = True, progress: bool = False,
+                     weights: str | None = None, quantize: str | None = None) -> ModelFiles:
+    """weights: native | bfloat16 | float32 | None (every tensor in `dtype`); quantize: int8 |
+    int4 | None (module docstring)."""
     path = resolve_model_path(path)
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    mode = weights_mode(weights, dtype, quantize)
     if not (use_cache and path.endswith(".gguf") and os.path.isfile(path)):
-        return _convert(load_checkpoint(path, progress), dtype, f"{_folder_identity(path)}|{dtype}")
+        return _convert(_load(path, progress, weights, quantize), mode, f"{_folder_identity(path)}|{mode}|{dtype}")
     digest = content_hash(path)
-    identity = f"{digest}|{dtype}"
-    entry = cache_dir("weights") / f"{digest[:32]}-{dtype}-{converter_version()}"
+    identity = f"{digest}|{mode}|{dtype}"
+    entry = cache_dir("weights") / f"{digest[:32]}-{mode}-{converter_version()}"
     if entry.exists():
         try:
             return _read_entry(entry, identity)
         except Exception as e:  # noqa: BLE001 - a damaged entry: remove it, convert again
             log.warning("weights cache entry %s unreadable (%s); converting again", entry, e)
             shutil.rmtree(entry, ignore_errors=True)
-    files = _convert(load_checkpoint(path, progress), dtype, identity)
+    files = _convert(_load(path, progress, weights, quantize), mode, identity)
     _write_entry(entry, files)
     return files
 
 
-def _convert(ckpt: LoadedCheckpoint, dtype: str, identity: str) -> ModelFiles:
-    weights = {k: v.to(DTYPES[dtype]) for k, v in ckpt.weights.items()}
+def _load(path: str, progress: bool, weights: str | None, quantize: str | None) -> LoadedCheckpoint:
+    # only the native mode reads blocks (the other modes' call is the one older callers know)
+    ckpt = load_checkpoint(path, progress, native=True) if weights == "native" else load_checkpoint(path, progress)
+    if quantize is not None:
+        quantized = [f for f in ckpt.stored_formats if is_quantized(f)]
+        if quantized:
+            raise ModelLoadError(
+                f"--quantize {quantize} quantizes float weights, but {os.path.basename(path)} is already quantized "
+                f"({'+'.join(quantized)}): drop --quantize to run its own blocks (--weights native) or to "
+                "dequantize them (--weights bfloat16|float32)")
+        ckpt.weights = quantize_linears(ckpt.weights, quantize)
+    return ckpt
+
+
+def _convert(ckpt: LoadedCheckpoint, mode: str, identity: str) -> ModelFiles:
+    dtype = mode.split("+")[0]
+    weights = {k: v if isinstance(v, QuantWeight) or dtype == "native" else v.to(DTYPES[dtype])
+               for k, v in ckpt.weights.items()}
     tokenizer = Tokenizer.load(ckpt.tokenizer_dir, ckpt.gguf_file, ckpt.eos_token_ids)
-    return ModelFiles(ckpt.config, weights, tokenizer, ckpt.eos_token_ids, identity, False)
+    return ModelFiles(ckpt.config, weights, tokenizer, ckpt.eos_token_ids, identity, False, mode)
 
 
 def _folder_identity(path: str) -> str:
@@ -132,6 +176,7 @@ def content_hash(path: str) -> str:
 
 
 def _read_entry(entry: Path, identity: str) -> ModelFiles:
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     meta = json.loads((entry / "config.json").read_text())
@@ -141,8 +186,13 @@ def _read_entry(entry: Path, identity: str) -> ModelFiles:
     cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
     eos = tuple(meta["eos_token_ids"])
     tokenizer = Tokenizer.load(str(entry / "tokenizer"), None, eos)
-    weights = load_file(str(entry / "weights.safetensors"))
-    return ModelFiles(ModelConfig(**cfg), weights, tokenizer, eos, identity, True)
+    path = str(entry / "weights.safetensors")
+    weights: dict = load_file(path)
+    with safe_open(path, "pt") as f:  # reads the header only
+        quantized = json.loads((f.metadata() or {}).get("quantized", "{}"))
+    for name, (qtype, n, k) in quantized.items():
+        weights[name] = QuantWeight(weights[name], qtype, (n, k))
+    return ModelFiles(ModelConfig(**cfg), weights, tokenizer, eos, identity, True, meta["weights"])
 
 
 def _write_entry(entry: Path, files: ModelFiles) -> None:
@@ -158,15 +208,18 @@ def _write_entry(entry: Path, files: ModelFiles) -> None:
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide the entry from a shared cache's users
         # safetensors refuses tensors that share storage: copy those (only those: memory)
-        seen, tensors = set(), {}
+        seen, tensors, quantized = set(), {}, {}
         for k, v in files.weights.items():
+            if isinstance(v, QuantWeight):
+                quantized[k] = [v.qtype, *v.shape]
+                v = v.blocks
             v = v.contiguous()
             tensors[k] = v.clone() if v.untyped_storage().data_ptr() in seen else v
             seen.add(v.untyped_storage().data_ptr())
-        save_file(tensors, str(tmp / "weights.safetensors"))
+        save_file(tensors, str(tmp / "weights.safetensors"), metadata={"quantized": json.dumps(quantized)})
         files.tokenizer.hf.save_pretrained(str(tmp / "tokenizer"))
         meta = {"format": _FORMAT, "config": dataclasses.asdict(files.config),
-                "eos_token_ids": list(files.eos_token_ids)}
+                "eos_token_ids": list(files.eos_token_ids), "weights": files.mode}
         (tmp / "config.json").write_text(json.dumps(meta))
         try:
             os.rename(tmp, entry)

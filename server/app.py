@@ -160,7 +160,11 @@ def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 
     from prescient.runtime.async_engine import AsyncEngine
 
     sock = listening_socket(host, port)
+    from prescient.runtime.memory import tune_allocator
+
+    tune_allocator()  # before the model loads: a server's memory stays flat over days (runtime/memory.py)
     engine = build_engine(spec)
+    engine.prefault_kv()  # a server's memory is flat from the start, not growing as the KV cache fills
     app = build_app(AsyncEngine(engine), config)
     server = GracefulServer(uvicorn_config(app, host, port, config))
 

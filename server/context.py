@@ -37,6 +37,7 @@ class ServerConfig:
     default_max_tokens: int = 1024  # chat completions / responses when the request sets none
     default_completion_tokens: int = 16  # legacy completions, as OpenAI's default
     response_store_size: int = 4096  # conversations kept for previous_response_id (LRU beyond)
+    response_store_mb: float = 256.0  # and the most memory they may hold (LRU beyond)
     response_ttl_s: float = 3600.0  # a stored conversation expires this long after its response
     # Who may continue a stored response: "key" (the API key that created it, over HTTP or any
     # WebSocket), "connection" (a WebSocket's responses only on that connection; HTTP's: by key),
@@ -70,7 +71,7 @@ class ServerConfig:
                      "response_store_size", "max_tools", "max_schema_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("response_ttl_s", "request_time_limit_s", "header_timeout_s", "body_timeout_s",
+        for name in ("response_ttl_s", "response_store_mb", "request_time_limit_s", "header_timeout_s", "body_timeout_s",
                      "ws_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
@@ -106,7 +107,9 @@ class ServerContext:
         self.metrics = ServerMetrics(engine, config.slo, config.slo_window_s)
         aengine.step_hooks.append(self.metrics.step_hook)
         self.constraints = Constraints(engine, self.metrics)
-        self.store = ResponseStore(config.response_store_size, config.response_ttl_s, config.response_scope)
+        self.store = ResponseStore(config.response_store_size, config.response_ttl_s, config.response_scope,
+                                   max_bytes=int(config.response_store_mb * (1 << 20)))
+        self.metrics.watch_store(self.store)
         self.ready = False  # set once warmed up; /health answers 503 before
         self.max_model_len = engine.max_model_len
         self.kv_tokens = engine.kv_capacity  # a second limit on prompt + output (check_max_tokens)

@@ -145,9 +145,17 @@ class ServerMetrics:
                                          "(target model, accepted draft, grammar-forced)", ["source"], registry=r)
         self.connections = Gauge("prescient_open_connections", "HTTP requests in flight + open WebSockets",
                                  registry=r)
+        self.store_bytes = Gauge("prescient_response_store_bytes", "memory held by stored responses "
+                                 "(previous_response_id), bounded by --response-store-mb", registry=r)
+        self.store_entries = Gauge("prescient_response_store_entries", "stored responses", registry=r)
         r.register(SLOCollector(self.tracker, slo_window_s))
         if engine is not None:
             r.register(EngineCollector(engine))
+
+    def watch_store(self, store) -> None:
+        """Report `store`'s size (server/sessions.py ResponseStore) at every scrape."""
+        self.store_bytes.set_function(lambda: store.nbytes)
+        self.store_entries.set_function(lambda: len(store))
 
     def step_hook(self, engine, outputs, step_seconds: float) -> None:
         """For `AsyncEngine.step_hooks` (runs on the engine thread; prometheus_client is thread-safe)."""

@@ -7,8 +7,11 @@ extends token for token (server/chat.py). `session_id` is the id of the conversa
 response and is passed to the engine on every turn, so the engine pins the conversation's KV
 blocks between turns (runtime/sessions.py) while the client runs its tools.
 
-The store is bounded (least recently used evicted first) and entries expire after a TTL
-(`--response-store-size`, `--response-ttl-s`).
+The store is bounded in entries and in bytes (least recently used evicted first) and entries
+expire after a TTL (`--response-store-size`, `--response-store-mb`, `--response-ttl-s`). Each
+entry holds its whole conversation, so an agent's N turns hold O(N^2) tokens between them: the
+byte bound, not the count, is what keeps the server's memory flat under long agent sessions.
+Token ids are kept as 4-byte machine ints (a tuple of Python ints costs ~36 bytes a token).
 
 Who may continue a stored response is the store's `scope` (`--response-scope`):
 
@@ -28,7 +31,9 @@ that made it) and an agent that reconnects after a dropped socket can still cont
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -60,17 +65,43 @@ class Conversation:
     rendered: Rendered
 
 
+def _nbytes(conversation: Conversation, ids: array) -> int:
+    """An entry's memory, roughly (upper side): its text, ids and message strings."""
+    n = 256 + sys.getsizeof(conversation.rendered.text) + ids.itemsize * len(ids)
+    for message in conversation.messages:
+        n += 64 + sum(sys.getsizeof(v) for v in message.values() if isinstance(v, str))
+    return n
+
+
+@dataclass(frozen=True)
+class _Entry:
+    response_id: str
+    session_id: str
+    messages: tuple[dict, ...]
+    text: str
+    ids: array  # the rendered token ids, int32
+    nbytes: int
+    expires: float
+    owner: tuple | None
+
+    def conversation(self) -> Conversation:
+        return Conversation(self.response_id, self.session_id, self.messages, Rendered(self.text, tuple(self.ids)))
+
+
 class ResponseStore:
-    def __init__(self, max_entries: int = 4096, ttl_s: float = 3600.0, scope: str = "key", clock=time.monotonic):
-        if max_entries < 1 or ttl_s <= 0:
-            raise ValueError("the response store needs max_entries >= 1 and ttl_s > 0")
+    def __init__(self, max_entries: int = 4096, ttl_s: float = 3600.0, scope: str = "key", clock=time.monotonic,
+                 max_bytes: int = 256 << 20):
+        if max_entries < 1 or ttl_s <= 0 or max_bytes < 1:
+            raise ValueError("the response store needs max_entries >= 1, max_bytes >= 1 and ttl_s > 0")
         if scope not in RESPONSE_SCOPES:
             raise ValueError(f"scope must be one of {', '.join(RESPONSE_SCOPES)}")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.scope = scope
         self.clock = clock
-        self._entries: OrderedDict[str, tuple[Conversation, float, tuple | None]] = OrderedDict()
+        self.nbytes = 0  # sum of the entries' nbytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,21 +114,31 @@ class ResponseStore:
         return ("key", client.key)
 
     def put(self, conversation: Conversation, client: Client = Client()) -> None:
-        self._entries[conversation.response_id] = (conversation, self.clock() + self.ttl_s, self._owner(client))
-        self._entries.move_to_end(conversation.response_id)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        ids = array("i", conversation.rendered.token_ids)
+        entry = _Entry(conversation.response_id, conversation.session_id, conversation.messages,
+                       conversation.rendered.text, ids, _nbytes(conversation, ids), self.clock() + self.ttl_s,
+                       self._owner(client))
+        self._drop(entry.response_id)
+        self._entries[entry.response_id] = entry
+        self.nbytes += entry.nbytes
+        # The newest entry always stays, even alone over the byte bound: its turn must continue.
+        while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self.nbytes > self.max_bytes):
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, response_id: str) -> None:
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
 
     def get(self, response_id: str, client: Client = Client()) -> Conversation | None:
         """The conversation, if it is stored, unexpired and `client` may continue it."""
         entry = self._entries.get(response_id)
         if entry is None:
             return None
-        conversation, expires, owner = entry
-        if expires <= self.clock():
-            del self._entries[response_id]
+        if entry.expires <= self.clock():
+            self._drop(response_id)
             return None
-        if owner is not None and owner not in (("key", client.key), ("connection", client.connection)):
+        if entry.owner is not None and entry.owner not in (("key", client.key), ("connection", client.connection)):
             return None
         self._entries.move_to_end(response_id)
-        return conversation
+        return entry.conversation()

@@ -151,8 +151,8 @@ class Speculator:
             )
         if src_slots:
             as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=logits.device)  # noqa: E731
-            for k_cache, v_cache in kv_caches:
-                ops.kv_copy(k_cache, v_cache, as_long(src_slots), as_long(dst_slots))
+            for kv in kv_caches:
+                ops.kv_copy(kv[0], kv[1], as_long(src_slots), as_long(dst_slots), **getattr(kv, "scales", {}))
         num_base = sum(seq.num_new_tokens for seq in seqs)  # what the next step carries without drafts
         context = max((r.num_tokens for r in requests), default=None)
         budgets = self.adaptive.plan([r.request_id for r in requests], num_base, context)

@@ -78,10 +78,12 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """One real default model (float32) for every slow test of the session."""
+    """One real default model (float32 weights and activations: the reference tests compare it with
+    transformers and speculation with plain decoding) for every slow test of the session."""
     from prescient.build import EngineSpec, build_engine
 
-    return build_engine(EngineSpec(dtype="float32", speculate="off", kv_cache_gb=0.25, progress=False))
+    return build_engine(EngineSpec(dtype="float32", weights="float32", speculate="off", kv_cache_gb=0.25,
+                                   progress=False))
 
 
 def sibling_engine(engine, speculate: str = "off", calibrate: str = "now", **config_overrides):

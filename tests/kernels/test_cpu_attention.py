@@ -5,6 +5,10 @@ the softmax's exp (the kernel works in base 2), so atol = rtol = 1e-5.  bf16: th
 is computed in fp32 from the same bf16 inputs (the products of bf16 values are exact in fp32,
 so that is what the kernel computes before its one rounding of the output), and the kernel
 may differ by one bf16 rounding of the output: |out - ref| <= 2^-8 |ref| + 1e-5.
+
+ISA tiers: test_every_isa_tier runs each tier of cpu_linear.ISA_TIERS the CPU can run (capped
+with cpu_linear._set_isa_cap), the other tests the best one.  The int8 cache has its own file,
+test_kv_int8.py.
 """
 
 from __future__ import annotations
@@ -44,9 +48,16 @@ def _needs_kernel(request):
 
 @pytest.fixture
 def isa_cap():
-    """Run at a lower ISA (0 portable, 1 AVX-512 without BF16), restoring afterwards."""
+    """Run at a lower ISA tier (a name of cpu_linear.ISA_TIERS), restoring afterwards."""
     yield cpu_linear._set_isa_cap
     cpu_linear._set_isa_cap(99)
+
+
+def _tier_or_skip(tier: str) -> None:
+    """Skip a tier this CPU cannot run (the tiers are listed by name, so the test ids do not
+    depend on the machine)."""
+    if tier not in cpu_linear.machine_tiers():
+        pytest.skip(f"this CPU cannot run the {tier} tier")
 
 
 @pytest.fixture
@@ -199,16 +210,33 @@ def test_head_dims(head_dim):
                        dtype=dtype, seed=head_dim), None)
 
 
-@pytest.mark.parametrize("cap", [0, 1], ids=["portable", "avx512"])
+@pytest.mark.parametrize("tier", cpu_linear.ISA_TIERS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
-def test_lower_isa_paths(isa_cap, cap, dtype):
-    isa_cap(cap)
-    rng = random.Random(cap)
+def test_every_isa_tier(isa_cap, tier, dtype):
+    """Each tier's own code (portable, AVX2, AVX-512, AVX-512 + BF16) against the reference:
+    decodes at several context lengths and GQA groups (1, 3, 4 rows per kv head: one or two
+    row blocks of the AVX2 P.V), draft trees, random mask bits, a prefill chunk at head_dim
+    128, a mixed batch, blocks smaller than a chunk, and head dims 32 / 96 (vector paths) and
+    48 (portable at every tier)."""
+    _tier_or_skip(tier)
+    assert isa_cap(tier) == tier
+    rng = random.Random(len(tier))
+    for ctx in (1, 17, 900, 4000):
+        for heads in HEADS:
+            _check(*_batch([1], [ctx], num_heads=heads[0], num_kv_heads=heads[1], dtype=dtype,
+                           seed=ctx), None)
     tree = _random_tree(16, rng)
-    _check(*_batch([1], [900], dtype=dtype, seed=1), None)
     _check(*_batch([16], [916], dtype=dtype, seed=2), tree.mask_bits())
+    tree = _random_tree(8, rng)
+    _check(*_batch([8], [4008], num_heads=8, num_kv_heads=2, dtype=dtype, seed=5), tree.mask_bits())
+    bits = torch.rand(40, 40, generator=torch.Generator().manual_seed(6)) < 0.5
+    _check(*_batch([40], [60], dtype=dtype, seed=6), reference.pack_bits(bits))
     _check(*_batch([33], [50], head_dim=128, num_heads=8, num_kv_heads=2, dtype=dtype, seed=3), None)
-    _check(*_batch([1, 1, 5], [17, 300, 5], dtype=dtype, seed=4), None)
+    _check(*_batch([1, 1, 5, 0, 12], [17, 300, 5, 9, 140], dtype=dtype, seed=4), None)
+    _check(*_batch([1, 16], [200, 77], block_size=8, dtype=dtype, seed=7), None)
+    for head_dim in (32, 48, 96):
+        _check(*_batch([1, 9], [130, 40], num_heads=8, num_kv_heads=8, head_dim=head_dim,
+                       dtype=dtype, seed=head_dim), None)
 
 
 def test_strided_q_and_scale():
@@ -324,9 +352,9 @@ def spy(monkeypatch):
     calls = []
     real = cpu_attention.tree_attention
 
-    def wrapped(*args):
+    def wrapped(*args, **kwargs):
         calls.append(args[0].dtype)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(cpu_attention, "tree_attention", wrapped)
     monkeypatch.delenv("PRESCIENT_KERNELS", raising=False)
@@ -370,9 +398,21 @@ def test_ops_falls_back_when_unavailable(monkeypatch):
         cpu_attention.tree_attention(q, k, v, bt, ctx, cu, None, 0.125)
 
 
+def _pack_args(q, k, v, bt, ctx, cu, scale, *, out, k_scale=None, v_scale=None):
+    """pa_args_t for a direct call into a separately built library (no mask)."""
+    dt = cpu_attention._DT[q.dtype]
+    kv_dt = cpu_attention._KV_INT8 if k.dtype is torch.int8 else dt
+    return cpu_attention._ARGS.pack(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), bt.data_ptr(), ctx.data_ptr(), cu.data_ptr(), 0,
+        out.data_ptr(), q.stride(0), q.stride(1), *q.shape, k.shape[2], k.shape[0], k.shape[1],
+        bt.shape[0], bt.shape[1], 0, dt, 0,
+        0 if k_scale is None else k_scale.data_ptr(), 0 if v_scale is None else v_scale.data_ptr(),
+        kv_dt, scale)
+
+
 def test_generic_build_runs_every_path(tmp_path):
     """Built without -march=native (per-function targets, run-time ISA choice) the attention
-    kernel is complete too, at every ISA cap."""
+    kernel is complete too, at every tier this CPU runs, for fp32, bf16 and int8 caches."""
     cc = cpu_linear._compiler()
     if cc is None:
         pytest.skip("no C compiler")
@@ -381,16 +421,18 @@ def test_generic_build_runs_every_path(tmp_path):
     lib = ctypes.CDLL(str(so))
     lib.pa_tree_attention.argtypes = [ctypes.c_char_p]
     lib.pg_set_isa_cap.argtypes = [ctypes.c_int]
-    for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1)):
-        q, k, v, bt, ctx, cu = _batch([1, 5], [300, 40], dtype=dtype, seed=code)
-        ref = reference.tree_attention(q.float(), k.float(), v.float(), bt, ctx, cu, None, 0.125)
-        for cap in (0, 1, 2):
-            lib.pg_set_isa_cap(cap)
+    for dtype, kv in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)):
+        q, k, v, bt, ctx, cu = _batch([1, 5], [300, 40], dtype=dtype, seed=len(str(kv)))
+        scales = {}
+        if kv is torch.int8:
+            (k, ks), (v, vs) = reference.quantize_kv(k), reference.quantize_kv(v)
+            scales = dict(k_scale=ks, v_scale=vs)
+        ref = reference.tree_attention(q.float(), k if scales else k.float(),
+                                       v if scales else v.float(), bt, ctx, cu, None, 0.125, **scales)
+        for tier in cpu_linear.machine_tiers():
+            index = cpu_linear.ISA_TIERS.index(tier)
+            assert lib.pg_set_isa_cap(index) == index
             out = torch.empty_like(q)
-            args = cpu_attention._ARGS.pack(
-                q.data_ptr(), k.data_ptr(), v.data_ptr(), bt.data_ptr(), ctx.data_ptr(),
-                cu.data_ptr(), 0, out.data_ptr(), q.stride(0), q.stride(1), *q.shape,
-                k.shape[2], k.shape[0], k.shape[1], bt.shape[0], bt.shape[1], 0, code, 0, 0.125)
-            assert lib.pa_tree_attention(args) == 0
+            assert lib.pa_tree_attention(_pack_args(q, k, v, bt, ctx, cu, 0.125, out=out, **scales)) == 0
             err = (out.float() - ref).abs()
-            assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5).all()), (dtype, cap)
+            assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5).all()), (dtype, kv, tier)

@@ -8,11 +8,17 @@ bf16 activations (bf16 weights on the AVX512_BF16 path).  The kernel then differ
   * output rounding when y is bf16: half an ulp, 2^-9 * |y| (2^-8 allowed for the
     bound above moving y across a binade).
 so we assert |y - ref| <= K * 2^-24 * (|x| @ |w|^T) + (2^-8 * |ref| if y is bf16) + 1e-30.
+
+ISA tiers.  Every tier this CPU runs (``cpu_linear.machine_tiers()``: portable, avx2, avx512,
+avx512_bf16 as available) is selected in turn with ``_set_isa_cap`` and checked against the
+same reference; tiers the CPU lacks are skipped, naming the tier.  The aarch64 NEON path is
+cross-compiled and run under qemu-aarch64 (test_neon_kernels_under_qemu).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from prescient.kernels import cpu_linear
-from prescient.kernels.cpu_linear import MAX_M, PackedLinear, pack_weight
+from prescient.kernels.cpu_linear import ISA_TIERS, MAX_M, PackedLinear, pack_weight
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [  # (out_features, in_features): odd sizes, K not a multiple of 16/32, tiny, real
@@ -66,13 +74,18 @@ def _loaded():
     yield
 
 
-@pytest.fixture
-def isa_cap():
-    """Run a test at a lower ISA (portable / AVX-512 without BF16), restoring afterwards."""
+@pytest.fixture(params=ISA_TIERS)
+def tier(request):
+    """Each ISA tier in turn, as the tier in use (skipped where this CPU lacks it); the tier in
+    use before (e.g. from PRESCIENT_ISA) is restored afterwards."""
     if not cpu_linear.available():
         pytest.skip("C kernel unavailable")
-    yield cpu_linear._set_isa_cap
-    cpu_linear._set_isa_cap(99)
+    if request.param not in cpu_linear.machine_tiers():
+        pytest.skip(f"this CPU cannot run the {request.param} tier")
+    before = cpu_linear.kernel_info()["isa"]
+    assert cpu_linear._set_isa_cap(request.param) == request.param
+    yield request.param
+    cpu_linear._set_isa_cap(ISA_TIERS.index(before))
 
 
 def test_kernel_builds_here():
@@ -80,8 +93,11 @@ def test_kernel_builds_here():
     if not info["available"] and "no C compiler" in (info["reason"] or ""):
         pytest.skip("no C compiler on this machine")
     assert info["available"], info["reason"]
-    assert info["isa"] in ("portable", "avx512", "avx512_bf16")
+    assert info["isa"] in ISA_TIERS
     assert info["threads"] >= 1
+    tiers = cpu_linear.machine_tiers()
+    assert tiers == list(ISA_TIERS[:len(tiers)]) and info["isa"] in tiers
+    assert cpu_linear.kernel_info()["isa"] == info["isa"]  # machine_tiers() left the cap as is
 
 
 @pytest.mark.parametrize("wdt", DTYPES, ids=["w32", "wbf16"])
@@ -98,18 +114,40 @@ def test_matches_float64(wdt, xdt, shape, M):
     _check(y, x, w, xround=_kernel_x_dtype(wdt))
 
 
-@pytest.mark.parametrize("cap", [0, 1, 2], ids=["portable", "avx512", "avx512_bf16"])
+TIER_SHAPES = [(577, 33), (64, 1000), (3, 17), (130, 577), (31, 8)]  # odd N, K % 8 != 0
+
+
 @pytest.mark.parametrize("wdt", DTYPES, ids=["w32", "wbf16"])
-@pytest.mark.parametrize("M", [1, 5, 16])
-def test_isa_paths(isa_cap, cap, wdt, M):
-    used = isa_cap(cap)
-    for xdt in DTYPES:
-        for N, K in [(577, 33), (64, 1000), (3, 17)]:
-            g = torch.Generator().manual_seed(N + K + M + cap)
-            w = torch.randn(N, K, generator=g).to(wdt)
+@pytest.mark.parametrize("xdt", DTYPES, ids=["x32", "xbf16"])
+def test_every_tier_matches_float64(tier, wdt, xdt):
+    """Each tier's kernels for M = 1..16 (every tile shape and leftover path), odd N and K,
+    with and without bias."""
+    xround = torch.bfloat16 if (wdt == torch.bfloat16 and tier == "avx512_bf16") else None
+    assert _kernel_x_dtype(wdt) == xround
+    for si, (N, K) in enumerate(TIER_SHAPES):
+        g = torch.Generator().manual_seed(N * 31 + K + ISA_TIERS.index(tier))
+        w = torch.randn(N, K, generator=g).to(wdt)
+        b = torch.randn(N, generator=g)
+        for M in range(1, MAX_M + 1):
+            bias = b if (M + si) % 2 else None
             x = torch.randn(M, K, generator=g).to(xdt)
-            xround = torch.bfloat16 if (wdt == torch.bfloat16 and used == "avx512_bf16") else None
-            _check(pack_weight(w)(x), x, w, xround=xround)
+            y = pack_weight(w, bias)(x)
+            assert y.shape == (M, N) and y.dtype == xdt
+            _check(y, x, w, bias=bias, xround=xround)
+
+
+@pytest.mark.parametrize("wdt", DTYPES, ids=["w32", "wbf16"])
+def test_every_tier_pooled_and_lm_head(tier, wdt):
+    """Matrices big enough to be split over the thread pool (both threads run tiles, chunk
+    boundaries fall inside the tile loop), including the 49152-row LM head."""
+    xround = torch.bfloat16 if (wdt == torch.bfloat16 and tier == "avx512_bf16") else None
+    g = torch.Generator().manual_seed(11)
+    for N, K, Ms in [(4099, 577, (1, 2, 6, 13)), (49152, 576, (1, 16))]:
+        w = torch.randn(N, K, generator=g).to(wdt)
+        lin = pack_weight(w)
+        for M in Ms:
+            x = torch.randn(M, K, generator=g).to(wdt)
+            _check(lin(x), x, w, xround=xround)
 
 
 def test_lm_head_shape():
@@ -146,27 +184,84 @@ def test_leading_dims_noncontiguous_and_out():
     _check(out, xt.contiguous(), w)
 
 
-def test_large_m_falls_back_to_f_linear():
+def _check_vs_fp32_linear(y, x, w, bias=None):
+    """y against F.linear in fp32 of the same (widened) weights: two fp32 sums of the same
+    products differ by at most twice the accumulation bound, plus y's bf16 rounding."""
+    ref = F.linear(x.float(), w.float(), None if bias is None else bias.to(w.dtype).float())
+    mag = x.float().abs() @ w.float().abs().T
+    if bias is not None:
+        mag = mag + bias.to(w.dtype).float().abs()
+    tol = 2 * w.shape[1] * 2.0 ** -24 * mag + 1e-30
+    if y.dtype == torch.bfloat16:
+        tol = tol + 2.0 ** -8 * ref.abs()
+    err = (y.float().reshape(ref.shape) - ref).abs()
+    assert (err <= tol).all(), f"max err {err.max().item():.3g} vs F.linear fp32"
+
+
+def test_large_m_uses_a_gemm(tier):
+    """M > MAX_M: fp32 weights (and bf16 ones where the tier has AVX512_BF16) are exactly
+    F.linear; below avx512_bf16 a bf16 weight runs the fp32 row-block GEMM."""
     g = torch.Generator().manual_seed(4)
-    for wdt in DTYPES:
-        w = torch.randn(100, 50, generator=g).to(wdt)
-        x = torch.randn(MAX_M + 1, 50, generator=g).to(wdt)
-        torch.testing.assert_close(pack_weight(w)(x), F.linear(x, w), rtol=0, atol=0)
-    x0 = torch.randn(0, 50)
-    assert pack_weight(torch.randn(100, 50))(x0).shape == (0, 100)
+    w32 = torch.randn(100, 50, generator=g)
+    x32 = torch.randn(MAX_M + 1, 50, generator=g)
+    torch.testing.assert_close(pack_weight(w32)(x32), F.linear(x32, w32), rtol=0, atol=0)
+    assert cpu_linear.prefill_mode() == ("bf16_gemm" if tier == "avx512_bf16" else "fp32_blocked")
+    w = w32.to(torch.bfloat16)
+    x = x32.to(torch.bfloat16)
+    y = pack_weight(w)(x)
+    if tier == "avx512_bf16":
+        torch.testing.assert_close(y, F.linear(x, w), rtol=0, atol=0)
+    else:
+        _check(y, x, w)
+        _check_vs_fp32_linear(y, x, w)
+    assert pack_weight(torch.randn(100, 50))(torch.randn(0, 50)).shape == (0, 100)
+    assert pack_weight(w)(torch.randn(0, 50).to(torch.bfloat16)).shape == (0, 100)
+
+
+@pytest.mark.parametrize("xdt", DTYPES, ids=["x32", "xbf16"])
+def test_blocked_prefill_matches_fp32_linear(tier, xdt):
+    """The fp32 row-block prefill of bf16 weights, run directly on every tier: several blocks
+    with a partial last one (N not a multiple of the block), bias, leading dims, out=."""
+    g = torch.Generator().manual_seed(12)
+    for N, K, lead in [(1000, 576, (3, 41)), (1537, 100, (64,)), (7, 33, (17,))]:
+        rows = cpu_linear._prefill_rows(K, N)
+        assert 1 <= rows <= N and (rows % 16 == 0 or rows == N)
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        b = torch.randn(N, generator=g)
+        x = torch.randn(*lead, K, generator=g).to(xdt)
+        for bias in (None, b):
+            lin = pack_weight(w, bias)
+            y = lin._blocked_fp32(x, None)
+            assert y.shape == (*lead, N) and y.dtype == xdt
+            xm = x.reshape(-1, K)
+            _check(y.reshape(-1, N), xm, w, bias=bias)
+            _check_vs_fp32_linear(y, xm, w, bias)
+            out = torch.empty(*lead, N, dtype=xdt)
+            assert lin._blocked_fp32(x, out) is out and torch.equal(out, y)
+            if cpu_linear.prefill_mode() == "fp32_blocked":
+                assert torch.equal(lin(x), y)  # what __call__ runs for M > MAX_M here
+        with pytest.raises(ValueError):
+            pack_weight(w)._blocked_fp32(x, torch.empty(3, dtype=xdt))
 
 
 def test_mixed_dtype_fallback_and_autograd():
     g = torch.Generator().manual_seed(5)
     w = torch.randn(40, 24, generator=g).to(torch.bfloat16)
-    x = torch.randn(MAX_M + 4, 24, generator=g)  # fp32 x, bf16 w, M > MAX_M: fallback
-    y = pack_weight(w)(x)  # F.linear in bf16 (no fp32 copy of the weight), cast back
+    x = torch.randn(MAX_M + 4, 24, generator=g)  # fp32 x, bf16 w, M > MAX_M: a GEMM
+    y = pack_weight(w)(x)
     assert y.dtype == torch.float32
-    _check(y, x, w, xround=torch.bfloat16, y_rounded_bf16=True)
+    if cpu_linear.prefill_mode() == "bf16_gemm":
+        # F.linear in bf16 (no fp32 copy of the weight), cast back
+        _check(y, x, w, xround=torch.bfloat16, y_rounded_bf16=True)
+    else:  # fp32 row blocks: x is not rounded
+        _check(y, x, w)
     wf = torch.randn(40, 24, generator=g)
     xg = torch.randn(2, 24, generator=g, requires_grad=True)
     pack_weight(wf)(xg).sum().backward()  # autograd goes through F.linear
     torch.testing.assert_close(xg.grad, wf.sum(0).expand(2, 24))
+    xg = torch.randn(MAX_M + 1, 24, generator=g, requires_grad=True)
+    pack_weight(w)(xg.to(torch.bfloat16)).float().sum().backward()  # never the blocked path
+    assert xg.grad is not None and xg.grad.shape == xg.shape
 
 
 def test_pack_weight_keeps_layout_and_converts():
@@ -309,16 +404,72 @@ def test_builds_and_runs_without_march_native(tmp_path):
     lib.pg_linear.argtypes = [vp, ci, vp, vp, ci, vp, ci, ci, ci]
     lib.pg_set_isa_cap.argtypes = [ci]
     g = torch.Generator().manual_seed(9)
-    for cap in (0, 1, 2):
-        used = lib.pg_set_isa_cap(cap)
+    tiers = cpu_linear.machine_tiers() or ["portable"]
+    for name in tiers:
+        used = lib.pg_set_isa_cap(ISA_TIERS.index(name))
+        assert used == ISA_TIERS.index(name)
         for wdt, code in ((torch.float32, 0), (torch.bfloat16, 1)):
-            w = torch.randn(131, 45, generator=g).to(wdt)
-            x = torch.randn(5, 45, generator=g)
-            y = torch.empty(5, 131)
-            assert lib.pg_linear(w.data_ptr(), code, None, x.data_ptr(), 0, y.data_ptr(),
-                                 5, 131, 45) == 0
-            xround = torch.bfloat16 if (code == 1 and used == 2) else None
-            _check(y, x, w, xround=xround)
+            for M in (1, 5, 16):
+                w = torch.randn(131, 45, generator=g).to(wdt)
+                x = torch.randn(M, 45, generator=g)
+                y = torch.empty(M, 131)
+                assert lib.pg_linear(w.data_ptr(), code, None, x.data_ptr(), 0, y.data_ptr(),
+                                     M, 131, 45) == 0
+                xround = torch.bfloat16 if (code == 1 and name == "avx512_bf16") else None
+                _check(y, x, w, xround=xround)
+
+
+def test_prescient_isa_env():
+    """PRESCIENT_ISA=avx2 caps the tier at load; a bad value is an error naming the tiers."""
+    if "avx2" not in cpu_linear.machine_tiers():
+        pytest.skip("this CPU cannot run the avx2 tier")
+    code = """
+        import torch
+        from prescient.kernels import cpu_linear
+        info = cpu_linear.kernel_info()
+        w = torch.randn(300, 70).to(torch.bfloat16); x = torch.randn(3, 70)
+        y = cpu_linear.pack_weight(w)(x)
+        err = (y.double() - x.double() @ w.double().T).abs().max().item()
+        print(info["isa"], info["available"], cpu_linear.prefill_mode(), err < 1e-3)
+    """
+    p = _run_py(code, {"PRESCIENT_ISA": "avx2"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["avx2", "True", "fp32_blocked", "True"]
+    bad = _run_py(code, {"PRESCIENT_ISA": "avx3"})
+    assert bad.returncode != 0
+    assert "PRESCIENT_ISA='avx3'" in bad.stderr and "portable, avx2, avx512, avx512_bf16" in bad.stderr
+
+
+def _neon_tools():
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        return None, None, ("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install "
+                            "gcc-aarch64-linux-gnu qemu-user)")
+    if not os.path.isdir("/usr/aarch64-linux-gnu/lib"):
+        return None, None, "no aarch64 sysroot at /usr/aarch64-linux-gnu"
+    return cc, qemu, None
+
+
+def test_neon_kernels_under_qemu(tmp_path):
+    """The aarch64 NEON kernels (fp32 and bf16 weights, fp32 and bf16 x, M up to 16, odd
+    shapes, bias, 2 threads) against the double-precision reference of
+    tests/kernels/neon_driver.c, cross-compiled with cpu_gemv.c and run under qemu-aarch64."""
+    cc, qemu, why = _neon_tools()
+    if why:
+        pytest.skip(why)
+    exe = tmp_path / "neon_driver"
+    kdir = os.path.join(REPO, "kernels")
+    build = subprocess.run(
+        [cc, "-O3", "-std=gnu11", "-pthread", "-Wall", "-Werror", "-I", kdir, "-o", str(exe),
+         os.path.join(REPO, "tests", "kernels", "neon_driver.c"), os.path.join(kdir, "cpu_gemv.c"),
+         "-lm"], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]
+    assert summary.startswith("neon_driver: isa 0,") and summary.endswith(" 0 failed"), summary
+    assert int(summary.split(",")[1].split()[0]) > 300  # every case ran
 
 
 def test_damaged_cache_entry_is_rebuilt(tmp_path):
@@ -347,3 +498,23 @@ def test_cache_prunes_builds_unused_for_a_week(tmp_path):
     os.utime(cur, (week_ago, week_ago))  # in use now: touched, never pruned
     cpu_linear._touch_and_prune(cur)
     assert cur.exists() and recent.exists() and not stale.exists()
+
+
+def test_read_probe_xors_every_word():
+    """pg_read_probe (gemv_bench's read-bandwidth floor) must really read all of the buffer:
+    its result is the XOR of every 64-bit word, over the pool, with a ragged last chunk."""
+    import ctypes
+
+    import numpy as np
+
+    lib = cpu_linear.library()
+    if lib is None:
+        pytest.skip("C kernel unavailable")
+    lib.pg_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.pg_read_probe.restype = ctypes.c_uint64
+    g = torch.Generator().manual_seed(13)
+    for words in (1, 7, 8193, (3 << 20) + 5):
+        buf = torch.randint(-2**62, 2**62, (words,), dtype=torch.int64, generator=g)
+        want = int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
+        assert lib.pg_read_probe(buf.data_ptr(), words * 8) == want
+    assert lib.pg_read_probe(buf.data_ptr(), 0) == 0

@@ -22,8 +22,10 @@ def test_mixed_agents_leave_no_leak_and_every_stream_adds_up(tiny_model_dir, req
     try:
         url = proc.url
         warm = SoakStats()
-        run_soak(url, min(30.0, seconds / 10), agents, max_tokens, warm)  # warm-up: allocator, caches
+        # warm-up: the allocator's pools, caches; the KV cache is made resident at start (runtime/memory.py)
+        run_soak(url, min(180.0, seconds / 10), agents, max_tokens, warm)
         rss_warm = rss_bytes(proc.proc.pid)
+        store_warm = metric(url, "prescient_response_store_bytes")
         stats = SoakStats()
         t0 = time.monotonic()
         run_soak(url, seconds, agents, max_tokens, stats)
@@ -39,10 +41,12 @@ def test_mixed_agents_leave_no_leak_and_every_stream_adds_up(tiny_model_dir, req
         kv = metric(url, "prescient_kv_cache_usage_ratio")
         running = metric(url, "prescient_num_requests_running")
         waiting = metric(url, "prescient_num_requests_waiting")
+        store_end = metric(url, "prescient_response_store_bytes")
         print(f"\nsoak: {elapsed:.0f} s, {agents} agents, {stats.streams} streams ({stats.by_kind} sessions), "
               f"{stats.dropped} dropped on purpose, {stats.tokens} tokens; RSS after warm-up "
               f"{rss_warm / 2**20:.0f} MiB, at the end {rss_end / 2**20:.0f} MiB "
-              f"({(rss_end / rss_warm - 1) * 100:+.1f}%); KV usage {kv:.3f}, running {running:.0f}, "
+              f"({(rss_end / rss_warm - 1) * 100:+.1f}%); stored responses {store_warm / 2**20:.1f} -> "
+              f"{store_end / 2**20:.1f} MiB; KV usage {kv:.3f}, running {running:.0f}, "
               f"waiting {waiting:.0f}")
         assert not warm.failures and not stats.failures, (warm.failures + stats.failures)[:10]
         assert stats.streams > agents and stats.dropped > 0

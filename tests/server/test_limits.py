@@ -18,6 +18,7 @@ from tests.server.test_responses_ws import create, run, until_terminal
 FLAGS = {"max_tools": ("--max-tools", "3"), "max_schema_bytes": ("--max-schema-bytes", "1000"),
          "request_time_limit_s": ("--request-time-limit-s", "2.5"),
          "response_store_size": ("--response-store-size", "7"), "response_ttl_s": ("--response-ttl-s", "60"),
+         "response_store_mb": ("--response-store-mb", "3.5"),
          "response_scope": ("--response-scope", "connection")}
 
 
@@ -31,9 +32,9 @@ def test_serve_flags_reach_the_server_config_with_the_same_defaults(monkeypatch)
     assert cli.main(["serve", *[x for flag, value in FLAGS.values() for x in (flag, value)]]) == 0
     got = {f.name: getattr(seen["c"], f.name) for f in dataclasses.fields(ServerConfig) if f.name in FLAGS}
     assert got == {"max_tools": 3, "max_schema_bytes": 1000, "request_time_limit_s": 2.5, "response_store_size": 7,
-                   "response_ttl_s": 60.0, "response_scope": "connection"}
+                   "response_ttl_s": 60.0, "response_scope": "connection", "response_store_mb": 3.5}
     for bad in ({"max_tools": 0}, {"max_schema_bytes": 0}, {"request_time_limit_s": 0}, {"response_ttl_s": -1},
-                {"response_store_size": 0}, {"response_scope": "world"}):
+                {"response_store_size": 0}, {"response_store_mb": 0}, {"response_scope": "world"}):
         with pytest.raises(ValueError):
             ServerConfig(**bad)
 

@@ -65,6 +65,22 @@ def test_response_store_expires_and_evicts():
     assert store.get("a") is None and store.get("c") is None
 
 
+def test_response_store_is_bounded_in_bytes_and_keeps_the_newest():
+    store = ResponseStore(max_entries=100, ttl_s=10, max_bytes=20_000)
+    ids = tuple(range(1000, 2000))  # 1000 tokens: ~4 KB as int32 (a tuple of ints would be ~36 KB)
+    conv = lambda rid, n=1000: Conversation(rid, "s", ({"role": "user", "content": "hi"},),  # noqa: E731
+                                            Rendered("x" * n, ids[:n]))
+    for i in range(10):
+        store.put(conv(f"r{i}"))
+    assert store.nbytes <= 20_000 and 2 <= len(store) < 10
+    assert store.get("r9").rendered == Rendered("x" * 1000, ids)  # the newest, intact
+    assert store.get("r0") is None  # the eldest went first
+    store.put(Conversation("huge", "s", (), Rendered("y" * 50_000, ())))
+    assert len(store) == 1 and store.get("huge") is not None  # alone over the bound, but kept
+    store.put(conv("after"))
+    assert store.get("huge") is None and store.nbytes == sum(e.nbytes for e in store._entries.values())
+
+
 def test_both_apis_render_tool_turns_the_same():
     chat = decode(json.dumps({"model": "m", "messages": [
         {"role": "developer", "content": "Be brief."},

@@ -1,0 +1,567 @@
+/*
+ * cpu_layer.c -- one decoder layer of a Llama-family model (Llama, SmolLM2, Qwen2) in one
+ * native call, for decode- and verify-sized batches (T <= PG_MAX_M tokens).
+ *
+ * Role: the CPU twin of the layer loop of runtime/model.py (LlamaModel.forward), called by
+ * kernels/cpu_layer.py.  There a decode step makes ~30 torch ops per layer; at batch 1 each
+ * costs microseconds of dispatch while the GEMVs stream weights at DRAM speed, so the
+ * dispatch was ~40% of a step.  Here the small ops are plain loops, the matrix products go to
+ * pg_linear_w (cpu_gemv.c / cpu_qgemv.c: any weight format that has a pg_weight_t) and the
+ * attention to pa_tree_attention (cpu_attention.c) -- the very kernels the torch path calls,
+ * so the two paths share their numerics and only the glue between them is new.
+ *
+ * One layer, in place on h [T, hidden]:
+ *   x = rms_norm(h) * attn_norm; qkv = x @ Wqkv^T (+ bias); rope(q, k); cache[slot] = k, v;
+ *   a = tree_attention(q, cache); h += a @ Wo^T;
+ *   x = rms_norm(h) * mlp_norm; [g | u] = x @ Wgu^T; h += (silu(g) * u) @ Wdown^T.
+ * Entry points: pl_layer (one layer: tensor parallelism would all-reduce between calls),
+ * pl_layers (every layer in one call), pl_final_norm (the model's last RMSNorm, of the rows
+ * whose logits are wanted), pl_profile (section timers for latency_bench/step_profile.py).
+ *
+ * Numerics mirror the torch forward op by op: every torch op's output is rounded to the model
+ * dtype (bf16: round to nearest even) at the same point, with the op computed in fp32 as
+ * torch's CPU kernels do for bf16 (a bf16 x bf16 product is exact in fp32, so one rounding of
+ * it is what torch does too); the RMSNorm's fp32 sum of squares is summed in torch's own order
+ * (torch_row_sum) and RoPE's addcmul is a fused multiply-add as in torch.  The one fp32
+ * function computed differently is exp() in SiLU: torch's vectorised expf is good to about an
+ * ulp, here exp is evaluated in double and rounded (the correctly rounded value).  After
+ * SiLU's bf16 rounding no difference was seen, so a bf16 model's layers are torch's bit for
+ * bit; an fp32 model's differ by an fp32 ulp in some SiLU outputs.
+ *
+ * Threads: the linears and the attention use the shared pool (pg_parallel_for); the
+ * elementwise work is microseconds and runs on the caller.  No state: scratch space is the
+ * caller's (pl_scratch_bytes), so calls on different scratch may run concurrently.
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+#include <math.h>
+#include <time.h>
+
+#include "cpu_bf16.h"
+#include "cpu_gemv.h"
+
+#define PL_VERSION 1
+
+/* Keep in step with _Step in cpu_layer.py.  What one forward shares across its layers:
+ * shapes, the tokens' RoPE rows and KV slots, the attention's batch metadata, h and the
+ * scratch buffer.  Addresses are int64 (the Python side fills them from data_ptr()). */
+typedef struct {
+    int64_t T, hidden, num_heads, num_kv_heads, head_dim, inter, dtype;
+    int64_t h;             /* [T, hidden] model dtype, updated in place */
+    int64_t cos, sin;      /* [T, head_dim] model dtype: the tokens' RoPE rows */
+    int64_t slot_mapping;  /* [T] int64, negative = do not store */
+    int64_t block_tables, context_lens, cu_seqlens_q, mask_bits;  /* tree_attention's */
+    int64_t num_seqs, max_blocks, num_words, num_blocks, block_size;
+    int64_t attn_flags;    /* pa_args_t.flags (PA_SOLO) */
+    int64_t sum_lanes;     /* torch's Vectorized<float> width in its row sums (torch_row_sum) */
+    int64_t scratch;       /* pl_scratch_bytes(...) bytes, 64-byte aligned */
+    double eps, scale;     /* RMSNorm epsilon (as torch: rounded to fp32), attention scale */
+} pl_step_t;
+
+/* Keep in step with _LayerArgs in cpu_layer.py: one layer's weights and KV cache, built once,
+ * and the step it runs in (one argument per call: through ctypes each costs ~70 ns). */
+typedef struct {
+    const pl_step_t *step;
+    const pg_weight_t *qkv, *o, *gate_up, *down;
+    const void *attn_norm, *mlp_norm;  /* [hidden] model dtype */
+    const void *qkv_bias;              /* [qkv_out] model dtype or NULL: added after the
+                                          linear's rounding, as runtime/linear.py does */
+    void *k_cache, *v_cache;           /* [num_blocks, block_size, num_kv_heads, head_dim] */
+} pl_layer_args;
+
+/* Mirror of pa_args_t in cpu_attention.c (the attention kernel's one argument), version
+ * PL_PA_VERSION of that file; the two must stay field for field identical, and cpu_layer.py
+ * refuses to run against another pa_version(). */
+#define PL_PA_VERSION 3
+typedef struct {
+    int64_t q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, out;
+    int64_t q_stride_tok, q_stride_head;
+    int64_t num_tokens, num_heads, head_dim, num_kv_heads, num_blocks, block_size;
+    int64_t num_seqs, max_blocks, num_words, dtype;
+    int64_t flags;
+    int64_t k_scale, v_scale;  /* int8 caches only: 0 here, the caches have the model dtype */
+    int64_t kv_dtype;
+    double scale;
+} pa_args_t;
+
+int pa_tree_attention(const pa_args_t *a);
+int pa_version(void);
+
+/* Errors of this file are positive; the attention kernel's are negative and passed on. */
+enum { PL_EARGS = 1, PL_ESLOT = 2, PL_ELINEAR = 3, PL_ENOMEM = 4 };
+
+/* ------------------------------------------------------------------------- */
+/* Scratch layout                                                             */
+/* ------------------------------------------------------------------------- */
+
+typedef struct {
+    char *x;     /* [T, hidden] normed input of a linear */
+    char *qkv;   /* [T, (H + 2 KVH) D] q, k roped in place */
+    char *attn;  /* [T, H D] attention output */
+    char *y;     /* [T, hidden] o / down output */
+    char *gu;    /* [T, 2 I] gate | up */
+    char *act;   /* [T, I] silu(gate) * up */
+    char *sq;    /* [hidden] fp32: one row's squares (RMSNorm), or x * cos (fp32 RoPE) */
+} pl_bufs_t;
+
+static size_t pad64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static size_t layout(const pl_step_t *s, int64_t T, char *base, pl_bufs_t *b)
+{
+    const size_t esz = s->dtype == DT_F32 ? 4 : 2;
+    const size_t qkv = (size_t)(s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+    const size_t sizes[7] = {
+        (size_t)T * s->hidden * esz, (size_t)T * qkv * esz,
+        (size_t)T * s->num_heads * s->head_dim * esz, (size_t)T * s->hidden * esz,
+        (size_t)T * 2 * s->inter * esz, (size_t)T * s->inter * esz,
+        (size_t)(s->hidden > s->head_dim ? s->hidden : s->head_dim) * 4};
+    char **slot[7] = {&b->x, &b->qkv, &b->attn, &b->y, &b->gu, &b->act, &b->sq};
+    size_t off = 0;
+    for (int i = 0; i < 7; i++) {
+        *slot[i] = base ? base + off : NULL;
+        off += pad64(sizes[i]);
+    }
+    return off;
+}
+
+/* Bytes of scratch a step of up to max_tokens tokens needs (the step's T is ignored). */
+int64_t pl_scratch_bytes(const pl_step_t *s, int64_t max_tokens)
+{
+    pl_bufs_t b;
+    return (int64_t)layout(s, max_tokens, NULL, &b);
+}
+
+/* ------------------------------------------------------------------------- */
+/* Elementwise pieces, one loop per dtype (plain loops: -O3 vectorises them)  */
+/* ------------------------------------------------------------------------- */
+
+#define PL_MAX_LANES 16
+
+/* sum(x[0 .. n)) in the order of torch's CPU sum of a contiguous fp32 row (SumKernel.cpp:
+ * cascade_sum -> vectorized_inner_sum, Vectorized<float> of L lanes): the row is read as
+ * vectors, vector i added into accumulator i % 4 ("ilp"), accumulators cascaded into three
+ * more levels every 16 rows of 4 vectors (multi_row_sum), the 4 folded in order, then the
+ * scalar tail and the L lanes added in order to 0.  L = 1 is torch's scalar path (rows shorter
+ * than a vector).  The same fp32 sum bit for bit is what keeps the bf16 RMSNorm, and with it
+ * greedy decoding, identical to the torch path (cpu_layer.py checks L against torch once). */
+static inline __attribute__((always_inline)) float row_sum_lanes(const float *x, int n, const int L)
+{
+    const int nv = n / L, rows = nv / 4;
+    float acc[4][4][PL_MAX_LANES];  /* [level][ilp][lane] */
+    memset(acc, 0, sizeof(acc));
+    const int ceil_log2 = rows <= 2 ? 1 : 64 - __builtin_clzll((unsigned long long)rows - 1);
+    const int power = ceil_log2 / 4 > 4 ? ceil_log2 / 4 : 4;
+    const int step = 1 << power;
+    int i = 0;
+    while (i + step <= rows) {
+        for (int j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < L; l++)
+                    acc[0][k][l] += x[(size_t)(i * 4 + k) * L + l];
+        for (int lv = 1; lv < 4; lv++) {
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < L; l++) {
+                    acc[lv][k][l] += acc[lv - 1][k][l];
+                    acc[lv - 1][k][l] = 0.f;
+                }
+            if (i & ((step - 1) << (lv * power)))
+                break;
+        }
+    }
+    for (; i < rows; i++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < L; l++)
+                acc[0][k][l] += x[(size_t)(i * 4 + k) * L + l];
+    for (int lv = 1; lv < 4; lv++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < L; l++)
+                acc[0][k][l] += acc[lv][k][l];
+    for (int v = rows * 4; v < nv; v++)
+        for (int l = 0; l < L; l++)
+            acc[0][0][l] += x[(size_t)v * L + l];
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < L; l++)
+            acc[0][0][l] += acc[0][k][l];
+    float s = 0.f;
+    for (int e = nv * L; e < n; e++)
+        s += x[e];
+    for (int l = 0; l < L; l++)
+        s += acc[0][0][l];
+    return s;
+}
+
+/* Compiled for L = 8 and 16 (the vectors' width a constant: whole registers), any L else. */
+static float torch_row_sum(const float *x, int n, int L)
+{
+    if (n < L)
+        return row_sum_lanes(x, n, 1);
+    if (L == 8)
+        return row_sum_lanes(x, n, 8);
+    if (L == 16)
+        return row_sum_lanes(x, n, 16);
+    return row_sum_lanes(x, n, L);
+}
+
+/* mean(x^2) of a row as torch's x.pow(2).mean(-1): the squares rounded to fp32 first (pow
+ * materialises them; written to sq so that no multiply-add contracts them into the sum), the
+ * sum in torch's order, then divided by n. */
+static float mean_sq(const void *x, int dt, int n, float *sq, int lanes)
+{
+    if (dt == DT_F32) {
+        const float *xf = (const float *)x;
+        for (int i = 0; i < n; i++)
+            sq[i] = xf[i] * xf[i];
+    } else {
+        const uint16_t *xb = (const uint16_t *)x;
+        for (int i = 0; i < n; i++) {
+            const float v = bf16_to_f32(xb[i]);
+            sq[i] = v * v;
+        }
+    }
+    return torch_row_sum(sq, n, lanes) / (float)n;
+}
+
+/* For cpu_layer.py's check of the lane count against torch: mean(x[0..n)^2) as rms_norm
+ * takes it. */
+float pl_mean_sq(const float *x, int n, int lanes, float *sq)
+{
+    return mean_sq(x, DT_F32, n, sq, lanes < 1 ? 1 : lanes > PL_MAX_LANES ? PL_MAX_LANES : lanes);
+}
+
+/* out = rms_norm(h) * w, row by row, r = 1 / sqrt(mean(x^2) + eps) in fp32 (torch's rsqrt:
+ * a correctly rounded sqrt, then the division).  fp32: F.rms_norm, (x * r) * w.  bf16 (the
+ * model's _rms_norm): x * r rounded to bf16, then w times that, rounded. */
+static void rms_norm(const pl_step_t *s, const void *h, const void *w, void *out, int T, float *sq)
+{
+    const int n = (int)s->hidden, L = (int)s->sum_lanes;
+    const float eps = (float)s->eps;
+    for (int t = 0; t < T; t++) {
+        if (s->dtype == DT_F32) {
+            const float *x = (const float *)h + (size_t)t * n;
+            const float *wf = (const float *)w;
+            float *o = (float *)out + (size_t)t * n;
+            const float r = 1.f / sqrtf(mean_sq(x, DT_F32, n, sq, L) + eps);
+            for (int i = 0; i < n; i++)
+                o[i] = x[i] * r * wf[i];
+        } else {
+            const uint16_t *x = (const uint16_t *)h + (size_t)t * n;
+            const uint16_t *wb = (const uint16_t *)w;
+            uint16_t *o = (uint16_t *)out + (size_t)t * n;
+            const float r = 1.f / sqrtf(mean_sq(x, DT_BF16, n, sq, L) + eps);
+            for (int i = 0; i < n; i++) {
+                const float xn = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r));
+                o[i] = f32_to_bf16(bf16_to_f32(wb[i]) * xn);
+            }
+        }
+    }
+}
+
+/* y += b over [T, n] (bias after the linear's own rounding, then rounded again). */
+static void add_rows(int dt, void *y, const void *b, int T, int n, int bstride)
+{
+    for (int t = 0; t < T; t++) {
+        if (dt == DT_F32) {
+            float *yr = (float *)y + (size_t)t * n;
+            const float *br = (const float *)b + (size_t)t * bstride;
+            for (int i = 0; i < n; i++)
+                yr[i] = yr[i] + br[i];
+        } else {
+            uint16_t *yr = (uint16_t *)y + (size_t)t * n;
+            const uint16_t *br = (const uint16_t *)b + (size_t)t * bstride;
+            for (int i = 0; i < n; i++)
+                yr[i] = f32_to_bf16(bf16_to_f32(yr[i]) + bf16_to_f32(br[i]));
+        }
+    }
+}
+
+/* Rope.apply on the q and k heads of every token, in place in the qkv rows (rotate-half
+ * layout): y = x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].  As torch does it:
+ * x * cos rounded to the dtype, then addcmul in fp32 (one fused multiply-add; for bf16 the
+ * product is exact anyway), rounded once. */
+static void rope(const pl_step_t *s, char *qkv, int T, float *xc)
+{
+    const int D = (int)s->head_dim, half = D / 2;
+    const int nh = (int)(s->num_heads + s->num_kv_heads);
+    const size_t row = (size_t)(s->num_heads + 2 * s->num_kv_heads) * D;
+    for (int t = 0; t < T; t++) {
+        if (s->dtype == DT_F32) {
+            const float *c = (const float *)(intptr_t)s->cos + (size_t)t * D;
+            const float *sn = (const float *)(intptr_t)s->sin + (size_t)t * D;
+            for (int hh = 0; hh < nh; hh++) {
+                float *x = (float *)qkv + t * row + (size_t)hh * D;
+                /* x * cos is its own torch op (rounded, and stored so that nothing fuses it
+                 * into the next line); torch's fp32 addcmul is one fused multiply-add */
+                for (int d = 0; d < D; d++)
+                    xc[d] = x[d] * c[d];
+                for (int d = 0; d < half; d++) {
+                    const float x1 = x[d], x2 = x[d + half];
+                    x[d] = fmaf(-x2, sn[d], xc[d]);
+                    x[d + half] = fmaf(x1, sn[d + half], xc[d + half]);
+                }
+            }
+        } else {
+            const uint16_t *c = (const uint16_t *)(intptr_t)s->cos + (size_t)t * D;
+            const uint16_t *sn = (const uint16_t *)(intptr_t)s->sin + (size_t)t * D;
+            for (int hh = 0; hh < nh; hh++) {
+                uint16_t *x = (uint16_t *)qkv + t * row + (size_t)hh * D;
+                uint16_t y[512];
+                for (int d = 0; d < half; d++) {
+                    const float x1 = bf16_to_f32(x[d]), x2 = bf16_to_f32(x[d + half]);
+                    /* bf16 x bf16 products are exact in fp32: no fused-multiply-add question */
+                    const float a1 = bf16_to_f32(f32_to_bf16(x1 * bf16_to_f32(c[d])));
+                    const float a2 = bf16_to_f32(f32_to_bf16(x2 * bf16_to_f32(c[d + half])));
+                    y[d] = f32_to_bf16(a1 + -x2 * bf16_to_f32(sn[d]));
+                    y[d + half] = f32_to_bf16(a2 + x1 * bf16_to_f32(sn[d + half]));
+                }
+                memcpy(x, y, (size_t)D * 2);
+            }
+        }
+    }
+}
+
+/* k and v rows of every token into the paged cache (cache row = slot, [KVH, D] per row). */
+static int store_kv(const pl_step_t *s, const pl_layer_args *a, const char *qkv, int T)
+{
+    const size_t esz = s->dtype == DT_F32 ? 4 : 2;
+    const size_t D = (size_t)s->head_dim, kv = (size_t)s->num_kv_heads * D;
+    const size_t row = (size_t)(s->num_heads + 2 * s->num_kv_heads) * D;
+    const int64_t *slots = (const int64_t *)(intptr_t)s->slot_mapping;
+    const int64_t nslots = s->num_blocks * s->block_size;
+    for (int t = 0; t < T; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0)
+            continue;
+        if (slot >= nslots)
+            return PL_ESLOT;
+        const char *k = qkv + (t * row + (size_t)s->num_heads * D) * esz;
+        memcpy((char *)a->k_cache + (size_t)slot * kv * esz, k, kv * esz);
+        memcpy((char *)a->v_cache + (size_t)slot * kv * esz, k + kv * esz, kv * esz);
+    }
+    return 0;
+}
+
+/* Trapping-math semantics (the default) keep gcc from turning the clamp below into a blend, so
+ * the SiLU loop would stay scalar; nothing here reads the floating-point exception flags. */
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
+/* e^x rounded to fp32, evaluated in double: the correctly rounded value bar ~1 input in 10^8
+ * (measured over every float; torch's own expf agrees with it on 99% of inputs).  x is clamped
+ * where fp32 e^x is 0 or inf anyway; in double one reduction step r = x - n ln2 loses nothing
+ * a float result could see, and Taylor to r^10 on |r| <= ln2 / 2 is good to 1e-13.
+ * Branch-free so that the SiLU loop vectorises. */
+static inline float exp_f32(float xf)
+{
+    xf = xf < -104.f ? -104.f : xf;
+    xf = xf > 89.f ? 89.f : xf;
+    const double x = xf;
+    const double shift = 6755399441055744.0;  /* 1.5 * 2^52: adding it rounds to an integer */
+    const double kd = x * 1.4426950408889634 + shift;
+    const double n = kd - shift;
+    const double r = x - n * 0.6931471805599453;
+    double p = 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    int64_t kb;
+    memcpy(&kb, &kd, 8);
+    const int64_t e = (kb - 0x4338000000000000LL + 1023) << 52;  /* 2^n */
+    double scale;
+    memcpy(&scale, &e, 8);
+    return (float)(p * scale);
+}
+
+/* x = silu(x) = x / (1 + e^-x) in fp32, torch's formula. */
+static void silu_f32(float *x, int n)
+{
+    for (int i = 0; i < n; i++)
+        x[i] = x[i] / (1.f + exp_f32(-x[i]));
+}
+
+#pragma GCC pop_options
+
+/* act = silu(gate) * up, gu = [gate | up] per token; bf16: silu rounded, then the product
+ * rounded.  Through an fp32 buffer: the functions above are compiled with other options, and
+ * gcc inlines nothing across that line (bf16_to_f32 included). */
+static void silu_mul(const pl_step_t *s, const char *gu, char *act, int T)
+{
+    const int I = (int)s->inter;
+    float buf[256];
+    for (int t = 0; t < T; t++) {
+        for (int i0 = 0; i0 < I; i0 += 256) {
+            const int n = I - i0 < 256 ? I - i0 : 256;
+            if (s->dtype == DT_F32) {
+                const float *g = (const float *)gu + (size_t)t * 2 * I + i0, *u = g + I;
+                float *o = (float *)act + (size_t)t * I + i0;
+                memcpy(buf, g, (size_t)n * 4);
+                silu_f32(buf, n);
+                for (int i = 0; i < n; i++)
+                    o[i] = buf[i] * u[i];
+            } else {
+                const uint16_t *g = (const uint16_t *)gu + (size_t)t * 2 * I + i0, *u = g + I;
+                uint16_t *o = (uint16_t *)act + (size_t)t * I + i0;
+                for (int i = 0; i < n; i++)
+                    buf[i] = bf16_to_f32(g[i]);
+                silu_f32(buf, n);
+                for (int i = 0; i < n; i++)
+                    o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(buf[i])) * bf16_to_f32(u[i]));
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------- */
+/* Public entry points                                                        */
+/* ------------------------------------------------------------------------- */
+
+/* Step profile (latency_bench/step_profile.py): nanoseconds spent in the GEMVs, the attention
+ * and the glue between them, summed over calls while on.  Plain globals: a profiling run makes
+ * one forward at a time. */
+enum { PL_GEMV = 0, PL_ATTN = 1, PL_GLUE = 2, PL_NPROF = 3 };
+static int g_prof = 0;
+static int64_t g_prof_ns[PL_NPROF];
+
+static inline int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* The time since the last lap goes to section `what` (when profiling). */
+#define PL_LAP(what) \
+    do { \
+        if (prof) { \
+            const int64_t t1 = now_ns(); \
+            g_prof_ns[(what)] += t1 - t; \
+            t = t1; \
+        } \
+    } while (0)
+
+/* Turn the profile on (1) or off (0); out[0..3) gets the totals so far (gemv, attention, glue
+ * ns), which are then reset. */
+void pl_profile(int on, int64_t *out)
+{
+    for (int i = 0; i < PL_NPROF; i++) {
+        if (out)
+            out[i] = g_prof_ns[i];
+        g_prof_ns[i] = 0;
+    }
+    g_prof = on;
+}
+
+int pl_version(void) { return PL_VERSION; }
+
+/* sizeof(pl_step_t) (0) and sizeof(pl_layer_args) (1): cpu_layer.py checks its mirrors. */
+int64_t pl_struct_bytes(int which) { return which ? (int64_t)sizeof(pl_layer_args) : (int64_t)sizeof(pl_step_t); }
+
+/* The pa_args_t version this file was written against (cpu_layer.py compares it with
+ * pa_version() before it runs anything). */
+int pl_pa_version(void) { return PL_PA_VERSION; }
+
+/*
+ * One decoder layer on the step's h, in place.  0 on success; PL_E* (> 0) for bad shapes, a
+ * slot outside the cache or a failed linear; pa_tree_attention's negative code
+ * (-(code + 8 * sequence)) for bad attention metadata.  On error h may be partly updated.
+ */
+int pl_layer(const pl_layer_args *a)
+{
+    const pl_step_t *s = a->step;
+    const int T = (int)s->T, dt = (int)s->dtype;
+    if (T < 1 || T > PG_MAX_M || (dt != DT_F32 && dt != DT_BF16) || s->head_dim % 2 ||
+        s->head_dim > 512 || s->hidden < 1 || s->inter < 1 || s->num_kv_heads < 1 ||
+        s->num_heads % s->num_kv_heads || !s->scratch || s->sum_lanes < 1 ||
+        s->sum_lanes > PL_MAX_LANES)
+        return PL_EARGS;
+    const int64_t D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads;
+    const int64_t nqkv = (H + 2 * KVH) * D;
+    if (a->qkv->N != nqkv || a->qkv->K != s->hidden || a->o->N != s->hidden ||
+        a->o->K != H * D || a->gate_up->N != 2 * s->inter || a->gate_up->K != s->hidden ||
+        a->down->N != s->hidden || a->down->K != s->inter)
+        return PL_EARGS;
+    pl_bufs_t b;
+    layout(s, T, (char *)(intptr_t)s->scratch, &b);
+    char *h = (char *)(intptr_t)s->h;
+    const int prof = g_prof;
+    int64_t t = prof ? now_ns() : 0;
+    int rc;
+#define PL_LINEAR(w, x, y) \
+    do { \
+        PL_LAP(PL_GLUE); \
+        if ((rc = pg_linear_w((w), (x), (y), T, dt))) \
+            return rc == -2 ? PL_ENOMEM : PL_ELINEAR; \
+        PL_LAP(PL_GEMV); \
+    } while (0)
+
+    rms_norm(s, h, a->attn_norm, b.x, T, (float *)b.sq);
+    PL_LINEAR(a->qkv, b.x, b.qkv);
+    if (a->qkv_bias)
+        add_rows(dt, b.qkv, a->qkv_bias, T, (int)nqkv, 0);
+    rope(s, b.qkv, T, (float *)b.sq);
+    if ((rc = store_kv(s, a, b.qkv, T)))
+        return rc;
+    const pa_args_t pa = {
+        .q = (int64_t)(intptr_t)b.qkv, .k_cache = (int64_t)(intptr_t)a->k_cache,
+        .v_cache = (int64_t)(intptr_t)a->v_cache, .block_tables = s->block_tables,
+        .context_lens = s->context_lens, .cu_seqlens_q = s->cu_seqlens_q,
+        .mask_bits = s->mask_bits, .out = (int64_t)(intptr_t)b.attn,
+        .q_stride_tok = nqkv, .q_stride_head = D,
+        .num_tokens = T, .num_heads = H, .head_dim = D, .num_kv_heads = KVH,
+        .num_blocks = s->num_blocks, .block_size = s->block_size, .num_seqs = s->num_seqs,
+        .max_blocks = s->max_blocks, .num_words = s->num_words, .dtype = dt,
+        .flags = s->attn_flags, .k_scale = 0, .v_scale = 0, .kv_dtype = dt, .scale = s->scale};
+    PL_LAP(PL_GLUE);
+    if ((rc = pa_tree_attention(&pa)))
+        return rc;
+    PL_LAP(PL_ATTN);
+    PL_LINEAR(a->o, b.attn, b.y);
+    add_rows(dt, h, b.y, T, (int)s->hidden, (int)s->hidden);
+
+    rms_norm(s, h, a->mlp_norm, b.x, T, (float *)b.sq);
+    PL_LINEAR(a->gate_up, b.x, b.gu);
+    silu_mul(s, b.gu, b.act, T);
+    PL_LINEAR(a->down, b.act, b.y);
+    add_rows(dt, h, b.y, T, (int)s->hidden, (int)s->hidden);
+    PL_LAP(PL_GLUE);
+    return 0;
+#undef PL_LINEAR
+}
+
+/* out[i] = rms_norm(h[rows[i]]) * w for i < n: the model's final norm of the rows whose logits
+ * are wanted, as the torch path's _rms_norm(h[logits_indices], norm) (the same rounding
+ * points).  0, or PL_EARGS for a row outside [0, T). */
+int pl_final_norm(const pl_step_t *s, const void *w, const int64_t *rows, int n, void *out)
+{
+    if (n < 0 || s->T < 1 || s->T > PG_MAX_M || !s->scratch || s->sum_lanes < 1 ||
+        s->sum_lanes > PL_MAX_LANES || (s->dtype != DT_F32 && s->dtype != DT_BF16))
+        return PL_EARGS;
+    pl_bufs_t b;
+    layout(s, s->T, (char *)(intptr_t)s->scratch, &b);
+    const size_t row = (size_t)s->hidden * (s->dtype == DT_F32 ? 4 : 2);
+    for (int i = 0; i < n; i++) {
+        if (rows[i] < 0 || rows[i] >= s->T)
+            return PL_EARGS;
+        rms_norm(s, (const char *)(intptr_t)s->h + (size_t)rows[i] * row, w, (char *)out + i * row, 1,
+                 (float *)b.sq);
+    }
+    return 0;
+}
+
+/* Layers a[0 .. n) in order (one call per step instead of n).  0, or the first error. */
+int pl_layers(const pl_layer_args *a, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const int rc = pl_layer(&a[i]);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}

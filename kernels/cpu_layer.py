@@ -1,0 +1,390 @@
+"""Decoder layers in native calls for decode/verify-sized CPU forwards: the wrapper of cpu_layer.c.
+
+A CPU decode step of the torch layer loop (runtime/model.py) makes ~30 torch ops per layer, and
+at batch 1 their dispatch cost about as much as streaming the weights.  ``FusedLayers`` runs the
+same layers with one C call per layer (``pl_layer``) or one for all of them (``pl_layers``),
+through the very GEMV and attention kernels the torch path calls (cpu_gemv.c, cpu_attention.c,
+the block formats of cpu_qgemv.c: anything with a ``pg_weight_t`` descriptor), and mirrors the
+torch ops' roundings between them, so a bf16 model's results are the torch path's bit for bit
+(an fp32 model's differ by an ulp here and there: SiLU's exp, see cpu_layer.c).
+
+    fused = fused_layers(model, kv_caches)   # None: use the torch loop (see why_not())
+    h = fused.forward(h, batch, cos, sin)    # h [T, hidden], T <= 16, updated in place
+
+``fused_layers`` is the model's hook (LlamaModel.forward): it builds a ``FusedLayers`` once per
+(model layers, KV cache) and hands it back on later steps.  Environment:
+``PRESCIENT_FUSED_LAYERS=0`` turns the fused path off (A/B runs, the step profiler), ``=layer``
+makes one native call per layer instead of one per step (what tensor parallelism would need:
+an all-reduce between layers); PRESCIENT_KERNELS=reference|triton and PRESCIENT_CPU_ATTENTION=0
+turn it off too, since they ask for an attention the fused path does not run.
+
+Not reentrant: one forward at a time per FusedLayers (as for its KV cache itself): the step's
+arguments and scratch are the object's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import weakref
+from typing import Optional
+
+import torch
+
+from prescient.kernels import cpu_attention, cpu_linear
+
+log = logging.getLogger(__name__)
+
+ENV = "PRESCIENT_FUSED_LAYERS"
+_OFF = ("0", "false", "off")
+_C_VERSION = 1  # must match PL_VERSION in cpu_layer.c
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_I64, _I32 = torch.int64, torch.int32
+_torch_threads = torch.get_num_threads
+
+_layer_fn = None  # pl_layer, once bound
+_layers_fn = None  # pl_layers
+_norm_fn = None  # pl_final_norm
+_scratch_fn = None  # pl_scratch_bytes
+_tried = False
+_why_not: Optional[str] = None
+
+# C error codes of cpu_layer.c (positive); negative codes are pa_tree_attention's.
+_ERRORS = {1: "bad shapes", 2: "a slot_mapping entry is past the end of the KV cache",
+           3: "a linear rejected its arguments", 4: "out of memory"}
+
+
+class _Step(ctypes.Structure):
+    """Mirror of pl_step_t (cpu_layer.c): what one forward's layers share."""
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "T", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter", "dtype",
+        "h", "cos", "sin", "slot_mapping",
+        "block_tables", "context_lens", "cu_seqlens_q", "mask_bits",
+        "num_seqs", "max_blocks", "num_words", "num_blocks", "block_size",
+        "attn_flags", "sum_lanes", "scratch")] + [("eps", ctypes.c_double), ("scale", ctypes.c_double)]
+
+
+class _LayerArgs(ctypes.Structure):
+    """Mirror of pl_layer_args (cpu_layer.c): one layer's weights and KV cache, and its step."""
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "step", "qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias",
+        "k_cache", "v_cache")]
+
+
+def _bind() -> None:
+    global _layer_fn, _layers_fn, _norm_fn, _scratch_fn, _tried, _why_not
+    _tried = True
+    lib = cpu_linear.library()
+    if lib is None:
+        _why_not = cpu_linear._lib_error or "the C library did not load"
+        return
+    if not cpu_attention.available():
+        _why_not = f"the C attention kernel is unavailable ({cpu_attention.why_not()})"
+        return
+    lib.pl_version.restype = ctypes.c_int
+    lib.pl_version.argtypes = []
+    if lib.pl_version() != _C_VERSION:
+        _why_not = f"cpu_layer.c version {lib.pl_version()}, expected {_C_VERSION}"
+        log.warning("prescient cpu_layer: %s", _why_not)
+        return
+    lib.pl_pa_version.restype = lib.pa_version.restype = ctypes.c_int
+    lib.pl_pa_version.argtypes = lib.pa_version.argtypes = []
+    if lib.pl_pa_version() != lib.pa_version():
+        _why_not = (f"cpu_layer.c mirrors pa_args_t of cpu_attention.c version {lib.pl_pa_version()}, "
+                    f"the library has {lib.pa_version()}")
+        log.warning("prescient cpu_layer: %s", _why_not)
+        return
+    lib.pl_struct_bytes.argtypes = [ctypes.c_int]
+    lib.pl_struct_bytes.restype = ctypes.c_int64
+    if (lib.pl_struct_bytes(0), lib.pl_struct_bytes(1)) != (ctypes.sizeof(_Step), ctypes.sizeof(_LayerArgs)):
+        _why_not = "cpu_layer.c's structs and their mirrors here differ in size"
+        log.warning("prescient cpu_layer: %s", _why_not)
+        return
+    lib.pl_layer.argtypes = [ctypes.c_void_p]
+    lib.pl_layer.restype = ctypes.c_int
+    lib.pl_layers.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.pl_layers.restype = ctypes.c_int
+    lib.pl_scratch_bytes.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.pl_scratch_bytes.restype = ctypes.c_int64
+    lib.pl_mean_sq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.pl_mean_sq.restype = ctypes.c_float
+    lib.pl_final_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.pl_final_norm.restype = ctypes.c_int
+    lib.pl_profile.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.pl_profile.restype = None
+    _layer_fn, _layers_fn, _norm_fn, _scratch_fn = lib.pl_layer, lib.pl_layers, lib.pl_final_norm, lib.pl_scratch_bytes
+
+
+_lanes: dict[int, int] = {}
+
+
+def torch_sum_lanes(n: int) -> int:
+    """The vector width torch's CPU row sum works in (SumKernel.cpp; 8 floats in the builds
+    seen so far, whatever the CPU's AVX-512): the one with which cpu_layer.c's copy of that
+    summation order reproduces torch's x.pow(2).mean(-1) bit for bit on random rows of n
+    elements.  If none does (another torch), 8, and the bf16 results are near rather than equal."""
+    if n not in _lanes:
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(16, n, generator=g) * 3  # [rows, n]
+        ref = x.pow(2).mean(-1).tolist()
+        sq = torch.empty(n)
+        fn = cpu_linear.library().pl_mean_sq
+        found = [L for L in (8, 16, 4, 1) if all(
+            fn(x[i].data_ptr(), n, L, sq.data_ptr()) == ref[i] for i in range(x.shape[0]))]
+        if not found:
+            log.info("prescient cpu_layer: torch's row-sum order not reproduced (n=%d); RMSNorm may "
+                     "differ from the torch path by an fp32 rounding", n)
+        _lanes[n] = found[0] if found else 8
+    return _lanes[n]
+
+
+def available() -> bool:
+    """True when the native layer is loaded (builds the .so on first call)."""
+    if not _tried:
+        _bind()
+    return _layer_fn is not None
+
+
+def why_not() -> Optional[str]:
+    """Why the native layer is unavailable, or None."""
+    available()
+    return _why_not
+
+
+def profile(on: bool) -> dict[str, float]:
+    """Turn the native layers' section timers on or off (latency_bench/step_profile.py); returns
+    the seconds spent so far in their GEMVs, attention and glue, and resets them."""
+    if not available():
+        raise RuntimeError(f"native layers unavailable: {_why_not}")
+    out = (ctypes.c_int64 * 3)()
+    cpu_linear.library().pl_profile(int(on), out)
+    return {"gemv": out[0] * 1e-9, "attention": out[1] * 1e-9, "glue": out[2] * 1e-9}
+
+
+def enabled() -> bool:
+    """Whether the environment lets the fused path run (read per call, as ops.py does)."""
+    env = os.environ
+    return (env.get(ENV, "1") not in _OFF and env.get("PRESCIENT_KERNELS", "auto") in ("", "auto")
+            and env.get("PRESCIENT_CPU_ATTENTION", "1") not in _OFF)
+
+
+def _bias_after(lin, dptr: int, i: int) -> Optional[torch.Tensor]:
+    """The bias the layer adds after its kernel's rounded output (runtime/linear.Linear adds it
+    in torch, `y + bias`), or None when there is none or the kernel adds it itself (a bias in
+    the descriptor, as QuantizedLinear's: fp32, before the rounding)."""
+    bias = getattr(lin, "bias", None)
+    if bias is None:
+        return None
+    in_desc = ctypes.c_void_p.from_address(dptr + ctypes.sizeof(ctypes.c_void_p)).value  # pg_weight_t.bias
+    if type(lin).__name__ == "Linear" and not in_desc:
+        return bias
+    if in_desc and type(lin).__name__ != "Linear":
+        return None
+    raise ValueError(f"layer {i} qkv: {type(lin).__name__} with a bias the native layer cannot place")
+
+
+def _error(rc: int) -> RuntimeError:
+    if rc > 0:
+        return RuntimeError(f"cpu_layer: {_ERRORS.get(rc, f'error {rc}')}")
+    code, index = (-rc) % 8, (-rc) // 8
+    return RuntimeError(f"cpu_layer: tree_attention: {cpu_attention._ERRORS.get(code, f'error {rc}')}"
+                        + ("" if code in (1, 6, 7) else f" (sequence {index})"))
+
+
+class FusedLayers:
+    """A model's decoder layers bound to one KV cache, run natively.  Build with
+    ``FusedLayers.build`` (None when the model cannot take this path, the reason in the log at
+    debug level) or directly (raises ValueError)."""
+
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 per_layer: Optional[bool] = None):
+        if not available():
+            raise ValueError(f"native layers unavailable: {_why_not}")
+        cfg = model.config
+        dtype = model.dtype
+        if model.device.type != "cpu" or dtype not in _DT:
+            raise ValueError(f"needs a float32/bfloat16 CPU model, got {dtype} on {model.device}")
+        layers = model.layers
+        n = min(len(layers), len(kv_caches))
+        if n == 0:
+            raise ValueError("no layers")
+        D = cfg.head_dim
+        if D % 2 or D > 512:
+            raise ValueError(f"head_dim {D} must be even and <= 512")
+        shape = tuple(kv_caches[0][0].shape)
+        if len(shape) != 4 or shape[2:] != (cfg.num_kv_heads, D):
+            raise ValueError(f"KV cache {shape} is not [num_blocks, block_size, {cfg.num_kv_heads}, {D}]")
+        self.model_layers = layers  # identity checked by fused_layers()
+        self.num_layers = n
+        self.dtype = dtype
+        self.per_layer = os.environ.get(ENV, "") == "layer" if per_layer is None else per_layer
+        self._hidden = cfg.hidden_size
+        self._head_dim = D
+
+        step = _Step(T=0, hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                     head_dim=D, inter=cfg.intermediate_size, dtype=_DT[dtype], num_blocks=shape[0],
+                     block_size=shape[1], sum_lanes=torch_sum_lanes(cfg.hidden_size),
+                     eps=float(cfg.rms_norm_eps), scale=float(model.scale))
+        nbytes = _scratch_fn(ctypes.byref(step), cpu_linear.MAX_M)
+        raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+        step.scratch = raw.data_ptr() + (-raw.data_ptr() % 64)
+        self._scratch = raw
+        self._step = step
+        self._step_ptr = ctypes.addressof(step)
+
+        def desc(lin, what: str, i: int) -> int:
+            packed = getattr(lin, "packed", None)
+            p = getattr(packed, "_dptr", None)
+            if p is None:
+                raise ValueError(f"layer {i} {what}: no native weight descriptor (Linear.packed._dptr)")
+            if getattr(packed, "_native", True) is False:  # a block format without small-M kernels
+                raise ValueError(f"layer {i} {what}: {packed!r} has no native kernel")
+            return p
+
+        def vec(t: Optional[torch.Tensor], what: str, i: int, size: int) -> Optional[int]:
+            if t is None:
+                return None
+            if t.dtype is not dtype or not t.is_contiguous() or t.shape != (size,) or not t.is_cpu:
+                raise ValueError(f"layer {i} {what}: want a contiguous [{size}] {dtype} CPU tensor")
+            return t.data_ptr()
+
+        nqkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
+        args = (_LayerArgs * n)()
+        self._kv_refs = []
+        keep = []  # Python objects whose memory the structs point into
+        for i, (layer, (k, v)) in enumerate(zip(layers, kv_caches)):
+            for c in (k, v):
+                if c.dtype is not dtype or tuple(c.shape) != shape or not c.is_contiguous() or not c.is_cpu:
+                    raise ValueError(f"layer {i} KV cache must be contiguous {dtype} {shape} on the CPU, "
+                                     f"got {c.dtype} {tuple(c.shape)}")
+            a = args[i]
+            a.step = ctypes.addressof(step)
+            a.qkv, a.o = desc(layer.qkv, "qkv", i), desc(layer.o, "o", i)
+            a.gate_up, a.down = desc(layer.gate_up, "gate_up", i), desc(layer.down, "down", i)
+            a.attn_norm = vec(layer.attn_norm, "attn_norm", i, cfg.hidden_size)
+            a.mlp_norm = vec(layer.mlp_norm, "mlp_norm", i, cfg.hidden_size)
+            a.qkv_bias = vec(_bias_after(layer.qkv, a.qkv, i), "qkv bias", i, nqkv)
+            a.k_cache, a.v_cache = k.data_ptr(), v.data_ptr()
+            keep.append((layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed))
+            # weak: a FusedLayers cached on the model must not keep a dropped KV cache alive
+            self._kv_refs.append((weakref.ref(k), weakref.ref(v)))
+        self._keep = keep
+        self._args = args
+        self._args_ptr = ctypes.addressof(args)
+        self._layer_ptrs = [ctypes.addressof(args[i]) for i in range(n)]
+
+    @classmethod
+    def build(cls, model, kv_caches) -> Optional["FusedLayers"]:
+        try:
+            return cls(model, kv_caches)
+        except ValueError as e:
+            log.debug("prescient cpu_layer: torch layer loop (%s)", e)
+            return None
+
+    def bound_to(self, kv_caches) -> bool:
+        """Whether kv_caches are the very tensors this object was built on (and still alive)."""
+        if len(kv_caches) < self.num_layers:
+            return False
+        for (k, v), (rk, rv) in zip(kv_caches, self._kv_refs):
+            if k is not rk() or v is not rv():
+                return False
+        return True
+
+    def forward(self, h: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Every layer on h (the embeddings) -> h after the last layer, in place.
+        h: [T, hidden] contiguous, the model dtype, T <= 16; batch: the ForwardBatch (its
+        slot_mapping, block_tables, context_lens, cu_seqlens_q, mask_bits); cos, sin:
+        [T, 1, head_dim] or [T, head_dim] contiguous (Rope.tables of batch.positions).
+        The KV cache must be the one this object was built on and still alive (bound_to)."""
+        dtype = self.dtype
+        T = h.shape[0]
+        if (h.dtype is not dtype or h.dim() != 2 or h.shape[1] != self._hidden or not 1 <= T <= cpu_linear.MAX_M
+                or not h.is_contiguous() or not h.is_cpu):
+            raise ValueError(f"h must be a contiguous [1..{cpu_linear.MAX_M}, {self._hidden}] {dtype} CPU tensor, "
+                             f"got {h.dtype} {tuple(h.shape)}")
+        D = self._head_dim
+        for t in (cos, sin):
+            if t.dtype is not dtype or t.numel() != T * D or t.shape[-1] != D or not t.is_contiguous():
+                raise ValueError(f"cos/sin must be contiguous [{T}, 1, {D}] {dtype}, got {t.dtype} {tuple(t.shape)}")
+        slots, bt, cl, cu, mask = (batch.slot_mapping, batch.block_tables, batch.context_lens,
+                                   batch.cu_seqlens_q, batch.mask_bits)
+        if (slots.dtype is not _I64 or slots.shape != (T,) or bt.dtype is not _I32 or bt.dim() != 2
+                or cl.dtype is not _I32 or cu.dtype is not _I32 or cl.shape != (bt.shape[0],)
+                or cu.shape != (bt.shape[0] + 1,) or not (slots.is_contiguous() and bt.is_contiguous()
+                                                          and cl.is_contiguous() and cu.is_contiguous())):
+            raise ValueError("batch: slot_mapping int64 [T], block_tables int32 [S, B], context_lens int32 [S] "
+                             "and cu_seqlens_q int32 [S + 1], all contiguous")
+        s = self._step
+        s.T = T
+        s.h = h.data_ptr()
+        s.cos = cos.data_ptr()
+        s.sin = sin.data_ptr()
+        s.slot_mapping = slots.data_ptr()
+        s.block_tables = bt.data_ptr()
+        s.num_seqs, s.max_blocks = bt.shape
+        s.context_lens = cl.data_ptr()
+        s.cu_seqlens_q = cu.data_ptr()
+        if mask is None:
+            s.mask_bits = s.num_words = 0
+        else:
+            if mask.dtype is not _I32 or mask.dim() != 2 or mask.shape[0] != T or mask.shape[1] < 1:
+                raise ValueError(f"mask_bits must be int32 [{T}, num_words >= 1], got {mask.dtype} {tuple(mask.shape)}")
+            if not mask.is_contiguous():
+                mask = mask.contiguous()
+            s.mask_bits = mask.data_ptr()
+            s.num_words = mask.shape[1]
+        # torch's own OpenMP worker spinning on the second core: the attention stays on this
+        # thread (cpu_attention.py's PA_SOLO rule); the GEMV pool decides for itself
+        s.attn_flags = 1 if _torch_threads() > 1 else 0
+        if self.per_layer:
+            fn = _layer_fn
+            for p in self._layer_ptrs:
+                rc = fn(p)
+                if rc:
+                    raise _error(rc)
+        else:
+            rc = _layers_fn(self._args_ptr, self.num_layers)
+            if rc:
+                raise _error(rc)
+        return h
+
+    def final_norm(self, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """rms_norm(h[rows]) * weight as the model's _rms_norm computes it, for the h the last
+        forward() returned (same tensor, same step).  rows: [n] int64 (batch.logits_indices);
+        weight: [hidden] the model dtype -> [n, hidden].  One native call instead of the ~7 torch
+        ops whose dispatch, right after the layers streamed every weight through the caches, costs
+        some 0.1-0.3 ms a step."""
+        s = self._step
+        if h.data_ptr() != s.h or weight.dtype is not self.dtype or weight.shape != (self._hidden,) \
+                or not weight.is_contiguous():
+            raise ValueError("final_norm: h must be the last forward()'s and weight a contiguous "
+                             f"[{self._hidden}] {self.dtype} tensor")
+        if rows.dtype is not _I64 or rows.dim() != 1 or not rows.is_contiguous():
+            raise ValueError("final_norm: rows must be contiguous int64 [n]")
+        n = rows.shape[0]
+        out = h.new_empty((n, self._hidden))
+        rc = _norm_fn(self._step_ptr, weight.data_ptr(), rows.data_ptr(), n, out.data_ptr())
+        if rc:
+            raise ValueError(f"final_norm: rows must lie in [0, {s.T})")
+        return out
+
+
+def fused_layers(model, kv_caches) -> Optional[FusedLayers]:
+    """The model hook: a FusedLayers for (model.layers, kv_caches) when the environment and
+    the model allow it, else None.  Built on the first call for a given KV cache and cached on
+    the model (a few entries: the engine's cache, a draft's, a calibration's scratch cache;
+    an early-exit draft shares the list, its entries told apart by their layers)."""
+    if not enabled() or not kv_caches:
+        return None
+    cache = model.__dict__.get("_fused_layers_cache")
+    if cache is None:
+        cache = model.__dict__["_fused_layers_cache"] = []
+    layers, k0 = model.layers, kv_caches[0][0]
+    for entry_layers, k0_ref, fl in cache:
+        if entry_layers is layers and k0_ref() is k0 and (fl is None or fl.bound_to(kv_caches)):
+            return fl
+    fl = FusedLayers.build(model, kv_caches)
+    cache[:] = [e for e in cache if e[1]() is not None][-7:]  # entries whose KV cache is gone go
+    cache.append((layers, weakref.ref(k0), fl))
+    return fl

@@ -1,0 +1,259 @@
+"""QuantLinear: a linear layer whose weight stays in GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+Q6_K), for CPU decode without ever widening the weight to bf16/fp32 in memory.
+
+Small M (decode M=1, speculative verify M<=16) runs the native kernels of kernels/cpu_qgemv.c
+(through ``pg_linear_w`` and a ``pg_weight_t`` descriptor built once, as ``PackedLinear``), which
+stream the blocks as stored.  Larger M (prefill) dequantizes the weight a tile of rows at a time
+into one reused fp32 buffer (``pq_dequantize_rows``, or cpu_qgemv_k.c's ``pqk_dequantize_rows``
+for the K-quants; vectorized per ISA tier) and multiplies it
+with ``torch.addmm`` into the matching output columns: fp32 GEMM speed without a full fp32 copy
+of the weight.  Without the C library (no compiler, ``PRESCIENT_CPU_GEMV=0``) or for a format
+it has no kernels for, both paths use kernels/quant_reference.py's dequantizer the same way.
+
+Numerics: fp32 accumulation.  The native small-M kernels multiply either fp32 activations
+(exactly the dequantized W) or, where faster, activations quantized to int8 blocks of 32 as
+llama.cpp does (``act_block`` says which; kernels/cpu_qgemv.c's header gives the accuracy).
+The prefill path always uses fp32 activations.  y has x's dtype (bf16 rounded to nearest even).
+
+    lin = QuantLinear(blocks, "q4_0", N, K, bias=None)   # blocks uint8 [N, row_bytes]
+    y = lin(x)                                           # x [..., K] fp32/bf16 -> [..., N]
+    w = lin.dequantize()                                 # fp32 [N, K] (tests, export)
+    e = lin.dequantize_rows(ids)                         # [len(ids), K]: embedding lookups
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional, Sequence, Union
+
+import torch
+
+from prescient.kernels import cpu_linear
+from prescient.kernels.quant_reference import QTYPES, dequantize as _ref_dequantize, row_bytes
+
+MAX_M = cpu_linear.MAX_M
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+_MODES = {"auto": 0, "float": 1, "int8": 2}
+#: fp32 bytes of one prefill dequantization tile (about L2-sized, so the GEMM reads it hot).
+_TILE_BYTES = 2 << 20
+
+_lock = threading.Lock()
+_qlib_tried = False
+_qlib: Optional[ctypes.CDLL] = None
+_pqk_deq = None   # pqk_dequantize_rows(wdt, w, K, n0, n1, out) of cpu_qgemv_k.c, if present
+_pqk_mode = None  # pqk_set_mode(0 default | 1 fp32), if present
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    """The .so with the pq_* entry points bound, or None (no compiler, GEMV disabled)."""
+    global _qlib_tried, _qlib
+    if _qlib_tried:
+        return _qlib
+    with _lock:
+        if not _qlib_tried:
+            lib = cpu_linear.library() if cpu_linear.available() else None
+            if lib is not None:
+                try:
+                    vp, ci = ctypes.c_void_p, ctypes.c_int
+                    lib.pq_dequantize_rows.argtypes = [vp, ci, ci, vp]
+                    lib.pq_dequantize_ids.argtypes = [vp, vp, ci, vp]
+                    for name in ("pq_set_mode", "pq_supported", "pq_act_block"):
+                        getattr(lib, name).argtypes = [ci]
+                    for name in ("pq_dequantize_rows", "pq_dequantize_ids", "pq_set_mode",
+                                 "pq_supported", "pq_act_block"):
+                        getattr(lib, name).restype = ci
+                except AttributeError:  # an older .so without the block-format kernels
+                    lib = None
+                # The K-quants' own row dequantizer and mode switch (kernels/cpu_qgemv_k.c),
+                # used when that file provides them.
+                global _pqk_deq, _pqk_mode
+                if lib is not None and hasattr(lib, "pqk_dequantize_rows"):
+                    _pqk_deq = lib.pqk_dequantize_rows
+                    _pqk_deq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                         ctypes.c_int, ctypes.c_void_p]
+                    _pqk_deq.restype = ctypes.c_int
+                if lib is not None and hasattr(lib, "pqk_set_mode"):
+                    _pqk_mode = lib.pqk_set_mode
+                    _pqk_mode.argtypes = [ctypes.c_int]
+                    _pqk_mode.restype = ctypes.c_int
+            _qlib = lib
+            _qlib_tried = True
+    return _qlib
+
+
+def _wdt(qtype: str) -> int:
+    qtype = qtype.lower()
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown qtype {qtype!r}; expected one of {', '.join(QTYPES)}")
+    return QTYPES[qtype][0]
+
+
+def native_available(qtype: str) -> bool:
+    """True when the small-M kernel of ``qtype`` runs natively (else the tiled reference)."""
+    lib = _lib()
+    return lib is not None and bool(lib.pq_supported(_wdt(qtype)))
+
+
+def act_block(qtype: str) -> int:
+    """How the native kernel of ``qtype`` multiplies activations at the ISA tier in use: 0 as
+    fp32; n > 0: quantized to int8 with one scale per n elements (an upper bound for the
+    K-quants); -1 when it does not run natively."""
+    lib = _lib()
+    return -1 if lib is None else int(lib.pq_act_block(_wdt(qtype)))
+
+
+def set_mode(mode: str) -> str:
+    """Choose the native kernels' path: "auto" (each tier's measured default), "float" (fp32
+    activations everywhere) or "int8" (int8 activations wherever the tier has them). Returns the
+    previous mode. For tests and benchmarks; process-wide."""
+    lib = _lib()
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {', '.join(_MODES)}")
+    if lib is None:
+        return "auto"
+    if _pqk_mode is not None:  # the K-quants know "float" (1) and their default (0)
+        _pqk_mode(1 if mode == "float" else 0)
+    old = lib.pq_set_mode(_MODES[mode])
+    return {v: k for k, v in _MODES.items()}[old]
+
+
+class QuantLinear:
+    """y = x @ W^T (+ bias) for W [N, K] held as GGUF blocks; inference only (a gradient reaches
+    x through the prefill path's torch ops, never W)."""
+
+    __slots__ = ("blocks", "qtype", "in_features", "out_features", "weight_bytes", "bias",
+                 "_wdt", "_desc", "_dptr", "_native", "_deq_native")
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, N: int, K: int,
+                 bias: Optional[torch.Tensor] = None):
+        qtype = qtype.lower()
+        self._wdt = _wdt(qtype)
+        if blocks.dtype != torch.uint8:
+            raise ValueError(f"blocks must be uint8, got {blocks.dtype}")
+        if blocks.device.type != "cpu":
+            raise ValueError("QuantLinear is a CPU kernel; blocks are on " + str(blocks.device))
+        rb = row_bytes(qtype, K)
+        if blocks.numel() != N * rb:
+            raise ValueError(f"{qtype} [{N}, {K}] needs {N} x {rb} bytes, got {tuple(blocks.shape)}")
+        # [N, row_bytes] blocks, row-major (cpu_qgemv.h); the C side reads them through raw
+        # pointers, so this object keeps the tensor (and the bias) alive.
+        self.blocks = blocks.detach().contiguous().reshape(N, rb)
+        self.qtype = qtype
+        self.in_features, self.out_features = K, N
+        self.weight_bytes = self.blocks.numel()
+        self.bias = None
+        if bias is not None:
+            if bias.shape != (N,):
+                raise ValueError(f"bias must be [{N}], got {tuple(bias.shape)}")
+            self.bias = bias.detach().to(torch.float32).contiguous()
+        self._desc = cpu_linear._WeightDesc(self.blocks.data_ptr(),
+                                            None if self.bias is None else self.bias.data_ptr(),
+                                            self._wdt, N, K)
+        self._dptr = ctypes.addressof(self._desc)
+        lib = _lib()
+        self._native = lib is not None and bool(lib.pq_supported(self._wdt))
+        self._deq_native = lib is not None and (QTYPES[qtype][1] == 32 or _pqk_deq is not None)
+
+    def __repr__(self) -> str:
+        return (f"QuantLinear({self.qtype}, in={self.in_features}, out={self.out_features}, "
+                f"bias={self.bias is not None}, native={self._native})")
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    def _dequant_into(self, n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
+        """Rows n0..n1-1 of W as fp32 [n1 - n0, K] in buf (the C dequantizer, or the reference)."""
+        if self._deq_native:
+            if QTYPES[self.qtype][1] == 32:
+                rc = _qlib.pq_dequantize_rows(self._dptr, n0, n1, buf.data_ptr())
+            else:
+                rc = _pqk_deq(self._wdt, self.blocks.data_ptr(), self.in_features, n0, n1, buf.data_ptr())
+            if rc == 0:
+                return buf
+        buf.copy_(_ref_dequantize(self.blocks[n0:n1], self.qtype, n1 - n0, self.in_features))
+        return buf
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W as a dense [N, K] tensor of ``dtype`` (a full copy: for tests and export)."""
+        w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        return self._dequant_into(0, self.out_features, w).to(dtype)
+
+    def dequantize_rows(self, ids: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
+        """Rows ``ids`` of W as fp32 [len(ids), K]: the lookups of a quantized embedding table."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"row ids must lie in [0, {self.out_features})")
+        out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        if (self._deq_native and QTYPES[self.qtype][1] == 32
+                and _qlib.pq_dequantize_ids(self._dptr, ids.data_ptr(), ids.numel(), out.data_ptr()) == 0):
+            return out
+        return _ref_dequantize(self.blocks[ids], self.qtype, ids.numel(), self.in_features)
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """y = x @ W^T (+ bias): x [..., K] fp32/bf16 on CPU -> [..., N] of x's dtype.  ``out``
+        (contiguous, x's dtype, M * N elements) skips the allocation.  Written for per-call
+        overhead, as PackedLinear: a decode step makes ~200 of these calls."""
+        K, N = self.in_features, self.out_features
+        if x.dim() == 2:
+            M, kx = x.shape
+            shape = (M, N)
+        else:
+            kx = x.shape[-1]
+            M = x.numel() // kx if kx else 0
+            shape = tuple(x.shape[:-1]) + (N,)
+        if kx != K:
+            raise ValueError(f"x has {kx} features, weight expects {K}")
+        xdt = _DT.get(x.dtype)
+        if (M > MAX_M or M == 0 or xdt is None or not self._native or not x.is_cpu
+                or (x.requires_grad and torch.is_grad_enabled())):
+            return self._slow(x, out, M, shape)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if out is None:
+            out = x.new_empty(shape)
+        elif out.dtype != x.dtype or out.numel() != M * N or not out.is_contiguous():
+            raise ValueError("out must be contiguous, of x's dtype, with M*out_features elements")
+        rc = _qlib.pg_linear_w(self._dptr, x.data_ptr(), out.data_ptr(), M, xdt)
+        if rc:
+            raise RuntimeError(f"pq_linear_w failed with code {rc}")
+        return out
+
+    def _slow(self, x: torch.Tensor, out: Optional[torch.Tensor], M: int, shape) -> torch.Tensor:
+        if not x.is_cpu:
+            raise ValueError("QuantLinear is a CPU kernel; x is on " + str(x.device))
+        if x.dtype not in _DT:
+            raise ValueError(f"x must be float32 or bfloat16, got {x.dtype}")
+        if out is not None and (out.dtype != x.dtype or out.numel() != M * self.out_features
+                                or not out.is_contiguous()):
+            raise ValueError("out must be contiguous, of x's dtype, with M*out_features elements")
+        y = self._tiled(x.reshape(M, self.in_features)).reshape(shape)
+        if out is not None:
+            out.copy_(y.reshape(out.shape))
+            return out
+        return y
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's dtype: W dequantized a row tile at a time into one fp32
+        buffer, each tile multiplied into its output columns (prefill, and the fallback)."""
+        M, K = x.shape
+        N = self.out_features
+        x32 = x.to(torch.float32)
+        y = torch.empty(M, N, dtype=torch.float32)
+        if M == 0:
+            return y.to(x.dtype)
+        rows = max(16, min(N, _TILE_BYTES // (4 * K)) // 16 * 16)
+        # One buffer for every tile, except under autograd: the matmul keeps its tile for the
+        # backward pass, and the C dequantizer's writes would go unseen by version counters.
+        grad = x.requires_grad and torch.is_grad_enabled()
+        buf = None if grad else torch.empty(min(rows, N), K, dtype=torch.float32)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            tile = torch.empty(n1 - n0, K, dtype=torch.float32) if grad else buf[:n1 - n0]
+            w = self._dequant_into(n0, n1, tile)
+            if self.bias is not None:
+                y[:, n0:n1] = torch.addmm(self.bias[n0:n1], x32, w.T)
+            else:
+                y[:, n0:n1] = x32 @ w.T
+        return y if x.dtype == torch.float32 else y.to(x.dtype)

@@ -1,0 +1,235 @@
+"""prescient through its server beside llama.cpp in process: greedy batch-1 decode speed and cold
+TTFT on the same weights, interleaved in one run, with the bandwidth floor measured alongside.
+
+    python -m prescient.latency_bench.peer_decode [--bf16-gguf F] [--q8-gguf F] [--isa avx2] [--reps 2]
+
+Each pair is one weights file both sides read: the default model's own Q4_1 GGUF (prescient
+`--weights native`, its blocks as stored) and, when given, BF16 / Q8_0 GGUFs written from it by
+`python -m prescient.latency_bench.write_gguf`. prescient runs as `prescient serve` (speculation
+off, then n-gram) driven by the openai SDK, streamed, as a user sees it; llama.cpp runs through
+llama-cpp-python in this process (flash attention on, all cores), which spares it any HTTP cost.
+Every request starts its system message with a fresh nonce, so no prefix cache helps either side:
+every TTFT is a cold prefill. Requests alternate between the systems, workload by workload.
+
+Decode tok/s of a request = (tokens - 1) / (last token - first token); "overall" = all decode
+tokens / all decode time of that system. The floor = the weight bytes one decode step reads (every
+matrix once, the LM head included; the embedding lookup reads a row) / the read bandwidth of a
+streaming probe (torch.sum over 1 GiB, best of 5) run here before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from prescient.latency_bench.bundled import WORKLOADS
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s of a streaming read (torch.sum over a buffer far larger than the caches)."""
+    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
+def step_weight_bytes(gguf_path: str) -> int:
+    """Bytes of every 2-D weight matrix in the file, as stored; a tied embedding counts once (as the
+    LM head a step streams whole)."""
+    import gguf
+
+    reader = gguf.GGUFReader(gguf_path)
+    return sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
+
+
+class Server:
+    """`prescient serve` on a free port, until close()."""
+
+    def __init__(self, args: list[str], env: dict[str, str]):
+        exe = os.path.join(os.path.dirname(sys.executable), "prescient")
+        self.proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", "0", "--quiet", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env={**os.environ, **env})
+        self.url, self.lines = None, []
+        ready = threading.Event()
+
+        def pump() -> None:
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+                m = re.search(r"OpenAI API\s+(http://\S+)/v1", line)
+                if m:
+                    self.url = m.group(1)
+                if "/metrics" in line:
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(600) or self.url is None:
+            self.close()
+            raise RuntimeError("prescient serve did not start:\n" + "\n".join(self.lines[-20:]))
+        import openai
+
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+    def run(self, messages: list[dict], max_tokens: int) -> dict:
+        t0 = time.perf_counter()
+        times, n = [], 0
+        stream = self.client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+        return _result(t0, times, n)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+class LlamaCpp:
+    def __init__(self, path: str, tokenizer, eos: set[int]):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=path, n_ctx=4096, n_threads=os.cpu_count(), flash_attn=True, verbose=False)
+        self.tokenizer, self.eos = tokenizer, eos | {self.llm.token_eos()}
+
+    def run(self, messages: list[dict], max_tokens: int) -> dict:
+        ids = self.tokenizer.apply_chat_template(messages)  # the ids the server renders
+        self.llm.reset()
+        t0 = time.perf_counter()
+        times = []
+        for token in self.llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            if token in self.eos:
+                break
+            times.append(time.perf_counter())
+            if len(times) >= max_tokens:
+                break
+        return _result(t0, times, len(times))
+
+
+def _result(t0: float, times: list[float], n: int) -> dict:
+    return {"ttft": times[0] - t0 if times else None, "tokens": n,
+            "decode_s": times[-1] - times[0] if len(times) > 1 else 0.0}
+
+
+def _summary(rows: list[dict]) -> dict:
+    tokens = sum(max(r["tokens"] - 1, 0) for r in rows if r["decode_s"] > 0)
+    secs = sum(r["decode_s"] for r in rows if r["decode_s"] > 0)
+    per = [(r["tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
+    return {"decode_tok_s": tokens / secs if secs else None, "median_request_tok_s": statistics.median(per) if per else None,
+            "ttft_s": statistics.median([r["ttft"] for r in rows if r["ttft"] is not None]) if rows else None,
+            "requests": len(rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--q4-gguf", default=None, help="the Q4_1 GGUF (default: the default model's file)")
+    ap.add_argument("--bf16-gguf", default=None, help="a BF16 GGUF of the same model (write_gguf writes one)")
+    ap.add_argument("--q8-gguf", default=None, help="a Q8_0 GGUF of the same model")
+    ap.add_argument("--isa", default=None, help="PRESCIENT_ISA for the server (portable, avx2, avx512, avx512_bf16)")
+    ap.add_argument("--speculate", default="off,ngram", help="prescient modes, comma-separated")
+    ap.add_argument("--reps", type=int, default=2, help="passes over the workloads")
+    ap.add_argument("--workloads", default=None, help="a workloads .jsonl (default: the bundled 11)")
+    ap.add_argument("--limit", type=int, default=None, help="only the first N workloads (a smoke run)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    from prescient.kernels import cpu_linear
+    from prescient.build import EngineSpec, load_model
+    from prescient.runtime.loader import default_model_path
+
+    env = {"PRESCIENT_ISA": args.isa} if args.isa else {}
+    if args.isa:
+        os.environ["PRESCIENT_ISA"] = args.isa
+    tier = cpu_linear.kernel_info().get("isa")
+    q4 = args.q4_gguf or default_model_path()
+    pairs = [("q4_1", q4), ("bf16", args.bf16_gguf), ("q8_0", args.q8_gguf)]
+    pairs = [(name, path) for name, path in pairs if path]
+    work = [json.loads(line) for line in Path(args.workloads or WORKLOADS).read_text().splitlines() if line.strip()]
+    work = work[:args.limit] if args.limit else work
+    loaded = load_model(EngineSpec(model=q4))  # for its tokenizer: llama.cpp gets the same prompt ids
+    tokenizer, eos = loaded.tokenizer, set(loaded.eos_token_ids)
+    del loaded
+    bw0 = read_bandwidth()
+    results: dict = {"tier": tier, "machine": os.uname().machine, "cpus": os.cpu_count(), "pairs": {}}
+    print(f"prescient kernels tier {tier}; read bandwidth {bw0 / 1e9:.1f} GB/s", file=sys.stderr)
+    for name, path in pairs:
+        systems = {}
+        for spec in args.speculate.split(","):
+            systems[f"prescient-{spec}"] = Server(["--model", path, "--weights", "native", "--speculate", spec], env)
+        try:
+            systems["llama.cpp"] = LlamaCpp(path, tokenizer, eos)
+        except ImportError:
+            print("llama-cpp-python is not installed (pip install -e '.[peers]'): prescient only", file=sys.stderr)
+        rows: dict[str, list[dict]] = {s: [] for s in systems}
+        try:
+            order = list(systems)
+            for rep in range(args.reps + 1):  # pass 0 warms every system up and is not counted
+                for i, w in enumerate(work):
+                    for s in (order if (rep + i) % 2 == 0 else order[::-1]):
+                        msgs = [dict(m) for m in w["messages"]]
+                        msgs[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + msgs[0]["content"]
+                        r = systems[s].run(msgs, w["max_tokens"])
+                        r["workload"] = w["workload"]
+                        if rep:
+                            rows[s].append(r)
+                print(f"{name}: pass {rep} done", file=sys.stderr)
+        finally:
+            for s in systems.values():
+                if isinstance(s, Server):
+                    s.close()
+        wbytes = step_weight_bytes(path)
+        out = {"weight_bytes_per_step": wbytes, "systems": {}}
+        for s, rs in rows.items():
+            summ = _summary(rs)
+            summ["by_workload"] = {k: _summary([r for r in rs if r["workload"] == k]) for k in dict.fromkeys(r["workload"] for r in rs)}
+            out["systems"][s] = summ
+        results["pairs"][name] = out
+    bw1 = read_bandwidth()
+    results["read_bandwidth_GBps"] = [bw0 / 1e9, bw1 / 1e9]
+    bw = max(bw0, bw1)
+    lines = [f"tier {tier} (prescient kernels), {os.cpu_count()} CPUs; read bandwidth {bw / 1e9:.1f} GB/s", "",
+             "| weights | system | decode tok/s overall | chat / tool_call / long_edit | % of floor | cold TTFT long_edit |",
+             "|---|---|---|---|---|---|"]
+    for name, out in results["pairs"].items():
+        floor = bw / out["weight_bytes_per_step"]
+        out["floor_tok_s"] = floor
+        base = out["systems"].get("llama.cpp", {}).get("decode_tok_s")
+        for s, summ in out["systems"].items():
+            bw_ = summ["by_workload"]
+            per = " / ".join(f"{bw_[k]['decode_tok_s']:.1f}" if k in bw_ and bw_[k]["decode_tok_s"] else "-"
+                             for k in ("chat", "tool_call", "long_edit"))
+            ratio = f" ({summ['decode_tok_s'] / base:.2f}x llama.cpp)" if base and s != "llama.cpp" else ""
+            le = bw_.get("long_edit", {}).get("ttft_s")
+            le_text = f"{le * 1000:.0f} ms" if le else "-"
+            lines.append(f"| {name} | {s} | {summ['decode_tok_s']:.1f}{ratio} | {per} | "
+                         f"{100 * summ['decode_tok_s'] / floor:.0f}% of {floor:.0f} | {le_text} |")
+    table = "\n".join(lines)
+    print(table)
+    results["table"] = table
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""The native decoder layers (kernels/cpu_layer.c via cpu_layer.FusedLayers) against the torch
+layer loop of LlamaModel.forward, on tiny random models.
+
+Each case runs one forward twice on identical KV caches, PRESCIENT_FUSED_LAYERS=0 (the torch
+loop) and on (the native layers), and compares the logits and every layer's KV cache (each
+layer's roped k and v: its intermediate state), for float and GGUF-block weights, decode and
+verify trees, every ISA tier; greedy generation through Engine.generate must not change.  Both
+paths call the same GEMV and attention kernels, so they differ only in the glue between them.
+
+Tolerances.  The glue mirrors torch op by op: each op's output rounded to the model dtype where
+torch rounds it, the RMSNorm's fp32 sum of squares in torch's own summation order (cpu_layer.c
+torch_row_sum), RoPE's addcmul as torch's fused multiply-add.  bfloat16: bit for bit equal
+(asserted), since bf16 x bf16 products are exact in fp32 and the one fp32 function left, SiLU's
+exp (torch's vectorised one, good to about an ulp; a correctly rounded one here), moves SiLU's
+fp32 result by about an ulp at most, which its bf16 rounding absorbs (1M random inputs: no
+difference).  float32: that exp is the only difference, an ulp now and then in the SiLU
+outputs, so layer 0's K/V cache (written before its first SiLU) is asserted bit for bit equal,
+everything after it within 1e-5 of the tensor's largest magnitude (measured: under 6e-7).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prescient.kernels import cpu_layer, cpu_linear
+from prescient.kernels.cpu_linear import ISA_TIERS
+from prescient.runtime.batch import SeqRows, pack_forward_batch
+from prescient.runtime.loader import load_checkpoint
+from prescient.runtime.model import LlamaModel
+from prescient.speculative.tree import DraftTree
+from tests.conftest import make_tiny_checkpoint
+
+DTYPES = [torch.float32, torch.bfloat16]
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _needs_native(monkeypatch):
+    if not cpu_layer.available():
+        pytest.skip(f"native layers unavailable: {cpu_layer.why_not()}")
+    for var in ("PRESCIENT_KERNELS", "PRESCIENT_CPU_ATTENTION", cpu_layer.ENV):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    cpu_linear._set_isa_cap(99)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dirs(tmp_path_factory):
+    """GQA group 3 as the default model (6 q heads over 2 kv heads, head_dim 32), a
+    Qwen2 (q/k/v biases) with head_dim 64, and the conftest tiny Llama (head_dim 16)."""
+    root = tmp_path_factory.mktemp("cpu_layer")
+    return {
+        "llama": make_tiny_checkpoint(
+            root / "llama", hidden_size=192, intermediate_size=320, num_attention_heads=6,
+            num_key_value_heads=2, num_hidden_layers=3, max_position_embeddings=2048, seed=1),
+        "qwen2": make_tiny_checkpoint(
+            root / "qwen2", "qwen2", hidden_size=256, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, num_hidden_layers=2, seed=2),
+        "tiny": make_tiny_checkpoint(root / "tiny", seed=3),
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpts(ckpt_dirs):
+    return {name: load_checkpoint(str(path)) for name, path in ckpt_dirs.items()}
+
+
+def _tree(n: int) -> DraftTree:
+    """A branching draft tree of n nodes: node i hangs off i - 2, or off i // 2 every third."""
+    return DraftTree(list(range(3, 3 + n)), [-1] + [max(0, i - 2) if i % 3 else i // 2 for i in range(1, n)])
+
+
+def _case(model: LlamaModel, T: int, ctx: int, seed: int, tree: bool):
+    """A random KV cache (two copies), and a forward of T new tokens after ctx cached ones."""
+    g = torch.Generator().manual_seed(seed)
+    nb = (ctx + T) // BLOCK + 3
+    kv = model.allocate_kv_cache(nb, BLOCK)
+    for k, v in kv:
+        k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
+    ids = torch.randint(3, model.config.vocab_size, (T,), generator=g).tolist()
+    blocks = torch.randperm(nb, generator=g).tolist()  # scattered blocks, as after reuse
+    mask, positions = None, list(range(ctx, ctx + T))
+    if tree:  # tree nodes take prefix length + depth as their RoPE position
+        t = _tree(T)
+        mask, positions = t.mask_bits(), [ctx + d for d in t.depth]
+    batch = pack_forward_batch([SeqRows(ids, positions, ctx, blocks, mask, list(range(T)))], BLOCK,
+                               torch.device("cpu"))
+    return kv, [(k.clone(), v.clone()) for k, v in kv], batch
+
+
+def _run_both(model, kv_torch, kv_fused, batch, monkeypatch):
+    monkeypatch.setenv(cpu_layer.ENV, "0")
+    ref = model.forward(batch, kv_torch)
+    monkeypatch.setenv(cpu_layer.ENV, "1")
+    calls = []
+    real = cpu_layer.FusedLayers.forward
+    monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda self, *a: calls.append(1) or real(self, *a))
+    out = model.forward(batch, kv_fused)
+    assert calls, "the fused path did not run"
+    return ref, out
+
+
+def _assert_match(ref: torch.Tensor, out: torch.Tensor, what: str, exact: bool):
+    assert ref.shape == out.shape and ref.dtype == out.dtype, what
+    if exact:
+        bad = (ref != out).sum().item()
+        assert bad == 0, f"{what}: {bad} of {ref.numel()} elements differ (max {(ref - out).abs().max().item():.3g})"
+    else:
+        scale = ref.abs().max().item() or 1.0
+        diff = (ref - out).abs().max().item()
+        assert diff <= 1e-5 * scale, f"{what}: max diff {diff:.3g} (scale {scale:.3g})"
+
+
+def _compare(model, T, ctx, seed, tree, monkeypatch):
+    kv_torch, kv_fused, batch = _case(model, T, ctx, seed, tree)
+    ref, out = _run_both(model, kv_torch, kv_fused, batch, monkeypatch)
+    bf16 = model.dtype == torch.bfloat16
+    _assert_match(ref, out, f"logits T={T} ctx={ctx}", bf16)
+    for i, ((k1, v1), (k2, v2)) in enumerate(zip(kv_torch, kv_fused)):
+        _assert_match(k1, k2, f"layer {i} k cache T={T} ctx={ctx}", bf16 or i == 0)
+        _assert_match(v1, v2, f"layer {i} v cache T={T} ctx={ctx}", bf16 or i == 0)
+
+
+# (T, context before the step, tree mask): decode at several lengths (a split context at 300
+# and 1000), and verify trees of 8 nodes; 16 is the largest forward the path takes.
+CASES = [(1, 0, False), (1, 40, False), (1, 300, False), (1, 1000, False),
+         (8, 0, True), (8, 37, True), (8, 300, True), (16, 100, False)]
+
+
+@pytest.mark.parametrize("isa", ISA_TIERS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_matches_torch_loop_every_tier(ckpts, isa, dtype, monkeypatch):
+    if isa not in cpu_linear.machine_tiers():
+        pytest.skip(f"this CPU cannot run {isa}")
+    assert cpu_linear._set_isa_cap(isa) == isa
+    model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=dtype)
+    for i, (T, ctx, tree) in enumerate(CASES):
+        _compare(model, T, ctx, 10 * i + len(isa), tree, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "tiny"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_other_shapes_and_qkv_bias(ckpts, name, dtype, monkeypatch):
+    model = LlamaModel(ckpts[name].config, ckpts[name].weights, dtype=dtype)
+    if name == "qwen2":
+        assert model.layers[0].qkv.bias is not None  # the bias path is exercised
+    for i, (T, ctx, tree) in enumerate([(1, 50, False), (8, 200, True), (3, 0, False)]):
+        _compare(model, T, ctx, i, tree, monkeypatch)
+
+
+@pytest.mark.parametrize("quantize", ["int4", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_block_format_weights(ckpts, quantize, dtype, monkeypatch):
+    """Linears in GGUF blocks (Q4_1, Q8_0: QuantizedLinear, run by pg_linear_w through its
+    descriptor): the same kernels in both paths, so the same results."""
+    from prescient.runtime.loader import quantize_linears
+
+    ck = ckpts["llama"]
+    model = LlamaModel(ck.config, quantize_linears(ck.weights, quantize), dtype=getattr(torch, dtype))
+    assert type(model.layers[0].qkv).__name__ == "QuantizedLinear"
+    for i, (T, ctx, tree) in enumerate([(1, 100, False), (8, 300, True)]):
+        _compare(model, T, ctx, i, tree, monkeypatch)
+
+
+def test_two_sequences_and_skipped_slots(ckpts, monkeypatch):
+    """A batch of two decoding sequences and a verify tree, and a slot of -1 (not stored)."""
+    model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=torch.bfloat16)
+    kv_torch, kv_fused, _ = _case(model, 1, 100, 5, False)  # 9 blocks
+    nb = kv_torch[0][0].shape[0]
+    rows = [SeqRows([5], [20], 20, [0, 1], None, [0]),
+            SeqRows([6, 7, 8, 9], [33, 34, 34, 35], 33, [2, 3, 4], _tree(4).mask_bits(), [0, 1, 2, 3]),
+            SeqRows([10], [3], 3, [nb - 1], None, [0])]
+    batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
+    batch.slot_mapping[1] = -1
+    ref, out = _run_both(model, kv_torch, kv_fused, batch, monkeypatch)
+    _assert_match(ref, out, "logits", True)
+    for (k1, v1), (k2, v2) in zip(kv_torch, kv_fused):
+        _assert_match(k1, k2, "k cache", True)
+        _assert_match(v1, v2, "v cache", True)
+
+
+def test_per_layer_calls_equal_the_all_layers_call(ckpts):
+    model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=torch.bfloat16)
+    kv1, kv2, batch = _case(model, 8, 100, 7, True)
+    h0 = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rope.tables(batch.positions)
+    a = cpu_layer.FusedLayers(model, kv1, per_layer=True).forward(h0.clone(), batch, cos, sin)
+    b = cpu_layer.FusedLayers(model, kv2, per_layer=False).forward(h0.clone(), batch, cos, sin)
+    assert torch.equal(a, b)
+    assert all(torch.equal(x1, x2) for p1, p2 in zip(kv1, kv2) for x1, x2 in zip(p1, p2))
+
+
+def test_hook_conditions(ckpts, monkeypatch):
+    """The model takes the fused path only where it applies, and finds it again per KV cache."""
+    ck = ckpts["llama"]
+    model = LlamaModel(ck.config, ck.weights, dtype=torch.float32)
+    kv = model.allocate_kv_cache(4, BLOCK)
+    fl = cpu_layer.fused_layers(model, kv)
+    assert fl is not None and cpu_layer.fused_layers(model, kv) is fl
+    other = model.allocate_kv_cache(4, BLOCK)
+    assert cpu_layer.fused_layers(model, other) not in (None, fl)
+    assert cpu_layer.fused_layers(model, kv) is fl  # both stay cached
+    assert cpu_layer.fused_layers(model.early_exit(1), kv) not in (None, fl)  # its own layers
+    for var, value in ((cpu_layer.ENV, "0"), ("PRESCIENT_KERNELS", "reference"), ("PRESCIENT_CPU_ATTENTION", "0")):
+        monkeypatch.setenv(var, value)
+        assert cpu_layer.fused_layers(model, kv) is None
+        monkeypatch.delenv(var)
+    unpacked = LlamaModel(ck.config, ck.weights, dtype=torch.float32, fast_linear=False)
+    assert cpu_layer.fused_layers(unpacked, unpacked.allocate_kv_cache(4, BLOCK)) is None
+    f64 = LlamaModel(ck.config, ck.weights, dtype=torch.float64)
+    assert cpu_layer.fused_layers(f64, f64.allocate_kv_cache(4, BLOCK)) is None
+    # more than 16 tokens (prefill): the torch loop
+    rows = [SeqRows(list(range(3, 23)), range(20), 0, [0, 1], None, [19])]
+    batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
+    monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda *a: pytest.fail("fused path on 20 tokens"))
+    model.forward(batch, kv)
+
+
+def test_bad_arguments_raise(ckpts):
+    model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=torch.float32)
+    kv, _, batch = _case(model, 1, 10, 0, False)
+    fl = cpu_layer.FusedLayers(model, kv)
+    h = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rope.tables(batch.positions)
+    with pytest.raises(ValueError, match="h must be"):
+        fl.forward(h.to(torch.bfloat16), batch, cos, sin)
+    with pytest.raises(ValueError, match="cos/sin"):
+        fl.forward(h, batch, cos[:, :, :8], sin)
+    out = fl.forward(h, batch, cos, sin)
+    with pytest.raises(ValueError, match="rows must lie"):
+        fl.final_norm(out, torch.tensor([1]), model.norm)  # T = 1: row 1 does not exist
+    with pytest.raises(ValueError, match="last forward"):
+        fl.final_norm(out.clone(), torch.tensor([0]), model.norm)
+    batch.slot_mapping[0] = kv[0][0].shape[0] * BLOCK  # one past the end
+    with pytest.raises(RuntimeError, match="past the end"):
+        fl.forward(h, batch, cos, sin)
+    batch.slot_mapping[0] = 0
+    batch.context_lens[0] = 10_000  # more than the block table holds
+    with pytest.raises(RuntimeError, match="context_lens"):
+        fl.forward(h, batch, cos, sin)
+    with pytest.raises(ValueError, match="KV cache"):
+        cpu_layer.FusedLayers(model, [(k.to(torch.bfloat16), v) for k, v in kv])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("speculate", ["off", "draft"])
+def test_greedy_generation_identical(ckpts, dtype, speculate, monkeypatch):
+    """Engine.generate with and without the fused path: the same tokens.  "draft" (the
+    early-exit draft of the target) also runs the draft's own steps and T > 1 verify steps."""
+    from prescient.build import EngineSpec, LoadedModel, build_engine
+    from prescient.runtime.config import CacheConfig, SchedulerConfig
+    from prescient.runtime.engine import EngineConfig
+    from prescient.runtime.sampling_params import SamplingParams
+
+    ck = ckpts["llama"]
+    model = LlamaModel(ck.config, ck.weights, dtype=getattr(torch, dtype))
+    sizes = []
+    real = cpu_layer.FusedLayers.forward
+    monkeypatch.setattr(cpu_layer.FusedLayers, "forward",
+                        lambda self, h, *a: sizes.append(h.shape[0]) or real(self, h, *a))
+    g = torch.Generator().manual_seed(0)
+    # repetitive prompts, so that drafts get accepted and the verify steps are long
+    prompts = [(torch.randint(3, 97, (n,), generator=g).tolist() * 3)[:40] for n in (7, 11, 5)]
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv(cpu_layer.ENV, mode)
+        config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=BLOCK, num_blocks=64),
+                              scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+        spec = EngineSpec(dtype=dtype, speculate=speculate, calibrate="off", progress=False)
+        engine = build_engine(spec, LoadedModel(model, None, (2,), None), config)
+        outs[mode] = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+        if mode == "0":
+            assert not sizes
+    assert outs["0"] == outs["1"]
+    assert sum(len(o) for o in outs["1"]) > 30
+    assert 1 in sizes
+    if speculate == "draft":
+        assert max(sizes) > 1, "no verify step ran through the fused path"

@@ -1,0 +1,378 @@
+"""Correctness of the GGUF block-format linears: kernels/quant_reference.py (against gguf.quants,
+ggml's own Python port), the native small-M kernels of kernels/cpu_qgemv.c / cpu_qgemv_k.c on
+every ISA tier this CPU runs and on both paths (fp32 and int8 activations), and QuantLinear's
+prefill path, against float64 math on the exactly dequantized weight.
+
+Tolerances.  The reference is ref = W x in float64 with W = dequantize(blocks) (exact: every
+dequantized value is an fp32 number the kernels also produce exactly).  The kernels differ by
+  * fp32 accumulation: |err| <= K * 2^-24 * sum_k |x_k| |w_k|, with |w_k| replaced by the
+    magnitude of the parts the kernel sums (Q4_1: |d q| + |m|) -- the classic bound;
+  * with int8 activations (pq_act_block = n > 0: one scale dx = amax / 127 per n elements),
+    each x_k moves by at most dx / 2, so |err| grows by sum_k |w_k| dx_k / 2 (dx_k / 2 taken
+    1 + 2^-8 larger for the fp32 rounding of x / dx), and the fp32 term above uses |x| + dx / 2;
+  * a bf16 y: half an ulp of the fp32 result, 2^-8 * (|ref| + the bound above).
+The K-quants (Q4_K / Q5_K / Q6_K) are included in the sweep and skip while cpu_qgemv_k.c has
+no kernels (pq_format_k returns NULL) or quant_reference_k.dequantize_k is missing; for them
+pq_act_block reports 256 when they quantize x (one scale per super-block).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from prescient.kernels import cpu_linear, quant_linear as ql, quant_reference as qr
+from prescient.kernels.quant_linear import QuantLinear
+
+FORMATS = list(qr.QTYPES)
+MS = [1, 2, 3, 5, 8, 16]
+DTYPES = [torch.float32, torch.bfloat16]
+# (N, K) for the 32-element formats: odd N (4-row tiles + 1-row tails); K / 32 = 1, 5, 11, 15,
+# 18, 48 blocks covers every group shape of the int8 layouts (full 16- and 8-lane groups,
+# zero-padded ones, pairs, single blocks); 1001 x 576 is large enough to split over the pool.
+SHAPES_32 = [(37, 32), (37, 160), (41, 352), (33, 480), (61, 576), (9, 1536), (1001, 576)]
+SHAPES_K = [(37, 256), (41, 512), (33, 1536), (1001, 768)]
+HALF_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def _gguf_type(qtype: str):
+    from gguf import GGMLQuantizationType as T
+    return getattr(T, qtype.upper())
+
+
+def _require(qtype: str) -> None:
+    """Skip a K-quant while its reference or kernels are not there yet."""
+    if qtype in qr.BLOCK32:
+        return
+    try:
+        from prescient.kernels.quant_reference_k import dequantize_k  # noqa: F401
+    except ImportError:
+        pytest.skip("quant_reference_k.dequantize_k is missing")
+
+
+def _require_native(qtype: str) -> None:
+    _require(qtype)
+    if not cpu_linear.available():
+        pytest.skip("C kernels unavailable")
+    if not ql.native_available(qtype):
+        pytest.skip(f"no native {qtype} kernels yet (pq_format_k returns NULL)")
+
+
+def _random_blocks(qtype: str, N: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """Arbitrary block bytes (every code, Q8_0's -128 included) with finite fp16 scales of
+    random sign and size."""
+    _, be, bb = qr.QTYPES[qtype]
+    b = torch.randint(0, 256, (N * (K // be), bb), dtype=torch.uint8, generator=g)
+    for off in HALF_FIELDS[qtype]:
+        h = ((torch.rand(b.shape[0], generator=g) - 0.5) * 0.1).to(torch.float16)
+        b[:, off:off + 2] = h.view(torch.uint8).reshape(-1, 2)
+    return b.reshape(N, K // be * bb)
+
+
+def _weights(qtype: str, N: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """Blocks of quantized Gaussian weights (rows of different scale) for the 32-formats, the
+    random-byte blocks otherwise."""
+    if qtype in qr.BLOCK32:
+        w = torch.randn(N, K, generator=g) * (0.02 + torch.rand(N, 1, generator=g))
+        return qr.quantize(w, qtype)
+    return _random_blocks(qtype, N, K, g)
+
+
+def _mag(blocks: torch.Tensor, qtype: str, N: int, K: int, W: torch.Tensor) -> torch.Tensor:
+    """Magnitude of the parts the kernels sum per weight: |d q| + |m| for Q4_1, else |w|."""
+    if qtype != "q4_1":
+        return W.abs()
+    m = qr.dequantize(blocks, qtype, N, K).double() - qr.dequantize(_zero_m(blocks), qtype, N, K).double()
+    return (W - m).abs() + m.abs()
+
+
+def _zero_m(blocks: torch.Tensor) -> torch.Tensor:
+    b = blocks.clone().reshape(-1, 20)
+    b[:, 2:4] = 0
+    return b
+
+
+def _check(y, x, W, mag, act_block, bias=None):
+    """Assert |y - W x (+ bias)| within the bound of the module docstring."""
+    xd = x.double()
+    K = W.shape[1]
+    ref = xd @ W.T
+    xmag = xd.abs()
+    extra = torch.zeros_like(ref)
+    if act_block:
+        M = x.shape[0]
+        half = xd.abs().reshape(M, K // act_block, act_block).amax(-1) / 127 / 2 * (1 + 2.0 ** -8)
+        half = half.repeat_interleave(act_block, dim=1)
+        extra = half @ W.abs().T
+        xmag = xmag + half
+    tol = K * 2.0 ** -24 * (xmag @ mag.T) + extra
+    if bias is not None:
+        ref = ref + bias.double()
+        tol = tol + K * 2.0 ** -24 * bias.double().abs()
+    if y.dtype == torch.bfloat16:
+        tol = tol + 2.0 ** -8 * (ref.abs() + tol)
+    tol = tol + 1e-30
+    err = (y.double() - ref).abs()
+    bad = err > tol
+    assert not bad.any(), (f"max err {err.max().item():.3g}, worst excess {(err - tol).max().item():.3g} "
+                           f"at {bad.nonzero()[0].tolist()} (act_block {act_block})")
+
+
+@pytest.fixture
+def tier_cap():
+    """Run at a capped ISA tier / forced path, restoring both afterwards."""
+    yield cpu_linear._set_isa_cap
+    cpu_linear._set_isa_cap(99)
+    ql.set_mode("auto")
+
+
+# ---- reference --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_dequantize_matches_gguf(qtype):
+    _require(qtype)
+    from gguf import quants
+    g = torch.Generator().manual_seed(1)
+    N, K = (7, 512) if qtype not in qr.BLOCK32 else (7, 160)
+    b = _random_blocks(qtype, N, K, g)
+    ours = qr.dequantize(b, qtype, N, K)
+    theirs = torch.from_numpy(quants.dequantize(b.numpy(), _gguf_type(qtype)).astype(np.float32))
+    assert ours.dtype == torch.float32 and ours.shape == (N, K)
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_quantize_matches_gguf(qtype):
+    """Byte-identical to gguf.quants.quantize (ggml's reference rounding), edge blocks too."""
+    from gguf import quants
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(12, 256, generator=g) * torch.rand(12, 1, generator=g) * 4
+    w[0, :32] = 0                                  # all-zero block: d = 0
+    w[1, :32] = 1.25                               # constant block
+    w[2, :32] = torch.arange(32) * 0.5 - 8         # ties at .5 steps
+    w[3, :32] = -w[3, :32].abs()                   # one-signed
+    w[4, :32] = torch.linspace(-3, 3, 32)          # signed extremes of equal magnitude
+    ours = qr.quantize(w, qtype)
+    theirs = torch.from_numpy(quants.quantize(w.numpy(), _gguf_type(qtype)))
+    assert ours.dtype == torch.uint8 and ours.shape == (12, 256 // 32 * qr.QTYPES[qtype][2])
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_quantize_roundtrip_bounds(qtype):
+    """Per element: Q8_0 |w - w^| <= d/2, Q4_1 <= d/2, Q4_0 <= |d| (the clip at q = 15 can cost
+    a full step on the side opposite the largest value), plus what storing d (and m) in fp16
+    costs; and the bulk is far inside the bound."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 64, 512
+    w = torch.randn(N, K, generator=g) * (0.05 + torch.rand(N, 1, generator=g))
+    b = qr.quantize(w, qtype)
+    wh = qr.dequantize(b, qtype, N, K).double()
+    x = w.double().reshape(-1, 32)
+    if qtype == "q8_0":
+        d = x.abs().amax(1, keepdim=True) / 127
+        d16 = d.float().half().double()
+        bound = d / 2 + 127 * (d - d16).abs()
+    elif qtype == "q4_0":
+        mx = torch.gather(x, 1, x.abs().argmax(1, keepdim=True))
+        d = (mx / -8).abs()
+        d16 = (mx / -8).float().half().double().abs()
+        bound = d + 8 * (d - d16).abs()
+    else:
+        mn, mx = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+        d = (mx - mn) / 15
+        d16 = d.float().half().double()
+        bound = d / 2 + 15 * (d - d16).abs() + (mn - mn.float().half().double()).abs()
+    err = (wh.reshape(-1, 32) - x).abs()
+    assert (err <= bound * (1 + 1e-5) + 1e-12).all(), (err - bound).max()
+    assert err.mean() < 0.3 * d.mean()  # rounding to nearest: mean error ~ d / 4
+
+
+def test_qtypes_table():
+    from gguf import GGML_QUANT_SIZES
+    for name, (wdt, be, bb) in qr.QTYPES.items():
+        assert GGML_QUANT_SIZES[_gguf_type(name)] == (be, bb)
+    assert [v[0] for v in qr.QTYPES.values()] == [16, 17, 18, 19, 20, 21]  # cpu_gemv.h DT_Q*
+
+
+# ---- native kernels: every format x tier x path x M x dtype -----------------------------------
+
+def _tiers():
+    return cpu_linear.machine_tiers() if cpu_linear.available() else []
+
+
+@pytest.mark.parametrize("tier", ["portable", "avx2", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_small_m_every_tier(tier_cap, qtype, tier):
+    _require_native(qtype)
+    if tier not in _tiers():
+        pytest.skip(f"this CPU cannot run {tier}")
+    assert tier_cap(tier) == tier
+    g = torch.Generator().manual_seed(100 * FORMATS.index(qtype) + len(tier))
+    shapes = SHAPES_32 if qtype in qr.BLOCK32 else SHAPES_K
+    for N, K in shapes:
+        b = _weights(qtype, N, K, g)
+        W = qr.dequantize(b, qtype, N, K).double()
+        mag = _mag(b, qtype, N, K, W)
+        bias = torch.randn(N, generator=g)
+        lins = (QuantLinear(b, qtype, N, K), QuantLinear(b, qtype, N, K, bias=bias))
+        for mode in ("float", "int8"):
+            ql.set_mode(mode)
+            act = ql.act_block(qtype)
+            assert act >= 0
+            if mode == "float" or tier == "portable":
+                assert act == 0
+            elif qtype in qr.BLOCK32:
+                assert act == 32
+            for M in MS:
+                for dt in DTYPES:
+                    x = torch.randn(M, K, generator=g).to(dt)
+                    lin = lins[M % 2]
+                    y = lin(x)
+                    assert y.shape == (M, N) and y.dtype == dt
+                    _check(y, x, W, mag, act, bias=lin.bias)
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_int8_path_uses_quantized_activations(tier_cap, qtype):
+    """The int8 path must differ from the fp32 one (else the tolerance above is untested) and
+    stay within ~1% on Gaussian data (the header's accuracy figure), on every SIMD tier."""
+    _require_native(qtype)
+    g = torch.Generator().manual_seed(4)
+    N, K = 256, 1536
+    b = _weights(qtype, N, K, g)
+    lin = QuantLinear(b, qtype, N, K)
+    x = torch.randn(4, K, generator=g)
+    W = qr.dequantize(b, qtype, N, K).double()
+    ref = x.double() @ W.T
+    for tier in [t for t in _tiers() if t != "portable"]:
+        tier_cap(tier)
+        ql.set_mode("float")
+        yf = lin(x).double()
+        ql.set_mode("int8")
+        yi = lin(x).double()
+        assert ((yf - ref).norm() / ref.norm()).item() < 1e-6
+        rel = ((yi - ref).norm() / ref.norm()).item()
+        assert 1e-4 < rel < 1e-2, (tier, rel)
+
+
+def test_thread_count_does_not_change_results():
+    """Each output is computed by one thread in a fixed order: bitwise identical."""
+    if not cpu_linear.available():
+        pytest.skip("C kernels unavailable")
+    g = torch.Generator().manual_seed(5)
+    cases = []
+    for qtype in qr.BLOCK32:
+        b = _weights(qtype, 2049, 576, g)
+        cases.append((QuantLinear(b, qtype, 2049, 576), torch.randn(3, 576, generator=g)))
+    before = cpu_linear.kernel_info()["threads"]
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            cpu_linear.set_num_threads(n)
+            outs.append([lin(x) for lin, x in cases])
+        for other in outs[1:]:
+            for a, c in zip(outs[0], other):
+                assert torch.equal(a, c)
+    finally:
+        cpu_linear.set_num_threads(before)
+
+
+# ---- dequantization, prefill, fallback, API ---------------------------------------------------
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_native_dequantize_is_exact(tier_cap, qtype):
+    """C dequantizers (every tier) give the reference's fp32 values bit for bit."""
+    _require(qtype)
+    g = torch.Generator().manual_seed(6)
+    N, K = (45, 768) if qtype not in qr.BLOCK32 else (45, 352)
+    b = _random_blocks(qtype, N, K, g)
+    lin = QuantLinear(b, qtype, N, K)
+    ref = qr.dequantize(b, qtype, N, K)
+    ids = [44, 0, 7, 7, 30]
+    for tier in _tiers() or ["none"]:
+        if tier != "none":
+            tier_cap(tier)
+        assert torch.equal(lin.dequantize(), ref)
+        assert torch.equal(lin.dequantize_rows(ids), ref[ids])
+        assert torch.equal(lin.dequantize_rows(torch.tensor(ids)), ref[ids])
+    assert lin.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    assert lin.dequantize_rows([]).shape == (0, K)
+    with pytest.raises(IndexError):
+        lin.dequantize_rows([N])
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_prefill_path(qtype, monkeypatch):
+    """M > 16: fp32 activations, W dequantized tile by tile (a tiny tile budget forces many
+    tiles and a ragged last one); with and without bias, fp32 and bf16, leading dims."""
+    _require(qtype)
+    g = torch.Generator().manual_seed(7)
+    N, K = (77, 512) if qtype not in qr.BLOCK32 else (77, 160)
+    b = _weights(qtype, N, K, g)
+    W = qr.dequantize(b, qtype, N, K).double()
+    mag = _mag(b, qtype, N, K, W)
+    bias = torch.randn(N, generator=g)
+    monkeypatch.setattr(ql, "_TILE_BYTES", 16 * K * 4)  # 16-row tiles: 5 tiles, the last 13 rows
+    for lin in (QuantLinear(b, qtype, N, K), QuantLinear(b, qtype, N, K, bias=bias)):
+        for dt in DTYPES:
+            x = torch.randn(2, 20, K, generator=g).to(dt)
+            y = lin(x)
+            assert y.shape == (2, 20, N) and y.dtype == dt
+            _check(y.reshape(40, N), x.reshape(40, K), W, mag, 0, bias=lin.bias)
+    x = torch.randn(0, K)
+    assert QuantLinear(b, qtype, N, K)(x).shape == (0, N)
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_fallback_without_native(qtype):
+    """Without the C kernels (as with no compiler) small M takes the tiled reference path."""
+    g = torch.Generator().manual_seed(8)
+    N, K = 50, 96
+    b = _weights(qtype, N, K, g)
+    W = qr.dequantize(b, qtype, N, K).double()
+    lin = QuantLinear(b, qtype, N, K, bias=torch.randn(N, generator=g))
+    lin._native = lin._deq_native = False
+    x = torch.randn(3, K, generator=g)
+    _check(lin(x), x, W, _mag(b, qtype, N, K, W), 0, bias=lin.bias)
+    assert torch.equal(lin.dequantize(), W.float())
+    assert torch.equal(lin.dequantize_rows([3, 1]), W.float()[[3, 1]])
+
+
+def test_autograd_reaches_x():
+    g = torch.Generator().manual_seed(9)
+    b = _weights("q4_0", 20, 64, g)
+    lin = QuantLinear(b, "q4_0", 20, 64)
+    x = torch.randn(2, 64, generator=g, requires_grad=True)
+    lin(x).sum().backward()
+    torch.testing.assert_close(x.grad, lin.dequantize().sum(0).expand(2, 64))
+
+
+def test_out_noncontiguous_and_attributes():
+    g = torch.Generator().manual_seed(10)
+    N, K = 300, 128
+    b = _weights("q8_0", N, K, g)
+    lin = QuantLinear(b, "q8_0", N, K)
+    assert (lin.in_features, lin.out_features, lin.qtype) == (K, N, "q8_0")
+    assert lin.weight_bytes == N * K // 32 * 34 == b.numel()
+    assert "QuantLinear" in repr(lin)
+    W = qr.dequantize(b, "q8_0", N, K).double()
+    xt = torch.randn(K, 4, generator=g).T  # non-contiguous [4, K]
+    out = torch.empty(4, N)
+    assert lin(xt, out=out) is out
+    _check(out, xt.contiguous(), W, W.abs(), max(ql.act_block("q8_0"), 0))
+    with pytest.raises(ValueError):
+        lin(torch.randn(1, K + 1))
+    with pytest.raises(ValueError):
+        lin(torch.randn(1, K), out=torch.empty(1, N, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        lin(torch.randn(1, K, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        QuantLinear(b[:-1], "q8_0", N, K)
+    with pytest.raises(ValueError):
+        QuantLinear(b, "q8_0", N, K + 32)
+    with pytest.raises(ValueError):
+        QuantLinear(b.to(torch.int16), "q8_0", N, K)
+    with pytest.raises(ValueError):
+        QuantLinear(b, "q3_k", N, K)
