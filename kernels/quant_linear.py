@@ -248,6 +248,8 @@ class QuantLinear:
         # backward pass, and the C dequantizer's writes would go unseen by version counters.
         grad = x.requires_grad and torch.is_grad_enabled()
         buf = None if grad else torch.empty(min(rows, N), K, dtype=torch.float32)
+        if x.dtype == torch.bfloat16 and not grad and cpu_linear._bf16_gemm_native():
+            return self._tiled_bf16(x, rows, buf)
         for n0 in range(0, N, rows):
             n1 = min(N, n0 + rows)
             tile = torch.empty(n1 - n0, K, dtype=torch.float32) if grad else buf[:n1 - n0]
@@ -257,3 +259,18 @@ class QuantLinear:
             else:
                 y[:, n0:n1] = x32 @ w.T
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def _tiled_bf16(self, x: torch.Tensor, rows: int, buf: torch.Tensor) -> torch.Tensor:
+        """The tiles as bf16 and a bf16 GEMM, for a bf16 x where the tier has AVX512_BF16: there
+        oneDNN's bf16 GEMM is ~4x its fp32 one (512x576 @ 576x1536: 2.3 vs 9.3 ms). Each weight is
+        rounded once to bf16 (relative 2^-9, far under the blocks' own quantization step)."""
+        M, N = x.shape[0], self.out_features
+        y = torch.empty(M, N, dtype=torch.bfloat16)
+        wb = torch.empty(buf.shape, dtype=torch.bfloat16)
+        bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+        for n0 in range(0, N, rows):
+            n1 = min(N, n0 + rows)
+            tile = wb[:n1 - n0]
+            tile.copy_(self._dequant_into(n0, n1, buf[:n1 - n0]))
+            y[:, n0:n1] = x @ tile.T if bias is None else torch.addmm(bias[n0:n1], x, tile.T)
+        return y

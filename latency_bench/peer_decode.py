@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2, help="passes over the workloads")
     ap.add_argument("--workloads", default=None, help="a workloads .jsonl (default: the bundled 11)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N workloads (a smoke run)")
+    ap.add_argument("--only", default=None, help="only workloads of this kind (chat, tool_call, long_edit)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [("q4_1", q4), ("bf16", args.bf16_gguf), ("q8_0", args.q8_gguf)]
     pairs = [(name, path) for name, path in pairs if path]
     work = [json.loads(line) for line in Path(args.workloads or WORKLOADS).read_text().splitlines() if line.strip()]
+    work = [w for w in work if args.only in (None, w["workload"])]
     work = work[:args.limit] if args.limit else work
     loaded = load_model(EngineSpec(model=q4))  # for its tokenizer: llama.cpp gets the same prompt ids
     tokenizer, eos = loaded.tokenizer, set(loaded.eos_token_ids)
