@@ -28,4 +28,22 @@ static inline uint16_t f32_to_bf16(float f)
     return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? nan : r);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+/* fp32 -> bf16 round-to-nearest-even for 4 lanes, NaNs kept quiet (matches f32_to_bf16);
+ * integer ops only, so it needs no AVX512_BF16. Result in the low 64 bits.  For the SIMD
+ * kernels' epilogues (cpu_gemv.c, cpu_qgemv.c), inlined into their wider target regions. */
+static inline __attribute__((always_inline, target("sse4.1"))) __m128i bf16x4_rne(__m128 v)
+{
+    __m128i u = _mm_castps_si128(v);
+    __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff), lsb));
+    __m128i q = _mm_or_si128(u, _mm_set1_epi32(0x400000));
+    r = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(r), _mm_castsi128_ps(q), _mm_cmpunord_ps(v, v)));
+    r = _mm_srli_epi32(r, 16);
+    return _mm_packus_epi32(r, r);
+}
+#endif
+
 #endif

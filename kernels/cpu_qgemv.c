@@ -463,18 +463,6 @@ static inline __attribute__((always_inline)) __m128 z_hsum4(__m512 a, __m512 b, 
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-/* fp32 -> bf16 round-to-nearest-even for 4 lanes, NaN kept quiet (as f32_to_bf16). */
-static inline __attribute__((always_inline)) __m128i x_bf16x4(__m128 v)
-{
-    __m128i u = _mm_castps_si128(v);
-    __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-    __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff), lsb));
-    __m128i q = _mm_or_si128(u, _mm_set1_epi32(0x400000));
-    r = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(r), _mm_castsi128_ps(q), _mm_cmpunord_ps(v, v)));
-    r = _mm_srli_epi32(r, 16);
-    return _mm_packus_epi32(r, r);
-}
-
 /* y[m, n..n+3] = s (+ bias). */
 static inline __attribute__((always_inline)) void z_store_row4(const pq_job_t *j, int m, int n, __m128 s)
 {
@@ -484,7 +472,7 @@ static inline __attribute__((always_inline)) void z_store_row4(const pq_job_t *j
     if (j->ydt == DT_F32)
         _mm_storeu_ps((float *)j->y + off, s);
     else
-        _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off), x_bf16x4(s));
+        _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off), bf16x4_rne(s));
 }
 
 static inline __attribute__((always_inline)) void z_prefetch(const uint8_t *p, size_t bytes)
