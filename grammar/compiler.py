@@ -42,6 +42,7 @@ from prescient.grammar.pattern import (
 from prescient.grammar.schema.check import check_schema
 from prescient.grammar.schema.closed_objects import close_declared_objects
 from prescient.grammar.schema.lower import lower_schema
+from prescient.grammar.schema_failure import schema_failure
 from prescient.grammar.spec import GrammarSpec
 from prescient.grammar.tokenizer import GrammarTokenizer
 from prescient.grammar.tools import tool_call_structural_tag
@@ -147,6 +148,7 @@ class GrammarCompiler:
 
     def submit(self, spec: GrammarSpec) -> PendingGrammar:
         start = time.monotonic()
+        fresh = None
         with self._lock:
             future = self._cache.get(spec)
             if future is not None:
@@ -159,8 +161,21 @@ class GrammarCompiler:
                 self._cache[spec] = future
                 if len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
+                fresh = future
+        if fresh is not None:  # outside the lock: a future already done runs the callback here
+            fresh.add_done_callback(lambda f, spec=spec: self._forget_if_timed_out(spec, f))
         limit = self.config.time_limit_s
         return PendingGrammar(spec, future, start + limit, limit)
+
+    def _forget_if_timed_out(self, spec: GrammarSpec, future: Future) -> None:
+        """A compile killed at the time limit is not cached: the schema is not known to be too
+        hard (a loaded machine, a cold worker), so the next request for it compiles again.
+        Refusals and successes stay cached."""
+        err = None if future.cancelled() else future.exception()
+        if isinstance(err, GrammarError) and getattr(err, "feature", None) == "time_limit":
+            with self._lock:
+                if self._cache.get(spec) is future:
+                    del self._cache[spec]
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """Blocking submit + result."""
@@ -181,13 +196,25 @@ class GrammarCompiler:
         except GrammarError:
             raise
         except (RuntimeError, ValueError, TypeError) as err:
-            # xgrammar reports an invalid grammar, regex or schema as RuntimeError; keep the
+            if spec.kind == "json_schema":
+                # the schema passed prepare_schema: xgrammar's message is about its own limits
+                # (schema_failure.py), not something to show the client as "invalid schema"
+                raise self._schema_failure(spec.source, err) from err
+            # xgrammar reports an invalid grammar or regex as RuntimeError; keep the
             # message's last line (the first names xgrammar's source file).
             lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
             message = _LOG_PREFIX.sub("", lines[-1]) if lines else type(err).__name__
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {message}",
                                feature=spec.kind) from err
         return self._result(spec, handle, time.perf_counter() - start, forced_spans_safe(str(handle.grammar)))
+
+    def _schema_failure(self, source: str, err: Exception) -> GrammarError:
+        try:
+            original = json.loads(source)
+            prepared = close_declared_objects(lower_schema(original, closing=self.config.close_declared_objects))
+        except Exception:  # noqa: BLE001 - it lowered once already; only the location is lost
+            original = prepared = None
+        return schema_failure(original, prepared, err, self._json_options())
 
     def _result(self, spec: GrammarSpec, handle: xgr.CompiledGrammar, compile_s: float,
                 forced_spans: bool) -> CompiledGrammar:
@@ -199,11 +226,12 @@ class GrammarCompiler:
         return dict(any_whitespace=self.config.any_whitespace, strict_mode=False,
                     max_whitespace_cnt=self.config.max_whitespace)
 
-    def prepare_schema(self, schema: object) -> object:
+    def prepare_schema(self, schema: object, narrowed: list[str] | None = None) -> object:
         """The schema xgrammar gets: lowered (schema/lower.py), checked (GrammarError names a
-        feature xgrammar would drop), its declared objects closed."""
+        feature xgrammar would drop), its declared objects closed. `narrowed`, when given,
+        gets the names of the narrowing (not exact) rewrites the lowering used."""
         closing = self.config.close_declared_objects
-        schema = lower_schema(schema, closing=closing)
+        schema = lower_schema(schema, closing=closing, narrowed=narrowed)
         check_schema(schema)
         return close_declared_objects(schema) if closing else schema
 

@@ -8,6 +8,15 @@ the wrapper's closing brace, tracked by JSON nesting depth so the wrapper's own 
 part of the arguments. `parse_tool_calls(text)` runs the same parser over a finished output, so
 streamed and non-streamed results agree by construction.
 
+Content never carries call markup, however the text is split into deltas (speculation and forced
+spans deliver several tokens a step, so `<tool` may end one delta and `_call>` start the next):
+- a tail that may begin `<tool_call>` is held back until it is known not to (then it is content);
+- whitespace with no other text between calls (the separator of "required"), before the first
+  call or after the last is markup too: such a run is held while it is all whitespace;
+- at the end, `finish(cut=True)` (the reply was stopped by max_tokens, an abort, an error)
+  drops what is held, a partial `<tool_call` or an unfinished call header: it was the start of a
+  call that did not get written. After a natural stop what is held was not markup: content.
+
 Text that does not form a call (possible only without the grammar) is returned as content.
 """
 
@@ -62,9 +71,10 @@ class ParsedOutput:
     tool_calls: list[ToolCall]
 
 
-def parse_tool_calls(text: str) -> ParsedOutput:
+def parse_tool_calls(text: str, cut: bool = False) -> ParsedOutput:
+    """`cut`: the output was stopped before its natural end (see `ToolCallStreamParser.finish`)."""
     parser = ToolCallStreamParser()
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut)
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls = [c for c in parser.calls if c.complete]
     return ParsedOutput(content=content if content.strip() else "", tool_calls=calls)
@@ -79,6 +89,8 @@ class ToolCallStreamParser:
     _in_string: bool = False
     _escaped: bool = False
     _held_ws: str = ""  # whitespace after the arguments value, not yet known to be inside it
+    _blank: bool = True  # the text since the start or the last call is all whitespace, none emitted
+    _lead_ws: str = ""  # that whitespace, when a trigger followed it (content again if no call)
 
     def feed(self, delta: str) -> list[StreamEvent]:
         self._pending += delta
@@ -89,14 +101,18 @@ class ToolCallStreamParser:
             if (self._state, len(self._pending)) == before:
                 return events
 
-    def finish(self) -> list[StreamEvent]:
-        """Flush at the end of generation. An unfinished call stays `complete=False`; its raw
-        text is returned as content only if its name was never reported."""
+    def finish(self, cut: bool = False) -> list[StreamEvent]:
+        """Flush at the end of generation. An unfinished call stays `complete=False`. `cut`: the
+        output was stopped before its natural end, so a held-back partial trigger or call header
+        is the start of a call and is dropped; otherwise it is content (it turned out not to be
+        a call). Whitespace with no other text since the last call is never content."""
         events: list[StreamEvent] = []
-        if self._state == "text" and self._pending:
-            events.append(ContentDelta(self._pending))
-        elif self._state == "header":
-            events.append(ContentDelta(CALL_TRIGGER + self._pending))
+        if self._state == "text":
+            text = self._pending[: len(self._pending) - self._partial_trigger()] if cut else self._pending
+            if not (self._blank and not text.strip()):
+                self._emit_content(events, text)
+        elif self._state == "header" and not cut:
+            self._emit_content(events, self._lead_ws + CALL_TRIGGER + self._pending)
         self._pending = ""
         return events
 
@@ -105,15 +121,22 @@ class ToolCallStreamParser:
     def _step_text(self, events: list[StreamEvent]) -> None:
         at = self._pending.find(CALL_TRIGGER)
         if at >= 0:
-            self._emit_content(events, self._pending[:at])
+            before = self._pending[:at]
+            if self._blank and not before.strip():
+                self._lead_ws = before  # a separator: part of the markup if a call follows
+            else:
+                self._emit_content(events, before)
+                self._lead_ws = ""
             self._pending = self._pending[at + len(CALL_TRIGGER):]
             self._state = "header"
             return
-        # Hold back a tail that may be the start of "<tool_call>".
-        keep = next((n for n in range(min(len(CALL_TRIGGER) - 1, len(self._pending)), 0, -1)
-                     if CALL_TRIGGER.startswith(self._pending[-n:])), 0)
-        self._emit_content(events, self._pending[: len(self._pending) - keep])
-        self._pending = self._pending[len(self._pending) - keep:]
+        # Hold back a tail that may be the start of "<tool_call>", and all of a blank run.
+        release = len(self._pending) - self._partial_trigger()
+        if self._blank and not self._pending[:release].strip():
+            return
+        self._emit_content(events, self._pending[:release])
+        self._blank = False
+        self._pending = self._pending[release:]
 
     def _step_header(self, events: list[StreamEvent]) -> None:
         m = _HEADER.match(self._pending)
@@ -125,8 +148,8 @@ class ToolCallStreamParser:
             self._state, self._depth, self._in_string, self._escaped = "arguments", 0, False, False
             self._held_ws = ""
         elif _CALL_END in self._pending or len(self._pending) > _MAX_HEADER_CHARS:
-            self._emit_content(events, CALL_TRIGGER)
-            self._state = "text"
+            self._emit_content(events, self._lead_ws + CALL_TRIGGER)
+            self._state, self._blank = "text", False
 
     def _step_arguments(self, events: list[StreamEvent]) -> None:
         out = []
@@ -163,9 +186,14 @@ class ToolCallStreamParser:
             self.calls[-1].complete = True
             events.append(ToolCallEnd(len(self.calls) - 1))
             self._pending = self._pending[at + len(_CALL_END):]
-            self._state = "text"
+            self._state, self._blank = "text", True
 
     # --- helpers ------------------------------------------------------------------------------
+
+    def _partial_trigger(self) -> int:
+        """Length of the longest tail of the pending text that is a proper prefix of the trigger."""
+        return next((n for n in range(min(len(CALL_TRIGGER) - 1, len(self._pending)), 0, -1)
+                     if CALL_TRIGGER.startswith(self._pending[-n:])), 0)
 
     def _emit_content(self, events: list[StreamEvent], text: str) -> None:
         if text:

@@ -12,7 +12,8 @@
  *
  * Numerics: flash-attention style online softmax in fp32 (running max m, running sum l,
  * unnormalised fp32 accumulator), so no [q, ctx] score matrix exists.  Scores are taken
- * in the base-2 domain (q.k * scale * log2 e, then 2^x), which is the same softmax.  For
+ * in the base-2 domain (q.k * scale * log2 e, then 2^x), which is the same softmax; m moves
+ * only when a score passes it by more than PA_LAZY (so weights stay below 2^8).  For
  * bf16, q.k uses vdpbf16ps where the CPU has it (bf16 products are exact in fp32, the sums
  * are fp32) and fp32 FMAs on the widened values otherwise; P.V is always fp32 (P is never
  * rounded to bf16).  A bf16 output is rounded once, to nearest even.
@@ -31,11 +32,34 @@
  * and the next chunk's rows are prefetched while the current one computes: K/V of all the
  * layers do not fit in cache, and waiting for them was the largest cost without this.
  *
- * Threads: work items run on cpu_gemv.c's pool (pg_parallel_for; both files build into
- * one .so).  When there are few items but long contexts (one sequence decoding), each
- * item's context is split (flash-decoding): the pieces return partial (m, l, acc) and
- * the caller merges them.  The split depends only on the shapes, never on the thread
- * count, so results are bitwise the same with any number of threads.
+ * Pieces and threads: a row's context is cut into pieces at fixed positions (PA_PIECE:
+ * [0, 256), [256, 512), ...); each piece runs its own online softmax from scratch, and the
+ * pieces' partial (m, l, acc) are folded in order by one function (fold_piece).  Work items
+ * run on cpu_gemv.c's pool (pg_parallel_for; both files build into one .so).  An item is
+ * a run of consecutive pieces of one row block; when there are few row blocks (one
+ * sequence decoding) their pieces are spread over several items (flash-decoding) and the
+ * caller folds the later items' pieces after the first item's.  That is scheduling only:
+ * the pieces and the fold are the same however the items fall.
+ *
+ * Batch invariance: a query row's output is bitwise the same whatever else is in the call
+ * -- other sequences, its place in the batch, the rows sharing its item, being a lone
+ * decode step (q_len 1, causal) or a draft-tree node / prefill token (mask_bits, or causal
+ * with q_len > 1) -- and whatever the thread count, for a given ISA tier and dtype.  So a
+ * tree node whose ancestors are exactly the chain before it gets the bits that a decode
+ * step with the same KV prefix gets, which a speculative decoder needs to reproduce
+ * non-speculative output exactly.  Why it holds: (1) the pieces are fixed positions and
+ * their fold a left fold in piece order, so how a call is split never shows; (2) a piece a
+ * row sees nothing of (past its last visible position: other rows of its tree need it)
+ * folds as nothing, and a position it does not see in a piece it does see adds exact zeros
+ * (P = 0 after the mask: l + 0, acc + 0 * V, V being finite); (3) the chunk grid is anchored at position 0
+ * in every piece; (4) each row's arithmetic is the same whatever its tile: the q.k kernels
+ * keep a fixed number of accumulator chains per row (PA_NA, or 2 on AVX2) for any number
+ * of rows per tile, an int8 K widened in registers or first into kt is summed in the same
+ * order, and the softmax, P.V and store are per row.  The cost: a softmax restart and a
+ * fold per 256 positions.  Restarting the running max per piece made it move more often
+ * (~10% more time for the rows of long prefill chunks); lazy rescaling (PA_LAZY) takes that
+ * back, and more: single-threaded, decode and draft trees run 0-10% faster than the old
+ * shape-dependent split, a 64-token chunk at 2k context within a few percent of it.
  *
  * KV dtypes: fp32 and bf16 caches have q's dtype; an int8 cache (any q dtype) holds
  * round(x / s) with one fp32 scale s = amax / 127 per (position, kv head), written by
@@ -61,38 +85,47 @@
 #include "cpu_bf16.h"
 #include "cpu_isa.h"
 #include "cpu_gemv.h"
+#include "cpu_attention.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PA_X86 1
 #endif
 
-#define PA_VERSION 3
 #define PA_CHUNK 16       /* context positions per step: one zmm of scores per query row */
 #define PA_MAX_ROWS 64    /* query rows per kv head (tokens x group) per item, at head_dim 64 */
 #define PA_ACC_FLOATS 16384  /* accumulators of an item (rows x head_dim over its kv heads) */
-/* Split a long context until there are about this many work items (2 threads: 4 each, so
- * uneven pieces or a worker that wakes late cost little), never below PA_MIN_SPLIT
- * positions per piece. */
+/* Context positions of one piece: pieces are [p * PA_PIECE, (p + 1) * PA_PIECE), the same
+ * for every call (batch invariance; a multiple of PA_CHUNK, so the chunk grid stays anchored
+ * at position 0).  Changing it changes results in the last bits. */
+#ifndef PA_PIECE
+#define PA_PIECE 256
+#endif
+/* When a call has fewer row blocks than this, their pieces are spread over about this many
+ * work items (2 threads: 4 each, so uneven items or a worker that wakes late cost little).
+ * Scheduling only: the numbers do not depend on it. */
 #ifndef PA_TARGET_ITEMS
 #define PA_TARGET_ITEMS 8
-#endif
-#ifndef PA_MIN_SPLIT
-#define PA_MIN_SPLIT 64
 #endif
 /* How far (context positions) the software prefetch runs ahead of the compute. */
 #ifndef PA_PF_POS
 #define PA_PF_POS 16
 #endif
+/* Lazy rescaling: a row's running max m moves only when a score exceeds it by more than this
+ * (base 2), so weights 2^(s - m) stay below 2^PA_LAZY -- far from overflowing fp32 -- and the
+ * max moves about once per piece instead of at every new record (each move is a horizontal
+ * max, an exp2f and a mispredicted branch). */
+#define PA_LAZY 8.f
+/* AVX-512 q.k tiles: at most PA_MR query rows, PA_NA accumulator chains per row. */
+#define PA_MR 6
+#define PA_NA 4
 
 enum { PA_EDIMS = 1, PA_ECU = 2, PA_ECTX = 3, PA_EBLOCK = 4, PA_EMASK = 5, PA_ENOMEM = 6,
        PA_ECUEND = 7 };
 /* pa_store_kv_i8's (same -(code + 8 * index) form, index a token). */
 enum { PS_EDIMS = 1, PS_ESLOT = 2 };
 
-/* Cache dtype code of an int8 cache with per-(position, kv head) scales (fp32 and bf16 caches
- * use DT_F32 / DT_BF16 of cpu_gemv.h). */
-#define PA_KV_I8 8
+/* PA_KV_I8 (cpu_attention.h): an int8 cache with per-(position, kv head) scales. */
 
 /* Below this much work (query rows x context positions, summed over items) the caller runs
  * alone: handing items to the pool costs about a microsecond. */
@@ -102,19 +135,8 @@ static int g_solo_work = 2048;
 /* Call arguments and work items                                              */
 /* ------------------------------------------------------------------------- */
 
-/* The call's arguments, packed by the Python wrapper into one buffer (one ctypes argument
- * instead of twenty: each costs ~70 ns and the op runs once per layer).  Keep in step with
- * _ARGS in cpu_attention.py. */
-typedef struct {
-    int64_t q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, out;
-    int64_t q_stride_tok, q_stride_head;  /* elements; head_dim is contiguous */
-    int64_t num_tokens, num_heads, head_dim, num_kv_heads, num_blocks, block_size;
-    int64_t num_seqs, max_blocks, num_words, dtype;
-    int64_t flags;                        /* PA_SOLO: run on the calling thread only */
-    int64_t k_scale, v_scale;             /* [num_blocks, block_size, num_kv_heads] fp32, int8 only */
-    int64_t kv_dtype;                     /* dtype (q's) or PA_KV_I8 */
-    double scale;
-} pa_args_t;
+/* pa_args_t (cpu_attention.h): the call's arguments, packed by the Python wrapper into one
+ * buffer.  Keep in step with _ARGS in cpu_attention.py. */
 
 /* The caller knows the pool's second core is taken (torch's own OpenMP worker spins there
  * during multi-threaded forwards): sharing it would leave the caller waiting for a worker
@@ -122,18 +144,21 @@ typedef struct {
 #define PA_SOLO 1
 
 /* Work item: query tokens [t0, t0 + nt) of sequence seq against kv heads [h0, h0 + nh)
- * (with their G query heads each) over context positions [c0, c1). */
+ * (with their G query heads each) over pieces [p0, p1) of the row block's context
+ * [0, end).  A row block is one item (all its pieces, part0 = -1: it writes the output) or
+ * several, whose partial results go to slots part0 + p and the caller folds them. */
 typedef struct {
     int32_t seq, h0, nh, t0, nt;
-    int32_t c0, c1;
-    int32_t part;      /* partial-result slot, or -1: write the output directly */
+    int32_t p0, p1, end;
+    int32_t part0;     /* the row block's first partial slot, or -1 */
     int64_t cost;      /* rows x positions, for scheduling */
 } pa_item_t;
 
-/* Pieces (consecutive partial slots) of one split item, merged by the caller. */
+/* A row block split over several items: slot part0 holds the fold of pieces [0, first)
+ * (the first item's), slots part0 + p for p in [first, npieces) one piece each. */
 typedef struct {
     int32_t seq, h0, nh, t0, nt;
-    int32_t part0, nparts;
+    int32_t part0, first, npieces;
 } pa_merge_t;
 
 typedef struct {
@@ -223,7 +248,9 @@ typedef struct {
     float *kt;       /* [D][16] transposed K chunk of one head (bf16 pairs: first D/2 rows) */
     float *vf;       /* [16][D] V chunk of one head widened to fp32 (bf16, many rows) */
     float *sp;       /* [RT][16] scores, then probabilities */
-    float *acc;      /* [RT][D] unnormalised outputs */
+    float *acc;      /* [RT][D] unnormalised outputs of the current piece */
+    float *fa;       /* [RT][D] fold of the item's finished pieces (fm, fl: its max, sum) */
+    float *fm, *fl;  /* [RT] */
     float *qf;       /* [RT][D] q rows in fp32 (paths that do not multiply bf16 directly) */
     float *m, *l, *corr;  /* [RT] running max (base 2), running sum, this chunk's rescale */
     float *lv;       /* [RT][16] running sums per lane (summed into l at the end) */
@@ -244,20 +271,21 @@ typedef struct {
 static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
 {
     const size_t D = (size_t)J->D;
-    /* the header, then twelve regions, each padded to a cache line */
-    const size_t sizes[12] = {
+    /* the header, then fifteen regions, each padded to a cache line */
+    const size_t sizes[15] = {
         sizeof(pa_ws_t), 16 * D * 4, 16 * D * 4, (size_t)RT * 16 * 4, (size_t)RT * D * 4,
         (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4, (size_t)RT * 4,
-        (size_t)nt * 4 + (size_t)RT * sizeof(void *), (size_t)RT * 16 * 4, 32 * 4};
+        (size_t)nt * 4 + (size_t)RT * sizeof(void *), (size_t)RT * 16 * 4, 32 * 4,
+        (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4};
     size_t bytes = 0;
-    for (int i = 0; i < 12; i++)
+    for (int i = 0; i < 15; i++)
         bytes += (sizes[i] + 63) & ~(size_t)63;
     char *p = (char *)tls_scratch(0, bytes);
     if (!p)
         return NULL;
     pa_ws_t *w = (pa_ws_t *)p;
-    void *region[12];
-    for (int i = 0; i < 12; i++) {
+    void *region[15];
+    for (int i = 0; i < 15; i++) {
         region[i] = p;
         p += (sizes[i] + 63) & ~(size_t)63;
     }
@@ -273,6 +301,9 @@ static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
     w->lv = (float *)region[10];
     w->ksc = (float *)region[11];
     w->vsc = w->ksc + 16;
+    w->fa = (float *)region[12];
+    w->fm = (float *)region[13];
+    w->fl = (float *)region[14];
     w->vis = (uint32_t *)(w->qrow + RT);
     return w;
 }
@@ -300,7 +331,7 @@ typedef float pvu __attribute__((vector_size(PA_VL * 4), aligned(4), may_alias))
 PA_VINLINE pvf pv_load(const float *p) { return *(const pvu *)p; }
 PA_VINLINE void pv_store(float *p, pvf v) { *(pvu *)p = v; }
 
-/* 2^x for x <= 0, as exp2_ps: x clamped at -126 (what should underflow to 0 gives ~1e-38
+/* 2^x for x <= PA_LAZY, as exp2_ps: x clamped at -126 (what should underflow to 0 gives ~1e-38
  * instead; next to the row's largest weight, 1, that is nothing, and masked lanes are zeroed
  * by the caller), rounding by the 1.5 * 2^23 trick, 2^n built in the exponent bits. */
 PA_VINLINE pvf exp2_pv(pvf x)
@@ -405,10 +436,10 @@ static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
         for (int t = 0; t < n; t++)
             if ((vis >> t & 1u) && s[t] > cm)
                 cm = s[t];
-        const float mo = w->m[r], mn = cm > mo ? cm : mo;
+        const float mo = w->m[r], mn = cm > mo + PA_LAZY ? cm : mo;
         if (mn == -INFINITY)
             continue;  /* nothing visible yet: acc and l stay 0 */
-        const float c = mn == mo ? 1.f : exp2f(mo - mn);
+        const float c = mn == mo ? 1.f : mo == -INFINITY ? 0.f : exp2f(mo - mn);
         float *lv = w->lv + (size_t)r * PA_CHUNK;
         for (int j = 0; j < PA_NV; j++) {
             const pvf p = (pvf)((pvi)exp2_pv(sv[j] - mn) & ((lane_bit[j] & (int32_t)vis) != 0));
@@ -457,7 +488,7 @@ static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
 
-/* 2^x for x <= 0 (lanes of -inf give 2^-150 = 0): 2^n * p(f), n = round(x), f in
+/* 2^x for x <= PA_LAZY (lanes of -inf give 2^-150 = 0): 2^n * p(f), n = round(x), f in
  * [-1/2, 1/2], p the degree-7 Taylor polynomial of e^(f ln 2) (error < 1e-8 relative). */
 static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x)
 {
@@ -568,31 +599,28 @@ static void widen_i8_words(const uint32_t *kw, int D, float *kt)
     }
 }
 
-/* Scores of MR query rows against the chunk: s[m] = sum_d q[m][d] * kt[d][:], fp32 q and
- * K.  NA accumulators per row keep enough independent FMA chains in flight. */
+/* Scores of MR <= 6 query rows against the chunk: s[m] = sum_d q[m][d] * kt[d][:], fp32 q
+ * and K.  PA_NA chains per row, the same for every MR (batch invariance: a row's sum must
+ * not depend on how many rows share its tile); 4 x 6 accumulators fit the 32 zmm. */
 static inline __attribute__((always_inline))
 void qk_f32_rows(const float *kt, int D, const void *const *qv, float *s, const int MR)
 {
-    const int NA = MR <= 2 ? 4 : MR <= 4 ? 3 : 2;
-    const float *q[8];
-    __m512 acc[8][4];
+    const int NA = PA_NA;
+    const float *q[PA_MR];
+    __m512 acc[PA_MR][PA_NA];
     for (int m = 0; m < MR; m++) {
         q[m] = (const float *)qv[m];
         for (int a = 0; a < NA; a++)
             acc[m][a] = _mm512_setzero_ps();
     }
-    int d = 0;
-    for (; d + NA <= D; d += NA)
+    /* D % 32 == 0 on this path: no remainder loop.  Chain a sums d = a (mod 4) in order,
+     * as qk_i8_rows does, so an int8 K widened first (widen_i8_words) gives the same bits. */
+    for (int d = 0; d < D; d += NA)
         for (int a = 0; a < NA; a++) {
             const __m512 kv = _mm512_load_ps(kt + (size_t)(d + a) * 16);
             for (int m = 0; m < MR; m++)
                 acc[m][a] = _mm512_fmadd_ps(kv, _mm512_set1_ps(q[m][d + a]), acc[m][a]);
         }
-    for (; d < D; d++) {
-        const __m512 kv = _mm512_load_ps(kt + (size_t)d * 16);
-        for (int m = 0; m < MR; m++)
-            acc[m][0] = _mm512_fmadd_ps(kv, _mm512_set1_ps(q[m][d]), acc[m][0]);
-    }
     for (int m = 0; m < MR; m++) {
         __m512 v = acc[m][0];
         for (int a = 1; a < NA; a++)
@@ -606,8 +634,8 @@ void qk_f32_rows(const float *kt, int D, const void *const *qv, float *s, const 
 static inline __attribute__((always_inline))
 void qk_bf16w_rows(const uint32_t *kt, int D, const void *const *qv, float *s, const int MR)
 {
-    const float *q[8];
-    __m512 acc[8][2];
+    const float *q[PA_MR];
+    __m512 acc[PA_MR][2];
     for (int m = 0; m < MR; m++) {
         q[m] = (const float *)qv[m];
         acc[m][0] = acc[m][1] = _mm512_setzero_ps();
@@ -624,15 +652,15 @@ void qk_bf16w_rows(const uint32_t *kt, int D, const void *const *qv, float *s, c
         _mm512_store_ps(s + m * 16, _mm512_add_ps(acc[m][0], acc[m][1]));
 }
 
-/* Scores of MR <= 8 fp32 q rows against int8 K words (kw[c][t], d = 4c .. 4c + 3), each
- * word widened in registers once for all MR rows: 4 values, 4 FMAs per row (chains: 4, 2
- * or 1 per row as MR grows, so that 8 or more are in flight). */
+/* Scores of MR <= 6 fp32 q rows against int8 K words (kw[c][t], d = 4c .. 4c + 3), each
+ * word widened in registers once for all MR rows: 4 values, 4 FMAs per row into PA_NA = 4
+ * chains (chain b sums d = b (mod 4), as qk_f32_rows: the same bits either way). */
 static inline __attribute__((always_inline))
 void qk_i8_rows(const uint32_t *kw, int D, const void *const *qv, float *s, const int MR)
 {
-    const int NA = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
-    const float *q[8];
-    __m512 acc[8][4];
+    const int NA = PA_NA;
+    const float *q[PA_MR];
+    __m512 acc[PA_MR][PA_NA];
     for (int m = 0; m < MR; m++) {
         q[m] = (const float *)qv[m];
         for (int a = 0; a < NA; a++)
@@ -660,20 +688,18 @@ void qk_i8_rows(const uint32_t *kw, int D, const void *const *qv, float *s, cons
     case 3: FN(__VA_ARGS__, 3); break;                \
     case 4: FN(__VA_ARGS__, 4); break;                \
     case 5: FN(__VA_ARGS__, 5); break;                \
-    case 6: FN(__VA_ARGS__, 6); break;                \
-    case 7: FN(__VA_ARGS__, 7); break;                \
-    default: FN(__VA_ARGS__, 8); break;               \
+    default: FN(__VA_ARGS__, 6); break;               \
     }
 
 static void qk_f32(const float *kt, int D, const void *const *q, float *s, int R)
 {
-    for (int r = 0; r < R; r += 8)
+    for (int r = 0; r < R; r += PA_MR)
         PA_ROWS_SWITCH(qk_f32_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
 }
 
 static void qk_bf16w(const uint32_t *kt, int D, const void *const *q, float *s, int R)
 {
-    for (int r = 0; r < R; r += 8)
+    for (int r = 0; r < R; r += PA_MR)
         PA_ROWS_SWITCH(qk_bf16w_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
 }
 
@@ -681,7 +707,8 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 
 static void qk_i8(const uint32_t *kw, int D, const void *const *q, float *s, int R)
 {
-    PA_ROWS_SWITCH(qk_i8_rows, R, kw, D, q, s)
+    for (int r = 0; r < R; r += PA_MR)
+        PA_ROWS_SWITCH(qk_i8_rows, R - r, kw, D, q + r, s + (size_t)r * 16)
 }
 
 /* Online-softmax update of rows [r0, r0 + RH) from their chunk scores (in place: scores
@@ -701,9 +728,10 @@ static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
             const __m512 s = _mm512_mul_ps(_mm512_load_ps(sp), vscl);
             const float mo = w->m[r];
             float mn = mo, c = 1.f;
-            if (_mm512_mask_cmp_ps_mask(vm, s, _mm512_set1_ps(mo), _CMP_GT_OQ)) {
+            if (_mm512_mask_cmp_ps_mask(vm, s, _mm512_set1_ps(mo + PA_LAZY), _CMP_GT_OQ)) {
                 mn = _mm512_mask_reduce_max_ps(vm, s);
-                c = exp2f(mo - mn);  /* 0 for the first visible scores (mo = -inf) */
+                /* 0 for the first visible scores of a piece (exp2f(-inf), without the call) */
+                c = mo == -INFINITY ? 0.f : exp2f(mo - mn);
             }
             w->corr[r] = c;
             if (mn == -INFINITY) {  /* nothing visible yet: P = 0, acc and l stay 0 */
@@ -931,31 +959,25 @@ static inline __attribute__((always_inline)) __m512 dp_bcast(__m512 acc, __m512b
 }
 
 /* bf16 q x bf16 K with vdpbf16ps: lane t of s[m] += q[2c] K[t][2c] + q[2c+1] K[t][2c+1],
- * the q pair broadcast as one 32-bit word.  NA accumulator chains per row. */
+ * the q pair broadcast as one 32-bit word.  PA_NA chains per row whatever MR (<= 6). */
 static inline __attribute__((always_inline))
 void qk_dp_rows(const uint32_t *kt, int D, const void *const *q, float *s, const int MR)
 {
-    const int NA = MR <= 2 ? 4 : MR <= 4 ? 3 : 2;
-    const int nw = D / 2;
-    __m512 acc[8][4];
-    const uint32_t *qw[8];
+    const int NA = PA_NA;
+    const int nw = D / 2;  /* a multiple of 16 */
+    __m512 acc[PA_MR][PA_NA];
+    const uint32_t *qw[PA_MR];
     for (int m = 0; m < MR; m++) {
         qw[m] = (const uint32_t *)q[m];
         for (int a = 0; a < NA; a++)
             acc[m][a] = _mm512_setzero_ps();
     }
-    int c = 0;
-    for (; c + NA <= nw; c += NA)
+    for (int c = 0; c < nw; c += NA)
         for (int a = 0; a < NA; a++) {
             const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kt + (size_t)(c + a) * 16));
             for (int m = 0; m < MR; m++)
                 acc[m][a] = dp_bcast(acc[m][a], kv, qw[m] + c + a);
         }
-    for (; c < nw; c++) {
-        const __m512bh kv = (__m512bh)_mm512_load_si512((const void *)(kt + (size_t)c * 16));
-        for (int m = 0; m < MR; m++)
-            acc[m][0] = dp_bcast(acc[m][0], kv, qw[m] + c);
-    }
     for (int m = 0; m < MR; m++) {
         __m512 v = acc[m][0];
         for (int a = 1; a < NA; a++)
@@ -966,7 +988,7 @@ void qk_dp_rows(const uint32_t *kt, int D, const void *const *q, float *s, const
 
 static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R)
 {
-    for (int r = 0; r < R; r += 8)
+    for (int r = 0; r < R; r += PA_MR)
         PA_ROWS_SWITCH(qk_dp_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
 }
 
@@ -988,9 +1010,9 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 
 #define PA_AI static inline __attribute__((always_inline))
 
-/* 2^x for x <= 0 on 8 lanes: x clamped at -127 (2^-127 and below come out as 0: the exponent
- * field is 0), n = round(x), f = x - n in [-1/2, 1/2], the polynomial of exp2_ps, then 2^n
- * put into the exponent bits. */
+/* 2^x for x <= PA_LAZY on 8 lanes: x clamped at -127 (2^-127 and below come out as 0: the
+ * exponent field is 0), n = round(x), f = x - n in [-1/2, 1/2], the polynomial of exp2_ps,
+ * then 2^n put into the exponent bits. */
 PA_AI __m256 exp2_ps8(__m256 x)
 {
     x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
@@ -1073,21 +1095,20 @@ static void transpose_chunk_avx2(const char *const rows[PA_CHUNK], size_t hoff, 
     }
 }
 
-/* Scores of MR <= 4 rows: s[m][0..16) = sum_d q[m][d] kt[d][:], fp32; NA chains per half
- * keep 8 or more independent FMAs in flight (two FMA pipes, 4-cycle latency) within the
- * 16 ymm registers. */
+/* Scores of MR <= 3 rows: s[m][0..16) = sum_d q[m][d] kt[d][:], fp32; 2 chains per half
+ * for every MR (batch invariance: a row's sums do not depend on its tile-mates), 12
+ * accumulators + 2 K vectors + a broadcast within the 16 ymm registers. */
 PA_AI void qk_rows_avx2(const float *kt, int D, const void *const *qv, float *s, const int MR)
 {
-    const int NA = MR == 1 ? 4 : MR <= 3 ? 2 : 1;
-    const float *q[4];
-    __m256 acc[4][4][2];
+    const int NA = 2;
+    const float *q[3];
+    __m256 acc[3][2][2];
     for (int m = 0; m < MR; m++) {
         q[m] = (const float *)qv[m];
         for (int a = 0; a < NA; a++)
             acc[m][a][0] = acc[m][a][1] = _mm256_setzero_ps();
     }
-    int d = 0;
-    for (; d + NA <= D; d += NA)
+    for (int d = 0; d < D; d += NA)  /* D % 32 == 0 */
         for (int a = 0; a < NA; a++) {
             const __m256 k0 = _mm256_load_ps(kt + (size_t)(d + a) * 16);
             const __m256 k1 = _mm256_load_ps(kt + (size_t)(d + a) * 16 + 8);
@@ -1097,15 +1118,6 @@ PA_AI void qk_rows_avx2(const float *kt, int D, const void *const *qv, float *s,
                 acc[m][a][1] = _mm256_fmadd_ps(k1, qb, acc[m][a][1]);
             }
         }
-    for (; d < D; d++) {
-        const __m256 k0 = _mm256_load_ps(kt + (size_t)d * 16);
-        const __m256 k1 = _mm256_load_ps(kt + (size_t)d * 16 + 8);
-        for (int m = 0; m < MR; m++) {
-            const __m256 qb = _mm256_broadcast_ss(q[m] + d);
-            acc[m][0][0] = _mm256_fmadd_ps(k0, qb, acc[m][0][0]);
-            acc[m][0][1] = _mm256_fmadd_ps(k1, qb, acc[m][0][1]);
-        }
-    }
     for (int m = 0; m < MR; m++) {
         __m256 v0 = acc[m][0][0], v1 = acc[m][0][1];
         for (int a = 1; a < NA; a++) {
@@ -1119,12 +1131,11 @@ PA_AI void qk_rows_avx2(const float *kt, int D, const void *const *qv, float *s,
 
 static void qk_avx2(const float *kt, int D, const void *const *q, float *s, int R)
 {
-    for (int r = 0; r < R; r += 4)
+    for (int r = 0; r < R; r += 3)
         switch (R - r) {
         case 1: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 1); break;
         case 2: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 2); break;
-        case 3: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 3); break;
-        default: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 4); break;
+        default: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 3); break;
         }
 }
 
@@ -1149,7 +1160,7 @@ static void softmax_avx2(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
             const __m256 s0 = _mm256_mul_ps(_mm256_load_ps(sp), sc0);
             const __m256 s1 = _mm256_mul_ps(_mm256_load_ps(sp + 8), sc1);
             const float mo = w->m[r];
-            const __m256 vmo = _mm256_set1_ps(mo);
+            const __m256 vmo = _mm256_set1_ps(mo + PA_LAZY);
             float mn = mo, c = 1.f;
             const int gt = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(s0, vmo, _CMP_GT_OQ), m0)) |
                            _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(s1, vmo, _CMP_GT_OQ), m1));
@@ -1159,7 +1170,8 @@ static void softmax_avx2(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
                 y = _mm_max_ps(y, _mm_movehl_ps(y, y));
                 y = _mm_max_ss(y, _mm_movehdup_ps(y));
                 mn = _mm_cvtss_f32(y);
-                c = exp2f(mo - mn);  /* 0 for the first visible scores (mo = -inf) */
+                /* 0 for the first visible scores of a piece (exp2f(-inf), without the call) */
+                c = mo == -INFINITY ? 0.f : exp2f(mo - mn);
             }
             w->corr[r] = c;
             if (mn == -INFINITY) {  /* nothing visible yet: P = 0, acc and l stay 0 */
@@ -1368,6 +1380,37 @@ static inline int prefetch_rows(const int32_t *bt, int bs, const char *kbase, co
     return n;
 }
 
+/* Fold one piece's partial result of a row (max m, sum l, unnormalised a[D]) into the
+ * running (M, L, F).  This is the only way pieces are combined, in an item and in the
+ * caller, and always in piece order, so a row's bits do not depend on which items its
+ * pieces ran in.  A piece that saw nothing (m = -inf) changes nothing -- so pieces past a
+ * row's last visible position, which other rows of a draft tree may need, leave it as a
+ * lone decode step gets it; the first piece that saw something is copied (what the general
+ * formula gives, with factors 0 and 1, but without relying on it).  Not inlined: one
+ * compiled body for both callers. */
+static __attribute__((noinline)) void fold_piece(float *M, float *L, float *F, float m, float l,
+                                                 const float *a, int D)
+{
+    if (m == -INFINITY)
+        return;
+    if (*M == -INFINITY) {
+        *M = m;
+        *L = l;
+        memcpy(F, a, (size_t)D * sizeof(float));
+        return;
+    }
+    /* The factor of the larger max is 2^0 = 1: one exp2f. */
+    float cf = 1.f, ca = 1.f;
+    if (m > *M)
+        cf = exp2f(*M - m);
+    else
+        ca = exp2f(m - *M);
+    for (int d = 0; d < D; d++)
+        F[d] = F[d] * cf + a[d] * ca;
+    *L = *L * cf + l * ca;
+    *M = m > *M ? m : *M;
+}
+
 static void run_item(const pa_job_t *J, const pa_item_t *it)
 {
     const int D = J->D, G = J->G, esz = J->esz;
@@ -1395,11 +1438,14 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         } else {
             w->qrow[r] = src;
         }
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.f;
+        w->fm[r] = -INFINITY;
+        w->fl[r] = 0.f;
     }
-    memset(w->acc, 0, (size_t)RT * D * sizeof(float));
-    memset(w->lv, 0, (size_t)RT * 16 * sizeof(float));
+    /* The fold of this item's pieces: kept when it writes the output or is its row block's
+     * first item; a later item of a split row block writes each piece to its own slot. */
+    const int folds = it->part0 < 0 || it->p0 == 0;
+    if (folds)
+        memset(w->fa, 0, (size_t)RT * D * sizeof(float));
 
     const int32_t *bt = J->bt + (size_t)it->seq * J->MB;
     const size_t row_stride = (size_t)J->KVH * D * J->kesz;  /* bytes between positions */
@@ -1407,77 +1453,100 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
     const size_t span = (size_t)it->nh * head_bytes;        /* the item's heads, per position */
     const char *kbase = J->k + (size_t)it->h0 * head_bytes;
     const char *vbase = J->v + (size_t)it->h0 * head_bytes;
-    /* A prefetch cursor runs PA_PF_POS positions ahead of the compute: the item's first
-     * PA_PF_POS positions are requested at once, later chunks line by line (pa_pf_t). */
+    const int cs = it->p0 * PA_PIECE;
+    const int ce = (int64_t)it->p1 * PA_PIECE < it->end ? it->p1 * PA_PIECE : it->end;
+    /* A prefetch cursor runs PA_PF_POS positions ahead of the compute, across the item's
+     * pieces: its first PA_PF_POS positions are requested at once, later chunks line by line
+     * (pa_pf_t). */
     const char *krow[PA_CHUNK], *vrow[PA_CHUNK];
     size_t slots[PA_CHUNK], pf_slots[PA_CHUNK];
     const int i8 = J->kvdt == PA_KV_I8;
     pa_pf_t pf;
-    int blk = it->c0 / J->BS, off = it->c0 % J->BS;
-    int pf_blk = blk, pf_off = off, pf_pos = it->c0;
-    for (int ahead = 0; ahead < PA_PF_POS && pf_pos < it->c1; ahead += PA_CHUNK)
-        pf_pos += prefetch_rows(bt, J->BS, kbase, vbase, row_stride, span, it->c1 - pf_pos,
+    int blk = cs / J->BS, off = cs % J->BS;
+    int pf_blk = blk, pf_off = off, pf_pos = cs;
+    for (int ahead = 0; ahead < PA_PF_POS && pf_pos < ce; ahead += PA_CHUNK)
+        pf_pos += prefetch_rows(bt, J->BS, kbase, vbase, row_stride, span, ce - pf_pos,
                                 &pf_blk, &pf_off);
-    for (int pos0 = it->c0; pos0 < it->c1; pos0 += PA_CHUNK) {
-        const int n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, it->c1 - pos0, &blk, &off,
-                                 krow, vrow, slots);
-        pf.n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, it->c1 - pf_pos, &pf_blk, &pf_off,
-                          pf.k, pf.v, pf_slots);
-        pf_pos += pf.n;
-        if (i8) {
-            /* The prefetch chunk's scales: a line holds 64 / (4 KVH) positions' worth. */
-            uintptr_t last = 0;
-            for (int t = 0; t < pf.n; t++) {
-                const float *ka = J->ks + pf_slots[t] * J->KVH + it->h0;
-                if (((uintptr_t)ka >> 6) != last) {
-                    last = (uintptr_t)ka >> 6;
-                    __builtin_prefetch(ka);
-                    __builtin_prefetch(J->vs + pf_slots[t] * J->KVH + it->h0);
+    for (int piece = it->p0; piece < it->p1; piece++) {
+        const int c0 = piece * PA_PIECE;
+        const int c1 = (int64_t)c0 + PA_PIECE < it->end ? c0 + PA_PIECE : it->end;
+        /* Each piece starts afresh: its (m, l, acc) are then the same whatever item, call or
+         * neighbours it has. */
+        for (int r = 0; r < RT; r++)
+            w->m[r] = -INFINITY;
+        memset(w->acc, 0, (size_t)RT * D * sizeof(float));
+        memset(w->lv, 0, (size_t)RT * 16 * sizeof(float));
+        for (int pos0 = c0; pos0 < c1; pos0 += PA_CHUNK) {
+            const int n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, c1 - pos0, &blk, &off,
+                                     krow, vrow, slots);
+            pf.n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, ce - pf_pos, &pf_blk, &pf_off,
+                              pf.k, pf.v, pf_slots);
+            pf_pos += pf.n;
+            if (i8) {
+                /* The prefetch chunk's scales: a line holds 64 / (4 KVH) positions' worth. */
+                uintptr_t last = 0;
+                for (int t = 0; t < pf.n; t++) {
+                    const float *ka = J->ks + pf_slots[t] * J->KVH + it->h0;
+                    if (((uintptr_t)ka >> 6) != last) {
+                        last = (uintptr_t)ka >> 6;
+                        __builtin_prefetch(ka);
+                        __builtin_prefetch(J->vs + pf_slots[t] * J->KVH + it->h0);
+                    }
                 }
+            }
+            for (int i = 0; i < it->nt; i++)
+                w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
+            for (int hi = 0; hi < it->nh; hi++) {
+                if (i8) {
+                    /* This head's scales of the chunk's positions; lanes past n are masked. */
+                    const int h = it->h0 + hi;
+                    for (int t = 0; t < PA_CHUNK; t++) {
+                        w->ksc[t] = t < n ? J->ks[slots[t] * J->KVH + h] * J->scl : 0.f;
+                        w->vsc[t] = t < n ? J->vs[slots[t] * J->KVH + h] : 0.f;
+                    }
+                }
+#ifdef PA_X86
+                if (J->isa >= ISA_AVX512) {
+                    head_avx512(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
+                    continue;
+                }
+                if (J->isa == ISA_AVX2) {
+                    head_avx2(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
+                    continue;
+                }
+#endif
+                head_portable(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes);
             }
         }
-        for (int i = 0; i < it->nt; i++)
-            w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
-        for (int hi = 0; hi < it->nh; hi++) {
-            if (i8) {
-                /* This head's scales of the chunk's positions; lanes past n are masked. */
-                const int h = it->h0 + hi;
-                for (int t = 0; t < PA_CHUNK; t++) {
-                    w->ksc[t] = t < n ? J->ks[slots[t] * J->KVH + h] * J->scl : 0.f;
-                    w->vsc[t] = t < n ? J->vs[slots[t] * J->KVH + h] : 0.f;
-                }
-            }
-#ifdef PA_X86
-            if (J->isa >= ISA_AVX512) {
-                head_avx512(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
-                continue;
-            }
-            if (J->isa == ISA_AVX2) {
-                head_avx2(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes, &pf);
-                continue;
-            }
-#endif
-            head_portable(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes);
+        for (int r = 0; r < RT; r++) {
+            float sum = 0.f;
+            for (int i = 0; i < 16; i++)
+                sum += w->lv[(size_t)r * 16 + i];
+            w->l[r] = sum;
+        }
+        if (folds) {
+            for (int r = 0; r < RT; r++)
+                fold_piece(w->fm + r, w->fl + r, w->fa + (size_t)r * D, w->m[r], w->l[r],
+                           w->acc + (size_t)r * D, D);
+        } else {
+            float *p = J->partials + (size_t)(it->part0 + piece) * J->part_stride;
+            memcpy(p, w->acc, (size_t)RT * D * sizeof(float));
+            memcpy(p + (size_t)RT * D, w->m, (size_t)RT * sizeof(float));
+            memcpy(p + (size_t)RT * D + RT, w->l, (size_t)RT * sizeof(float));
         }
     }
 
-    for (int r = 0; r < RT; r++) {
-        float sum = 0.f;
-        for (int i = 0; i < 16; i++)
-            sum += w->lv[(size_t)r * 16 + i];
-        w->l[r] = sum;
-    }
-    if (it->part < 0) {
+    if (it->part0 < 0) {
         for (int r = 0; r < RT; r++)
             /* A row that saw no position at all (only possible with a mask row that has no
              * bits and an empty prefix) gets zeros rather than 0/0. */
-            store_row(J, out_row(J, tok0, it->h0, RH, r), w->acc + (size_t)r * D,
-                      w->l[r] > 0.f ? 1.f / w->l[r] : 0.f);
-    } else {
-        float *p = J->partials + (size_t)it->part * J->part_stride;
-        memcpy(p, w->acc, (size_t)RT * D * sizeof(float));
-        memcpy(p + (size_t)RT * D, w->m, (size_t)RT * sizeof(float));
-        memcpy(p + (size_t)RT * D + RT, w->l, (size_t)RT * sizeof(float));
+            store_row(J, out_row(J, tok0, it->h0, RH, r), w->fa + (size_t)r * D,
+                      w->fl[r] > 0.f ? 1.f / w->fl[r] : 0.f);
+    } else if (it->p0 == 0) {
+        float *p = J->partials + (size_t)it->part0 * J->part_stride;
+        memcpy(p, w->fa, (size_t)RT * D * sizeof(float));
+        memcpy(p + (size_t)RT * D, w->fm, (size_t)RT * sizeof(float));
+        memcpy(p + (size_t)RT * D + RT, w->fl, (size_t)RT * sizeof(float));
     }
 }
 
@@ -1488,33 +1557,20 @@ static void run_items(const void *ctx, int i0, int i1)
         run_item(J, &J->items[i]);
 }
 
-/* Combine the pieces of a split item: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. */
+/* Finish a row block split over items: continue its first item's fold (slot part0) with the
+ * later pieces, one slot each, in order -- the very fold_piece calls an unsplit item makes. */
 static void merge_parts(const pa_job_t *J, const pa_merge_t *g, float *tmp)
 {
     const int D = J->D, RH = g->nt * J->G, RT = g->nh * RH;
     const int tok0 = J->cu[g->seq] + g->t0;
+    const float *first = J->partials + (size_t)g->part0 * J->part_stride;
     for (int r = 0; r < RT; r++) {
-        float M = -INFINITY;
-        for (int s = 0; s < g->nparts; s++) {
-            const float *p = J->partials + (size_t)(g->part0 + s) * J->part_stride;
-            const float ms = p[(size_t)RT * D + r];
-            M = ms > M ? ms : M;
-        }
-        for (int d = 0; d < D; d++)
-            tmp[d] = 0.f;
-        float L = 0.f;
-        if (M != -INFINITY) {
-            for (int s = 0; s < g->nparts; s++) {
-                const float *p = J->partials + (size_t)(g->part0 + s) * J->part_stride;
-                const float ms = p[(size_t)RT * D + r];
-                if (ms == -INFINITY)
-                    continue;
-                const float wgt = exp2f(ms - M);
-                L += wgt * p[(size_t)RT * D + RT + r];
-                const float *a = p + (size_t)r * D;
-                for (int d = 0; d < D; d++)
-                    tmp[d] += wgt * a[d];
-            }
+        float M = first[(size_t)RT * D + r], L = first[(size_t)RT * D + RT + r];
+        memcpy(tmp, first + (size_t)r * D, (size_t)D * sizeof(float));
+        for (int p = g->first; p < g->npieces; p++) {
+            const float *ps = J->partials + (size_t)(g->part0 + p) * J->part_stride;
+            fold_piece(&M, &L, tmp, ps[(size_t)RT * D + r], ps[(size_t)RT * D + RT + r],
+                       ps + (size_t)r * D, D);
         }
         store_row(J, out_row(J, tok0, g->h0, RH, r), tmp, L > 0.f ? 1.f / L : 0.f);
     }
@@ -1536,7 +1592,7 @@ static int cmp_cost_desc(const void *a, const void *b)
         return x->t0 < y->t0 ? -1 : 1;
     if (x->h0 != y->h0)
         return x->h0 < y->h0 ? -1 : 1;
-    return x->c0 < y->c0 ? -1 : (x->c0 > y->c0);
+    return x->p0 < y->p0 ? -1 : (x->p0 > y->p0);
 }
 
 /* The last new token (0-based, -1 if none) that any query token of [t0, t1) of sequence s
@@ -1651,6 +1707,8 @@ int pa_tree_attention(const pa_args_t *a)
     }
     if (nbase > INT32_MAX / 64)
         return pa_err(PA_EDIMS, 0);
+    /* Few row blocks (one sequence decoding): spread each one's pieces over several items.
+     * This only schedules; the pieces and their fold are the same either way. */
     const int want = nbase < PA_TARGET_ITEMS ? (int)((PA_TARGET_ITEMS + nbase - 1) / nbase) : 1;
 
     /* Pass 1 counts items and partial slots, pass 2 fills them in. */
@@ -1672,28 +1730,29 @@ int pa_tree_attention(const pa_args_t *a)
                 const int t0 = (int)((int64_t)qlen * b / nblk);
                 const int t1 = (int)((int64_t)qlen * (b + 1) / nblk);
                 const int end = prefix + last_visible(&J, s, qlen, t0, t1) + 1;
-                int splits = want < end / PA_MIN_SPLIT ? want : end / PA_MIN_SPLIT;
-                if (splits < 1)
-                    splits = 1;
+                const int npieces = end > 0 ? (end + PA_PIECE - 1) / PA_PIECE : 1;
+                const int nsplit = want < npieces ? want : npieces;
                 for (int gi = 0; gi < ngrp; gi++) {
                     const int h0 = (int)(KVH * gi / ngrp), h1 = (int)(KVH * (gi + 1) / ngrp);
                     const int rows = (t1 - t0) * G * (h1 - h0);
-                    if (splits > 1 && pass == 1)
-                        groups[ngroups] = (pa_merge_t){s, h0, h1 - h0, t0, t1 - t0, nparts, splits};
-                    for (int p = 0; p < splits; p++) {
-                        /* Piece boundaries on multiples of the chunk. */
-                        const int c0 = (int)(((int64_t)end * p / splits) & ~(int64_t)(PA_CHUNK - 1));
-                        const int c1 = p + 1 == splits ? end
-                                     : (int)(((int64_t)end * (p + 1) / splits) & ~(int64_t)(PA_CHUNK - 1));
+                    if (nsplit > 1 && pass == 1)
+                        groups[ngroups] = (pa_merge_t){s, h0, h1 - h0, t0, t1 - t0, nparts,
+                                                       npieces / nsplit, npieces};
+                    for (int k = 0; k < nsplit; k++) {
+                        /* Even runs of pieces (32 over 8 items: 4 each). */
+                        const int p0 = (int)((int64_t)npieces * k / nsplit);
+                        const int p1 = (int)((int64_t)npieces * (k + 1) / nsplit);
+                        const int c0 = p0 * PA_PIECE;
+                        const int c1 = (int64_t)p1 * PA_PIECE < end ? p1 * PA_PIECE : end;
                         if (pass == 1)
-                            items[nitems] = (pa_item_t){s, h0, h1 - h0, t0, t1 - t0, c0, c1,
-                                                        splits > 1 ? nparts + p : -1,
+                            items[nitems] = (pa_item_t){s, h0, h1 - h0, t0, t1 - t0, p0, p1, end,
+                                                        nsplit > 1 ? nparts : -1,
                                                         (int64_t)(c1 - c0 + PA_CHUNK) * rows};
                         nitems++;
                         total += (int64_t)(c1 - c0) * rows;
                     }
-                    if (splits > 1) {
-                        nparts += splits;
+                    if (nsplit > 1) {
+                        nparts += npieces;
                         ngroups++;
                     }
                 }
@@ -1731,13 +1790,8 @@ int pa_tree_attention(const pa_args_t *a)
 /* Writing new K/V rows into an int8 cache                                    */
 /* ------------------------------------------------------------------------- */
 
-/* pa_store_kv_i8's arguments, one buffer as for pa_tree_attention (_STORE_ARGS in
- * cpu_attention.py). */
-typedef struct {
-    int64_t k, v, k_cache, v_cache, k_scale, v_scale, slots;
-    int64_t k_stride_tok, k_stride_head, v_stride_tok, v_stride_head;  /* elements */
-    int64_t num_tokens, num_kv_heads, head_dim, num_slots, dtype;      /* dtype of k and v */
-} pa_store_args_t;
+/* pa_store_args_t (cpu_attention.h): pa_store_kv_i8's arguments, one buffer as for
+ * pa_tree_attention (_STORE_ARGS in cpu_attention.py). */
 
 /* One head's row: scale = amax / 127, dst = round(x / scale) (to nearest even, as torch.round)
  * clamped to [-127, 127]; an all-zero row gets scale 0 and zeros.  Written like

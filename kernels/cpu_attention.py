@@ -13,9 +13,12 @@ Numerics: fp32 online softmax and fp32 accumulation; bf16 q.k products are exact
 (vdpbf16ps or widened FMAs), P.V is fp32, a bf16 output is rounded once to nearest even.  An
 int8 cache is widened exactly; its K scale multiplies the q.k sums, its V scale the softmax
 weights, so the result is the reference's on the dequantized cache up to fp32 rounding.
-The work is split over the pool the same way whatever the thread count, so results do not
-depend on it.  One difference from the reference: a query row that sees no position at all
-(possible only with an all-zero mask_bits row and no prefix) gets zeros, not NaN.
+Batch invariant (per ISA tier and dtype): a query row's output bits depend on its q, the
+positions it sees and their K/V only -- not on the other rows, sequences or thread count of the
+call (fixed context pieces, one fold, per-row arithmetic; see cpu_attention.c), so a draft-tree
+node gets the bits of the plain decode step over the same prefix.  One difference from the
+reference: a query row that sees no position at all (possible only with an all-zero mask_bits
+row and no prefix) gets zeros, not NaN.
 
 Threads: the pool of cpu_linear (caller + 1 worker by default; ``cpu_linear.set_num_threads``
 or ``PRESCIENT_GEMV_THREADS`` size it for both kernels).  Small calls run on the caller only,

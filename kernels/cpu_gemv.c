@@ -655,9 +655,12 @@ void emit_tile_ymm(const job_t *j, __m256 acc[8][4], int n, int m0, const int MR
 static const int32_t g_lanes8[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* One 8-column step of a tile: the NR weight vectors wv times MR x vectors, into
- * accumulator rows A..A+MR-1.  At MR = 1 the steps alternate between two accumulator sets
- * (A = 0, 1; summed in PG_YMM_FOLD): 4 rows alone are 4 FMA chains, which at FMA latency 4
- * cap a cache-resident M = 1 at one FMA per cycle. */
+ * accumulator rows A..A+MR-1.  Every tile shape accumulates a row in the same order (one
+ * chain per (input, weight row), 8-column steps in K order, one horizontal sum), so a row's
+ * result is bit-identical whatever M and tile it runs in: batch invariance (a decode row alone,
+ * in a batch or in a verify tree gets the same bits).  This gives up a second accumulator set
+ * at M = 1 (4 FMA chains cap a cache-resident M = 1 at one FMA per cycle); DRAM-streamed
+ * weights are bandwidth-bound well below that. */
 #define PG_YMM_STEP(XLOAD, A)                                                            \
     do {                                                                                 \
         for (int r = 0; r < NR; r++)                                                     \
@@ -669,15 +672,10 @@ static const int32_t g_lanes8[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0,
                 acc[m + (A)][r] = _mm256_fmadd_ps(wv[r], xv, acc[m + (A)][r]);           \
         }                                                                                \
     } while (0)
-#define PG_YMM_SETS (MR == 1 ? 2 : 1)
 #define PG_YMM_INIT                                                                      \
-    for (int m = 0; m < MR * PG_YMM_SETS; m++)                                           \
+    for (int m = 0; m < MR; m++)                                                         \
         for (int r = 0; r < NR; r++)                                                     \
             acc[m][r] = _mm256_setzero_ps()
-#define PG_YMM_FOLD                                                                      \
-    if (MR == 1)                                                                         \
-        for (int r = 0; r < NR; r++)                                                     \
-            acc[0][r] = _mm256_add_ps(acc[0][r], acc[1][r])
 
 /* fp32 weights, fp32 x: a 64-byte line (16 floats, two steps) of each row per iteration. */
 static inline __attribute__((always_inline))
@@ -693,7 +691,7 @@ void tile2_f32(const job_t *j, const float *w, const float *x, int n, int m0,
         for (int h = 0; h < 16; h += 8) {
             for (int r = 0; r < NR; r++)
                 wv[r] = _mm256_loadu_ps(w + (size_t)r * K + k + h);
-            PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k + h), PG_YMM_SETS == 2 ? (h >> 3) & 1 : 0);
+            PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k + h), 0);
         }
     }
     if (k + 8 <= K) {
@@ -709,7 +707,6 @@ void tile2_f32(const job_t *j, const float *w, const float *x, int n, int m0,
             wv[r] = _mm256_maskload_ps(w + (size_t)r * K + k, mk);
         PG_YMM_STEP(_mm256_maskload_ps(x + (size_t)m * K + k, mk), 0);
     }
-    PG_YMM_FOLD;
     emit_tile_ymm(j, acc, n, m0, MR, NR);
 }
 
@@ -734,7 +731,7 @@ void tile2_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m
         for (int h = 0; h < 32; h += 8) {
             for (int r = 0; r < NR; r++)
                 wv[r] = bf16x8_to_f32_ymm(w + (size_t)r * K + k + h);
-            PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k + h), PG_YMM_SETS == 2 ? (h >> 3) & 1 : 0);
+            PG_YMM_STEP(_mm256_loadu_ps(x + (size_t)m * K + k + h), 0);
         }
     }
     for (; k + 8 <= K; k += 8) {
@@ -753,7 +750,6 @@ void tile2_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m
         }
         PG_YMM_STEP(_mm256_maskload_ps(x + (size_t)m * K + k, mk), 0);
     }
-    PG_YMM_FOLD;
     emit_tile_ymm(j, acc, n, m0, MR, NR);
 }
 

@@ -1,6 +1,6 @@
 /*
  * cpu_layer.c -- one decoder layer of a Llama-family model (Llama, SmolLM2, Qwen2) in one
- * native call, for decode- and verify-sized batches (T <= PG_MAX_M tokens).
+ * native call, for decode- and verify-sized batches (T <= PL_MAX_T tokens).
  *
  * Role: the CPU twin of the layer loop of runtime/model.py (LlamaModel.forward), called by
  * kernels/cpu_layer.py.  There a decode step makes ~30 torch ops per layer; at batch 1 each
@@ -40,8 +40,15 @@
 
 #include "cpu_bf16.h"
 #include "cpu_gemv.h"
+#include "cpu_attention.h"
 
-#define PL_VERSION 1
+#define PL_VERSION 3
+
+/* Most tokens of one call.  The linears run PG_MAX_M rows at a time (the GEMV kernels' M
+ * bound): every kernel on this path gives a row the same bits whatever the call's M, so a
+ * decode row computes alike alone, in a batch of decodes or beside a verify tree (batch
+ * invariance; runtime/batch.py sends every decode/verify-sized sequence here). */
+#define PL_MAX_T 64
 
 /* Keep in step with _Step in cpu_layer.py.  What one forward shares across its layers:
  * shapes, the tokens' RoPE rows and KV slots, the attention's batch metadata, h and the
@@ -67,26 +74,14 @@ typedef struct {
     const void *attn_norm, *mlp_norm;  /* [hidden] model dtype */
     const void *qkv_bias;              /* [qkv_out] model dtype or NULL: added after the
                                           linear's rounding, as runtime/linear.py does */
-    void *k_cache, *v_cache;           /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    void *k_cache, *v_cache;           /* [num_blocks, block_size, num_kv_heads, head_dim]:
+                                          the model dtype, or int8 with... */
+    float *k_scale, *v_scale;          /* ...these [num_blocks, block_size, num_kv_heads]
+                                          scales (--kv-dtype int8); NULL for a float cache */
 } pl_layer_args;
 
-/* Mirror of pa_args_t in cpu_attention.c (the attention kernel's one argument), version
- * PL_PA_VERSION of that file; the two must stay field for field identical, and cpu_layer.py
- * refuses to run against another pa_version(). */
-#define PL_PA_VERSION 3
-typedef struct {
-    int64_t q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, mask_bits, out;
-    int64_t q_stride_tok, q_stride_head;
-    int64_t num_tokens, num_heads, head_dim, num_kv_heads, num_blocks, block_size;
-    int64_t num_seqs, max_blocks, num_words, dtype;
-    int64_t flags;
-    int64_t k_scale, v_scale;  /* int8 caches only: 0 here, the caches have the model dtype */
-    int64_t kv_dtype;
-    double scale;
-} pa_args_t;
-
-int pa_tree_attention(const pa_args_t *a);
-int pa_version(void);
+/* pa_args_t, pa_store_args_t and the attention entry points: cpu_attention.h. */
+#define PL_PA_VERSION PA_VERSION
 
 /* Errors of this file are positive; the attention kernel's are negative and passed on. */
 enum { PL_EARGS = 1, PL_ESLOT = 2, PL_ELINEAR = 3, PL_ENOMEM = 4 };
@@ -328,6 +323,19 @@ static int store_kv(const pl_step_t *s, const pl_layer_args *a, const char *qkv,
     const size_t row = (size_t)(s->num_heads + 2 * s->num_kv_heads) * D;
     const int64_t *slots = (const int64_t *)(intptr_t)s->slot_mapping;
     const int64_t nslots = s->num_blocks * s->block_size;
+    if (a->k_scale) {  /* int8 cache: quantized per (token, kv head) as ops.store_kv does */
+        const pa_store_args_t st = {
+            .k = (int64_t)(intptr_t)(qkv + (size_t)s->num_heads * D * esz),
+            .v = (int64_t)(intptr_t)(qkv + ((size_t)s->num_heads * D + kv) * esz),
+            .k_cache = (int64_t)(intptr_t)a->k_cache, .v_cache = (int64_t)(intptr_t)a->v_cache,
+            .k_scale = (int64_t)(intptr_t)a->k_scale, .v_scale = (int64_t)(intptr_t)a->v_scale,
+            .slots = s->slot_mapping, .k_stride_tok = (int64_t)row, .k_stride_head = (int64_t)D,
+            .v_stride_tok = (int64_t)row, .v_stride_head = (int64_t)D, .num_tokens = T,
+            .num_kv_heads = s->num_kv_heads, .head_dim = s->head_dim, .num_slots = nslots,
+            .dtype = s->dtype};
+        const int rc = pa_store_kv_i8(&st);
+        return rc == 0 ? 0 : (-rc) % 8 == 2 ? PL_ESLOT : PL_EARGS;
+    }
     for (int t = 0; t < T; t++) {
         const int64_t slot = slots[t];
         if (slot < 0)
@@ -460,6 +468,8 @@ void pl_profile(int on, int64_t *out)
 
 int pl_version(void) { return PL_VERSION; }
 
+int pl_max_tokens(void) { return PL_MAX_T; }
+
 /* sizeof(pl_step_t) (0) and sizeof(pl_layer_args) (1): cpu_layer.py checks its mirrors. */
 int64_t pl_struct_bytes(int which) { return which ? (int64_t)sizeof(pl_layer_args) : (int64_t)sizeof(pl_step_t); }
 
@@ -476,7 +486,7 @@ int pl_layer(const pl_layer_args *a)
 {
     const pl_step_t *s = a->step;
     const int T = (int)s->T, dt = (int)s->dtype;
-    if (T < 1 || T > PG_MAX_M || (dt != DT_F32 && dt != DT_BF16) || s->head_dim % 2 ||
+    if (T < 1 || T > PL_MAX_T || (dt != DT_F32 && dt != DT_BF16) || s->head_dim % 2 ||
         s->head_dim > 512 || s->hidden < 1 || s->inter < 1 || s->num_kv_heads < 1 ||
         s->num_heads % s->num_kv_heads || !s->scratch || s->sum_lanes < 1 ||
         s->sum_lanes > PL_MAX_LANES)
@@ -493,11 +503,16 @@ int pl_layer(const pl_layer_args *a)
     const int prof = g_prof;
     int64_t t = prof ? now_ns() : 0;
     int rc;
+    const size_t esz = dt == DT_F32 ? 4 : 2;
+    /* PG_MAX_M rows a call; rows are independent, so the chunks change no bits */
 #define PL_LINEAR(w, x, y) \
     do { \
         PL_LAP(PL_GLUE); \
-        if ((rc = pg_linear_w((w), (x), (y), T, dt))) \
-            return rc == -2 ? PL_ENOMEM : PL_ELINEAR; \
+        for (int r0 = 0; r0 < T; r0 += PG_MAX_M) { \
+            const int m = T - r0 < PG_MAX_M ? T - r0 : PG_MAX_M; \
+            if ((rc = pg_linear_w((w), (x) + (size_t)r0 * (w)->K * esz, (y) + (size_t)r0 * (w)->N * esz, m, dt))) \
+                return rc == -2 ? PL_ENOMEM : PL_ELINEAR; \
+        } \
         PL_LAP(PL_GEMV); \
     } while (0)
 
@@ -517,7 +532,9 @@ int pl_layer(const pl_layer_args *a)
         .num_tokens = T, .num_heads = H, .head_dim = D, .num_kv_heads = KVH,
         .num_blocks = s->num_blocks, .block_size = s->block_size, .num_seqs = s->num_seqs,
         .max_blocks = s->max_blocks, .num_words = s->num_words, .dtype = dt,
-        .flags = s->attn_flags, .k_scale = 0, .v_scale = 0, .kv_dtype = dt, .scale = s->scale};
+        .flags = s->attn_flags, .k_scale = (int64_t)(intptr_t)a->k_scale,
+        .v_scale = (int64_t)(intptr_t)a->v_scale, .kv_dtype = a->k_scale ? PA_KV_I8 : dt,
+        .scale = s->scale};
     PL_LAP(PL_GLUE);
     if ((rc = pa_tree_attention(&pa)))
         return rc;
@@ -540,7 +557,7 @@ int pl_layer(const pl_layer_args *a)
  * points).  0, or PL_EARGS for a row outside [0, T). */
 int pl_final_norm(const pl_step_t *s, const void *w, const int64_t *rows, int n, void *out)
 {
-    if (n < 0 || s->T < 1 || s->T > PG_MAX_M || !s->scratch || s->sum_lanes < 1 ||
+    if (n < 0 || s->T < 1 || s->T > PL_MAX_T || !s->scratch || s->sum_lanes < 1 ||
         s->sum_lanes > PL_MAX_LANES || (s->dtype != DT_F32 && s->dtype != DT_BF16))
         return PL_EARGS;
     pl_bufs_t b;

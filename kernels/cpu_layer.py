@@ -9,7 +9,10 @@ torch ops' roundings between them, so a bf16 model's results are the torch path'
 (an fp32 model's differ by an ulp here and there: SiLU's exp, see cpu_layer.c).
 
     fused = fused_layers(model, kv_caches)   # None: use the torch loop (see why_not())
-    h = fused.forward(h, batch, cos, sin)    # h [T, hidden], T <= 16, updated in place
+    h = fused.forward(h, batch, cos, sin)    # h [T, hidden], T <= MAX_T, updated in place
+
+The KV cache is of the model dtype or int8 with per-(token, kv head) scales (``--kv-dtype int8``:
+new rows quantized by the same pa_store_kv_i8 as ops.store_kv).
 
 ``fused_layers`` is the model's hook (LlamaModel.forward): it builds a ``FusedLayers`` once per
 (model layers, KV cache) and hands it back on later steps.  Environment:
@@ -38,7 +41,10 @@ log = logging.getLogger(__name__)
 
 ENV = "PRESCIENT_FUSED_LAYERS"
 _OFF = ("0", "false", "off")
-_C_VERSION = 1  # must match PL_VERSION in cpu_layer.c
+_C_VERSION = 3  # must match PL_VERSION in cpu_layer.c
+#: most tokens of one native forward (PL_MAX_T in cpu_layer.c): LlamaModel.forward takes this path
+#: for every batch of decode/verify-sized sequences up to it (runtime/batch.py plans them)
+MAX_T = 64
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _I32 = torch.int64, torch.int32
 _torch_threads = torch.get_num_threads
@@ -69,7 +75,7 @@ class _LayerArgs(ctypes.Structure):
     """Mirror of pl_layer_args (cpu_layer.c): one layer's weights and KV cache, and its step."""
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "step", "qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias",
-        "k_cache", "v_cache")]
+        "k_cache", "v_cache", "k_scale", "v_scale")]
 
 
 def _bind() -> None:
@@ -82,25 +88,21 @@ def _bind() -> None:
     if not cpu_attention.available():
         _why_not = f"the C attention kernel is unavailable ({cpu_attention.why_not()})"
         return
-    lib.pl_version.restype = ctypes.c_int
-    lib.pl_version.argtypes = []
-    if lib.pl_version() != _C_VERSION:
-        _why_not = f"cpu_layer.c version {lib.pl_version()}, expected {_C_VERSION}"
-        log.warning("prescient cpu_layer: %s", _why_not)
-        return
-    lib.pl_pa_version.restype = lib.pa_version.restype = ctypes.c_int
-    lib.pl_pa_version.argtypes = lib.pa_version.argtypes = []
-    if lib.pl_pa_version() != lib.pa_version():
-        _why_not = (f"cpu_layer.c mirrors pa_args_t of cpu_attention.c version {lib.pl_pa_version()}, "
-                    f"the library has {lib.pa_version()}")
-        log.warning("prescient cpu_layer: %s", _why_not)
-        return
+    for fn in (lib.pl_version, lib.pl_pa_version, lib.pa_version, lib.pl_max_tokens):
+        fn.restype, fn.argtypes = ctypes.c_int, []
     lib.pl_struct_bytes.argtypes = [ctypes.c_int]
     lib.pl_struct_bytes.restype = ctypes.c_int64
-    if (lib.pl_struct_bytes(0), lib.pl_struct_bytes(1)) != (ctypes.sizeof(_Step), ctypes.sizeof(_LayerArgs)):
-        _why_not = "cpu_layer.c's structs and their mirrors here differ in size"
-        log.warning("prescient cpu_layer: %s", _why_not)
-        return
+    # the build must be the one this wrapper was written against: (what it has, what is expected, why)
+    for got, want, what in (
+            (lib.pl_version(), _C_VERSION, "cpu_layer.c version"),
+            (lib.pl_pa_version(), lib.pa_version(), "the pa_args_t version cpu_layer.c was built with (cpu_attention.h)"),
+            (lib.pl_max_tokens(), MAX_T, "cpu_layer.c's tokens per call"),
+            ((lib.pl_struct_bytes(0), lib.pl_struct_bytes(1)), (ctypes.sizeof(_Step), ctypes.sizeof(_LayerArgs)),
+             "the sizes of cpu_layer.c's structs (mirrored here)")):
+        if got != want:
+            _why_not = f"{what} is {got}, expected {want}"
+            log.warning("prescient cpu_layer: %s", _why_not)
+            return
     lib.pl_layer.argtypes = [ctypes.c_void_p]
     lib.pl_layer.restype = ctypes.c_int
     lib.pl_layers.argtypes = [ctypes.c_void_p, ctypes.c_int]
@@ -226,7 +228,7 @@ class FusedLayers:
                      head_dim=D, inter=cfg.intermediate_size, dtype=_DT[dtype], num_blocks=shape[0],
                      block_size=shape[1], sum_lanes=torch_sum_lanes(cfg.hidden_size),
                      eps=float(cfg.rms_norm_eps), scale=float(model.scale))
-        nbytes = _scratch_fn(ctypes.byref(step), cpu_linear.MAX_M)
+        nbytes = _scratch_fn(ctypes.byref(step), MAX_T)
         raw = torch.empty(nbytes + 64, dtype=torch.uint8)
         step.scratch = raw.data_ptr() + (-raw.data_ptr() % 64)
         self._scratch = raw
@@ -253,11 +255,18 @@ class FusedLayers:
         args = (_LayerArgs * n)()
         self._kv_refs = []
         keep = []  # Python objects whose memory the structs point into
-        for i, (layer, (k, v)) in enumerate(zip(layers, kv_caches)):
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            k, v = kv[0], kv[1]
+            # an int8 cache (runtime/kv_layer.KVLayer) carries fp32 scales [blocks, block_size, kv heads]
+            k_scale, v_scale = getattr(kv, "k_scale", None), getattr(kv, "v_scale", None)
+            cdt = torch.int8 if k_scale is not None else dtype
             for c in (k, v):
-                if c.dtype is not dtype or tuple(c.shape) != shape or not c.is_contiguous() or not c.is_cpu:
-                    raise ValueError(f"layer {i} KV cache must be contiguous {dtype} {shape} on the CPU, "
+                if c.dtype is not cdt or tuple(c.shape) != shape or not c.is_contiguous() or not c.is_cpu:
+                    raise ValueError(f"layer {i} KV cache must be contiguous {cdt} {shape} on the CPU, "
                                      f"got {c.dtype} {tuple(c.shape)}")
+            for c in (k_scale, v_scale) if k_scale is not None else ():
+                if c.dtype is not torch.float32 or tuple(c.shape) != shape[:3] or not c.is_contiguous():
+                    raise ValueError(f"layer {i} KV scales must be contiguous float32 {shape[:3]}")
             a = args[i]
             a.step = ctypes.addressof(step)
             a.qkv, a.o = desc(layer.qkv, "qkv", i), desc(layer.o, "o", i)
@@ -266,6 +275,8 @@ class FusedLayers:
             a.mlp_norm = vec(layer.mlp_norm, "mlp_norm", i, cfg.hidden_size)
             a.qkv_bias = vec(_bias_after(layer.qkv, a.qkv, i), "qkv bias", i, nqkv)
             a.k_cache, a.v_cache = k.data_ptr(), v.data_ptr()
+            if k_scale is not None:
+                a.k_scale, a.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
             keep.append((layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed))
             # weak: a FusedLayers cached on the model must not keep a dropped KV cache alive
             self._kv_refs.append((weakref.ref(k), weakref.ref(v)))
@@ -293,15 +304,15 @@ class FusedLayers:
 
     def forward(self, h: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Every layer on h (the embeddings) -> h after the last layer, in place.
-        h: [T, hidden] contiguous, the model dtype, T <= 16; batch: the ForwardBatch (its
+        h: [T, hidden] contiguous, the model dtype, T <= MAX_T; batch: the ForwardBatch (its
         slot_mapping, block_tables, context_lens, cu_seqlens_q, mask_bits); cos, sin:
         [T, 1, head_dim] or [T, head_dim] contiguous (Rope.tables of batch.positions).
         The KV cache must be the one this object was built on and still alive (bound_to)."""
         dtype = self.dtype
         T = h.shape[0]
-        if (h.dtype is not dtype or h.dim() != 2 or h.shape[1] != self._hidden or not 1 <= T <= cpu_linear.MAX_M
+        if (h.dtype is not dtype or h.dim() != 2 or h.shape[1] != self._hidden or not 1 <= T <= MAX_T
                 or not h.is_contiguous() or not h.is_cpu):
-            raise ValueError(f"h must be a contiguous [1..{cpu_linear.MAX_M}, {self._hidden}] {dtype} CPU tensor, "
+            raise ValueError(f"h must be a contiguous [1..{MAX_T}, {self._hidden}] {dtype} CPU tensor, "
                              f"got {h.dtype} {tuple(h.shape)}")
         D = self._head_dim
         for t in (cos, sin):

@@ -77,7 +77,7 @@ MAX_M = 16
 _SRC = Path(__file__).with_name("cpu_gemv.c")
 # Every C source of the .so (one library, one thread pool): all are hashed and compiled.
 _SOURCES = (_SRC, *(Path(__file__).with_name(f) for f in ("cpu_attention.c", "cpu_qgemv.c", "cpu_qgemv_k.c", "cpu_layer.c")))
-_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_bf16.h", "cpu_isa.h", "cpu_gemv.h", "cpu_qgemv.h"))  # hashed, not compiled
+_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_bf16.h", "cpu_isa.h", "cpu_gemv.h", "cpu_qgemv.h", "cpu_attention.h"))  # hashed, not compiled
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 #: ISA tiers (kernels/cpu_isa.h), lowest first; PRESCIENT_ISA=<name> caps the tier in use.
 _ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}

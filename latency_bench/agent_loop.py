@@ -6,6 +6,10 @@ turn continues the same conversation with the same session id. An agent starts i
 as soon as one completes (closed loop: the offered load follows the service rate). A completed
 session is a settled agent task; its cost is reported as CPU-seconds (process time of this
 process, the engine thread included) per task.
+
+This free-text loop is the in-process load shape of `prescient bench`'s load phases. The agent
+benchmark proper (`tools` + `tool_choice`, a tool simulator, settlement rules, servers and the
+peer) is `prescient bench --agents`: tool_agents.py, agent_bench.py.
 """
 
 from __future__ import annotations

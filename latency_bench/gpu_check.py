@@ -15,6 +15,11 @@ Sections, in order (`default_sections`; each one's code in latency_bench/gpu_sec
    with n-gram speculation, plus sampled decoding. Tolerance: at the first token where speculative
    greedy output leaves the plain one, its logit gap to the plain argmax <= 0.1 in bf16 (1e-3 in
    float32); 0 when the outputs are identical.
+Later: slo (gpu_sections_slo): 32 concurrent multi-turn agents on the 135M model and an
+   8B-shaped random Llama, greedy and sampled; TTFT p50/p99 and per-emission ITL p99 against the
+   seed SLO (200 ms / 25 ms), reported, no tolerance. tensor_parallel (gpu_sections_tp): TP=2 over two GPUs (NCCL)
+   against TP=1, logits and decode ms/token; skipped with a line saying so below two GPUs.
+   Tolerance: relative logit error <= 5e-2 in bf16.
 
 Nothing measured is lost: the JSON ($OUT/gpu_check.json, or --out) is rewritten atomically (temp
 file + os.replace) when the check starts, after every section and at checkpoints inside the long
@@ -478,6 +483,8 @@ def default_sections(args, cuda: bool, alias: str | None) -> list[Section]:
     from prescient.latency_bench import gpu_sections_attention as attention
     from prescient.latency_bench import gpu_sections_decode as decode
     from prescient.latency_bench import gpu_sections_kernels as kernels
+    from prescient.latency_bench import gpu_sections_slo as slo
+    from prescient.latency_bench import gpu_sections_tp as tensor_parallel
 
     smoke = args.cpu_smoke
     device = torch.device("cuda" if cuda and not smoke else "cpu")
@@ -514,6 +521,17 @@ def default_sections(args, cuda: bool, alias: str | None) -> list[Section]:
                 metric="logit gap at the first greedy divergence (speculative vs plain)",
                 tolerance=decode.TOLERANCE[dtype_name], budget_s=180.0, min_s=20.0, needs_cuda=not smoke,
                 render=decode.render),
+        Section("slo", "Seed SLOs under 32 concurrent agents (TTFT <= 200 ms, ITL p99 <= 25 ms)",
+                run=lambda ctx: slo.run(ctx, device, dtype, slo.default_models(device, dtype, smoke),
+                                        **(dict(agents=4, turns=2, prefix_len=32, user_len=8, turn_tokens=8,
+                                                tool_tokens=8, kv_cache_bytes=8 << 20) if smoke else {})),
+                budget_s=120.0, min_s=30.0, needs_cuda=not smoke, render=slo.render),
+        Section("tensor_parallel", "Tensor parallel TP=2 vs TP=1 (two GPUs, NCCL)",
+                run=lambda ctx: tensor_parallel.run(ctx, dtype, device.type,
+                                                    **(dict(config=decode.tiny_config(), prompt_len=32,
+                                                            new_tokens=8) if smoke else {})),
+                metric="max |logits TP=2 - TP=1| / max |logits|", tolerance=tensor_parallel.TOLERANCE[dtype_name],
+                budget_s=120.0, min_s=30.0, needs_cuda=not smoke, render=tensor_parallel.render),
     ]
 
 
@@ -532,10 +550,15 @@ def _parse_args(argv):
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per decode run (default 256; 24 with --cpu-smoke)")
     p.add_argument("--out", "--json", dest="out", default=None,
                    help="JSON path (default: $OUT/gpu_check.json when OUT is set)")
-    p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole check: sections that would start later are skipped ('time limit')")
+    # the sections' budgets add up to 690 s with two GPUs (570 s with one: the TP section skips);
+    # the default keeps the whole check inside 10 minutes either way
+    p.add_argument("--time-limit", type=float, default=570.0,
+                   help="seconds for the whole check (default 570): sections that would start later are skipped "
+                   "('time limit')")
     p.add_argument("--budget", action="append", default=[], metavar="NAME=SECONDS",
-                   help="a section's own time budget (kernel_tests 150, tree_attention 120, decode 180); repeatable")
+                   help="a section's own time budget (kernel_tests 150, tree_attention 120, decode 180, slo 120, "
+                   "tensor_parallel 120); "
+                   "repeatable")
     args = p.parse_args(argv)
     budgets = {}
     for item in args.budget:

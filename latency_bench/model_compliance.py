@@ -43,7 +43,8 @@ from prescient.build import EngineSpec, build_engine
 from prescient.runtime.engine import Engine
 from prescient.runtime.sampling_params import SamplingParams
 
-FILES = ("Glaiveai2K.jsonl", "Github_trivial.jsonl", "Github_easy.jsonl")
+FILES = ("Glaiveai2K.jsonl", "Github_trivial.jsonl", "Github_easy.jsonl", "Github_medium.jsonl",
+         "Github_hard.jsonl")
 SYSTEM = "You answer with one JSON value that follows this JSON schema:\n"
 USER = "Write a realistic example instance of the schema. Reply with the JSON only."
 
@@ -79,9 +80,16 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
     compile_s: list[float] = []
     unsatisfiable: list[str] = []  # proved by grammar/schema/lower.py: no instance validates
     pending: list[tuple[dict, object]] = []  # (row, PendingGrammar)
+    narrowed_ids: set[str] = set()
+    narrowed_by_rule: dict[str, int] = {}
     for row in rows:
+        rules: list[str] = []
         try:
-            compiler.prepare_schema(row["schema"])
+            compiler.prepare_schema(row["schema"], narrowed=rules)
+            if rules:
+                narrowed_ids.add(row["id"])
+                for rule in rules:
+                    narrowed_by_rule[rule] = narrowed_by_rule.get(rule, 0) + 1
         except GrammarError as err:
             refused[err.feature] = refused.get(err.feature, 0) + 1
             if err.feature == "unsatisfiable":
@@ -97,7 +105,8 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
         compile_s.append(compiled.compile_s)
         pending.append((row, compiled))
 
-    outcomes: dict[str, list] = {"valid": [], "invalid": [], "oneof_overlap": [], "unfinished": []}
+    outcomes: dict[str, list] = {"valid": [], "invalid": [], "oneof_overlap": [], "unfinished": [],
+                                 "engine_error": []}
     in_flight: dict[str, tuple[dict, object]] = {}
     queue = list(pending)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0, **penalties)
@@ -112,8 +121,8 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
                 continue
             row, request = in_flight.pop(out.request_id)
             text = engine.tokenizer.decode(request.output_token_ids)
-            if out.error:
-                outcomes["invalid"].append({"id": row["id"], "error": f"engine: {out.error}", "output": text[:300]})
+            if out.error:  # the engine ended it (overload, ...): no output for the grammar to answer for
+                outcomes["engine_error"].append({"id": row["id"], "error": f"engine: {out.error}"})
             elif request.finish_reason == "length":
                 outcomes["unfinished"].append({"id": row["id"], "tokens": len(request.output_token_ids)})
             else:
@@ -135,10 +144,17 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
         "compile_errors": len(compile_errors),
         "compile_error_examples": compile_errors[:5],
         "compiled": compiled_n,
+        # exact: the lowered schema means the original; narrowed: a narrowing rule ran
+        "narrowed": sum(1 for row, _ in pending if row["id"] in narrowed_ids),
+        "exact": sum(1 for row, _ in pending if row["id"] not in narrowed_ids),
+        "narrowed_by_rule": dict(sorted(narrowed_by_rule.items(), key=lambda kv: -kv[1])),
+        "valid_narrowed": sum(1 for o in outcomes["valid"] if o["id"] in narrowed_ids),
         "declared_coverage": compiled_n / n if n else None,
         "valid": valid,
         "invalid": len(outcomes["invalid"]),
         "unfinished": len(outcomes["unfinished"]),
+        "engine_errors": len(outcomes["engine_error"]),
+        "engine_error_examples": outcomes["engine_error"][:5],
         "unsatisfiable_oneof": overlap,
         "empirical_coverage": valid / n if n else None,
         "unsatisfiable_refused": len(unsatisfiable),
@@ -166,20 +182,25 @@ def mask_figures(engine: Engine, step_seconds: float) -> dict:
 
 def markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"max_tokens {cfg['max_tokens']}, temperature {cfg['temperature']}, presence / frequency penalty "
+    lines = [f"Model {cfg.get('model', 'the default')} ({cfg['dtype']}), "
+             f"max_tokens {cfg['max_tokens']}, temperature {cfg['temperature']}, presence / frequency penalty "
              f"{cfg['presence_penalty']} / {cfg['frequency_penalty']}, speculation "
              f"{cfg['speculate']}, {cfg['concurrency']} requests at a time, {report['seconds']:.0f} s.", "",
              "| file | schemas | refused | of them unsatisfiable | compile errors | declared coverage "
-             "| valid | invalid | unfinished | oneOf overlap | empirical coverage "
+             "| exact / narrowed | valid | invalid | unfinished | oneOf overlap | empirical coverage "
              "| empirical coverage (satisfiable) | compliance | compliance (satisfiable) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
     for name, r in report["files"].items():
         lines.append(f"| {name} | {r['schemas']} | {r['refused']} | {r.get('unsatisfiable_refused', 0)} "
-                     f"| {r['compile_errors']} | {pct(r['declared_coverage'])} | {r['valid']} | {r['invalid']} "
+                     f"| {r['compile_errors']} | {pct(r['declared_coverage'])} "
+                     f"| {r.get('exact', '-')} / {r.get('narrowed', '-')} | {r['valid']} | {r['invalid']} "
                      f"| {r['unfinished']} | {r['unsatisfiable_oneof']} | {pct(r['empirical_coverage'])} "
                      f"| {pct(r.get('empirical_coverage_satisfiable'))} | {pct(r['compliance'])} "
                      f"| {pct(r['compliance_satisfiable'])} |")
+    errors = {name: r.get("engine_errors", 0) for name, r in report["files"].items() if r.get("engine_errors")}
+    if errors:  # ended by the engine (overload, ...): neither valid nor a grammar's fault
+        lines += ["", "Engine errors (not counted as invalid): " + ", ".join(f"{k} {v}" for k, v in errors.items())]
     m = report.get("mask", {})
     if m:
         lines += ["", f"Mask fill per row: p50 {m['mask_us_per_row_p50']:.0f} µs, p99 {m['mask_us_per_row_p99']:.0f} µs; "
@@ -209,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {"config": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                          "speculate": args.speculate, "concurrency": args.concurrency, "limit": args.limit,
                          "dtype": args.dtype, "presence_penalty": args.presence_penalty,
-                         "frequency_penalty": args.frequency_penalty}, "files": {}}
+                         "frequency_penalty": args.frequency_penalty,
+                         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (the default)"}, "files": {}}
     start = time.perf_counter()
     step_seconds = 0.0
     for name in args.files.split(","):

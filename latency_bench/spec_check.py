@@ -1,7 +1,12 @@
 """Quick check, outside the full report: batch-1 greedy decode tok/s of the default model and
-the n-gram speculation speedup per workload kind, plain and speculative interleaved per prompt.
+the speculation speedup per workload kind, plain and speculative interleaved per prompt.
 
     .venv/bin/python -m prescient.latency_bench.spec_check [--dtype bfloat16]
+    .venv/bin/python -m prescient.latency_bench.spec_check --speculate draft --weights bfloat16
+        --draft-model self-int4,self-int8,early-exit --kinds chat --repeats 2 [--force-draft]
+
+Several drafts are each interleaved with plain decoding, prompt by prompt (a shared machine's
+load then hits every mode alike; the ratios are still noisy).
 
 Prints the measured verify-cost table, per-kind decode tok/s (tokens after the first / time
 after the first), the speedup, the mean accepted length, and the greedy match rate of the
@@ -12,6 +17,7 @@ speculative outputs against the plain ones (in bf16 a k-token verify rounds diff
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from prescient.latency_bench.workloads import load_workloads
 from prescient.build import EngineSpec, build_engine, load_model
@@ -21,45 +27,73 @@ from prescient.runtime.sampling_params import SamplingParams
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--weights", default="native", help="the target's weights mode (EngineSpec.weights)")
+    parser.add_argument("--speculate", default="ngram", choices=("ngram", "draft"))
+    parser.add_argument("--draft-model", default=None,
+                        help="for --speculate draft (EngineSpec.draft_model); comma-separated: several drafts, "
+                        "each interleaved with plain decoding; 'early-exit' = none given")
+    parser.add_argument("--force-draft", action="store_true", help="measure a draft the gate refuses")
+    parser.add_argument("--kinds", default=None, help="comma-separated workload kinds (default: all)")
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the workloads")
+    parser.add_argument("--calibrate", default="now", choices=("now", "fresh"),
+                        help="the speculators' cost tables (and a draft's acceptance): cached or measured now")
     args = parser.parse_args(argv)
-    loaded = load_model(EngineSpec(dtype=args.dtype))
-    plain = build_engine(EngineSpec(dtype=args.dtype, speculate="off"), loaded)
-    spec = build_engine(EngineSpec(dtype=args.dtype, speculate="ngram", calibrate="now"), loaded)
+    base = EngineSpec(dtype=args.dtype, weights=args.weights)
+    loaded = load_model(base)
+    plain = build_engine(dataclasses.replace(base, speculate="off"), loaded)
+    drafts = [None] if args.speculate == "ngram" or args.draft_model is None else [
+        None if d == "early-exit" else d for d in args.draft_model.split(",")]
+    engines = {}
+    for draft in drafts:
+        name = args.speculate if args.speculate == "ngram" else (draft or "early-exit")
+        spec = dataclasses.replace(base, speculate=args.speculate, draft_model=draft, force_draft=args.force_draft,
+                                   calibrate=args.calibrate)
+        engines[name] = build_engine(spec, loaded)
     import numpy as np
 
     from prescient.speculative.verify_cost import LONG_CONTEXT, SHORT_CONTEXT
 
-    for context in (SHORT_CONTEXT, LONG_CONTEXT):
-        sizes = (1, 2, 4, 8, 16, 32)
-        costs = spec.speculator.adaptive.cost_many(np.array(sizes), context)
-        print(f"verify cost at {context} cached tokens:", {t: round(float(c), 2) for t, c in zip(sizes, costs)}, flush=True)
+    for name, spec in engines.items():
+        for context in (SHORT_CONTEXT, LONG_CONTEXT):
+            sizes = (1, 2, 4, 8, 16, 32)
+            costs = spec.speculator.adaptive.cost_many(np.array(sizes), context)
+            print(f"{name}: verify cost at {context} cached tokens:",
+                  {t: round(float(c), 2) for t, c in zip(sizes, costs)}, flush=True)
     totals: dict[tuple[str, str], list[float]] = {}
     workloads, _ = load_workloads()
-    identical, matched, total = 0, 0, 0
+    if args.kinds:
+        workloads = [w for w in workloads if w.kind in args.kinds.split(",")]
+    workloads = workloads * args.repeats
+    match = {name: [0, 0, 0] for name in engines}  # identical outputs, tokens before divergence, plain tokens
     for w in workloads:
         ids = plain.tokenizer.apply_chat_template(list(w.messages))
-        kind = w.kind
-        outputs = []
-        for engine, name in ((plain, "plain"), (spec, "ngram")):
+        outputs = {}
+        for name, engine in (("plain", plain), *engines.items()):
             r = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=w.max_tokens))
             while engine.has_unfinished_requests():
                 engine.step()
-            outputs.append(r.output_token_ids)
-            acc = totals.setdefault((kind, name), [0, 0.0])
+            outputs[name] = r.output_token_ids
+            acc = totals.setdefault((w.kind, name), [0, 0.0])
             acc[0] += len(r.output_token_ids) - 1
             acc[1] += r.finished_time - r.first_token_time
-        a, b = outputs
-        identical += a == b
-        matched += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        total += len(a)
+        a = outputs["plain"]
+        for name in engines:
+            b = outputs[name]
+            m = match[name]
+            m[0] += a == b
+            m[1] += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            m[2] += len(a)
     for kind in sorted({k for k, _ in totals}):
-        rate = {name: totals[(kind, name)][0] / totals[(kind, name)][1] for name in ("plain", "ngram")}
-        print(f"{kind}: plain {rate['plain']:.1f} tok/s, ngram {rate['ngram']:.1f} tok/s, "
-              f"speedup {rate['ngram'] / rate['plain']:.2f}x", flush=True)
-    stats = spec.speculator.stats
-    print(f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.2f}")
-    print(f"greedy match ({args.dtype}): {identical}/{len(workloads)} outputs identical, "
-          f"{matched}/{total} plain tokens before the first divergence")
+        rate = {name: totals[(kind, name)][0] / totals[(kind, name)][1] for name in ("plain", *engines)}
+        print(f"{kind}: plain {rate['plain']:.1f} tok/s, " + ", ".join(
+            f"{name} {rate[name]:.1f} tok/s (speedup {rate[name] / rate['plain']:.2f}x)" for name in engines),
+            flush=True)
+    for name, spec in engines.items():
+        stats = spec.speculator.stats
+        identical, matched, total = match[name]
+        print(f"{name}: mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.2f}; "
+              f"greedy match ({args.dtype}): {identical}/{len(workloads)} outputs identical, "
+              f"{matched}/{total} plain tokens before the first divergence")
     return 0
 
 

@@ -41,7 +41,10 @@ class EngineSpec:
     quantize: str | None = None  # int8 (q8_0) | int4 (q4_1): a float checkpoint's linears, at load
     device: str = "cpu"
     speculate: str = "ngram"
-    draft_model: str | None = None  # for speculate="draft"; None = layer-truncated target
+    # for speculate="draft": a checkpoint path, self-int4 / self-int8 (the target's own weights
+    # quantized at load), None = layer-truncated target
+    draft_model: str | None = None
+    force_draft: bool = False  # start a draft that speculative/draft_gate.py judges cannot pay
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     kv_cache_gb: float = 1.0
@@ -53,6 +56,8 @@ class EngineSpec:
     calibrate: str = "idle"
     weights_cache: bool = True  # memory-map converted GGUF weights from the user's cache
     progress: bool = True  # stage progress on stderr
+    # tensor-parallel ranks (runtime/tp_worker.py): rank 0 is this process, the others are spawned
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +76,8 @@ class EngineSpec:
             raise ValueError(f"kv_dtype must be 'auto' or 'int8', got {self.kv_dtype!r}")
         import torch
 
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
         kind = self.device.split(":")[0]
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
@@ -129,9 +136,16 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     with stage(f"loading {spec.model or 'the default model'} ({flags}, --dtype {spec.dtype})", spec.progress):
         files = load_model_files(spec.model, spec.dtype, spec.weights_cache, spec.progress,
                                  weights=spec.weights, quantize=spec.quantize)
-        model = LlamaModel(files.config, files.weights, dtype=DTYPES[spec.dtype], device=spec.device,
-                           weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],
-                           weights_mode=weights_label(spec))
+        kwargs = dict(dtype=DTYPES[spec.dtype], weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],
+                      weights_mode=weights_label(spec))
+        if spec.tp > 1:  # rank 0's shard; the workers load their own (the cache just written, mapped)
+            from prescient.runtime.tp_worker import CheckpointSource, launch
+
+            source = CheckpointSource(spec.model, spec.dtype, spec.weights_cache, spec.weights, spec.quantize)
+            model = launch(source, spec.tp, kwargs, device=spec.device, rank0_weights=(files.config, files.weights),
+                           progress=spec.progress)
+        else:
+            model = LlamaModel(files.config, files.weights, device=spec.device, **kwargs)
     if spec.progress:
         print(f"prescient: {memory_line(model, spec.kv_dtype)}", file=sys.stderr, flush=True)
     if spec.device == "cpu":
@@ -151,6 +165,21 @@ def memory_line(model: LlamaModel, kv_dtype: str = "auto") -> str:
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB; "
             f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
+
+
+def _draft_config(spec: EngineSpec, loaded: LoadedModel):
+    """The draft proposer's config: a self-quantized copy built from the target's own weights
+    (read again from the converted-weights cache), else draft_model.draft_config_for's."""
+    from prescient.speculative.draft_model import (SELF_DRAFTS, DraftModelConfig, draft_config_for,
+                                                   self_quantized_draft)
+
+    if spec.draft_model not in SELF_DRAFTS:
+        return draft_config_for(loaded.model, loaded.tokenizer, spec.draft_model)
+    files = load_model_files(spec.model, spec.dtype, spec.weights_cache, False, weights=spec.weights,
+                             quantize=spec.quantize)
+    with stage(f"quantizing the target into its {spec.draft_model} draft", spec.progress):
+        draft = self_quantized_draft(loaded.model, files.weights, spec.draft_model)
+    return DraftModelConfig(draft_model=draft, target_model=loaded.model)
 
 
 def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: EngineConfig | None = None) -> Engine:
@@ -180,9 +209,20 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
         # a draft model is named by its path (it is loaded uncached, speculative/draft_model.py)
         key = None if loaded.identity is None else cache_key(
             f"{loaded.identity}|{spec.draft_model}", spec.speculate, block_size, spec.device)
+        draft_config = _draft_config(spec, loaded) if spec.speculate == "draft" else None
         speculator = make_speculator(loaded.model, block_size, spec.speculate, spec.draft_model, loaded.tokenizer,
                                      calibrate="off" if spec.calibrate == "off" else "idle", cache_key=key,
-                                     use_cache=spec.calibrate != "fresh")
+                                     use_cache=spec.calibrate != "fresh", proposer_config=draft_config)
+        if draft_config is not None and spec.calibrate != "off":
+            from prescient.speculative.draft_gate import check_draft_pays
+            from prescient.speculative.draft_model import draft_label
+
+            with stage("checking that the draft pays (cached for later starts)", spec.progress):
+                verdict = check_draft_pays(speculator, loaded.model, draft_label(draft_config, spec.draft_model),
+                                           loaded.tokenizer, loaded.eos_token_ids, key, force=spec.force_draft,
+                                           use_cache=spec.calibrate != "fresh")
+            if spec.progress:
+                print(f"prescient: {verdict.describe()}", file=sys.stderr, flush=True)
         if spec.calibrate in ("now", "fresh") and speculator.calibration is not None:
             with stage("measuring the verify cost (cached for later starts)", spec.progress):
                 while speculator.idle_work():

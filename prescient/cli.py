@@ -46,8 +46,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculate", default=SPEC.speculate, choices=SPECULATE,
                    help="speculative decoding proposer: ngram (n-gram / suffix index over the prompt "
                    "and the session), draft (a draft model), off")
-    p.add_argument("--draft-model", default=None, help="draft model path for --speculate draft; unset = a "
-                   "layer-truncated copy of the target")
+    p.add_argument("--draft-model", default=None, help="the draft for --speculate draft: a checkpoint path "
+                   "sharing the target's tokenizer; self-int4 / self-int8 = the target's own full depth with "
+                   "its linears quantized at load to Q4_1 / Q8_0 (and its LM head to Q8_0): for a float target "
+                   "(--weights bfloat16), refused for one already held in blocks as small; unset = the "
+                   "target's first quarter of layers (early exit). Every draft is lossless (the target "
+                   "verifies each token); one whose acceptance and cost, measured at its first start and "
+                   "cached, give no speedup over plain decoding refuses to start, naming its figures")
+    p.add_argument("--force-draft", action="store_true",
+                   help="start --speculate draft even when its measured figures say it cannot pay")
     p.add_argument("--calibrate", default=SPEC.calibrate, choices=CALIBRATE,
                    help="the verify-cost table the draft planner uses: idle = cached, else measured while "
                    "the engine is idle; now = cached, else measured before serving; fresh = measured now "
@@ -68,6 +75,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=SPEC.device, help="cpu or cuda (CUDA tensors run the Triton kernels)")
     p.add_argument("--no-weights-cache", action="store_true",
                    help="convert the GGUF at every start instead of memory-mapping the cached conversion")
+    p.add_argument("--tp", type=int, default=SPEC.tp,
+                   help="tensor-parallel ranks: this process (rank 0: scheduler, speculation, grammar, sampling) "
+                   "and N-1 spawned workers, each holding a shard of every layer (split by KV-head group); "
+                   "on CPU the cores are shared out, so it is not faster on a small machine")
     p.add_argument("--quiet", action="store_true", help="no progress or stage lines on stderr")
 
 
@@ -114,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="TTFT bound of the SLO that /metrics judges requests against")
     serve.add_argument("--slo-itl-ms", type=float, default=SERVER.slo_itl_ms,
                        help="bound on the p99 of a request's per-emission inter-token gaps (same SLO)")
+    serve.add_argument("--no-shared-pool", action="store_true",
+                       help="n-gram drafts only from the request and its session, not from the recent outputs "
+                       "of all sessions of the same API key")
 
     gen = sub.add_parser("generate", help="stream one chat completion to stdout", formatter_class=HELP)
     _add_model_args(gen)
@@ -128,16 +142,28 @@ def _parser() -> argparse.ArgumentParser:
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     return EngineSpec(model=args.model, dtype=args.dtype, weights=args.weights, quantize=args.quantize,
                       device=args.device, speculate=args.speculate,
-                      draft_model=args.draft_model, max_num_seqs=args.max_num_seqs,
+                      draft_model=args.draft_model, force_draft=args.force_draft, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_gb=args.kv_cache_gb, kv_dtype=args.kv_dtype,
                       session_ttl_s=args.session_ttl_s, max_waiting=args.max_waiting,
                       max_queue_wait_s=args.max_queue_wait_s,
-                      calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet)
+                      calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet,
+                      tp=args.tp)
+
+
+def _agents_flag(bench_argv: list[str]) -> bool:
+    """`--agents` given as a bare flag; `--agents N` stays the load phases' agent count."""
+    return any(a == "--agents" and (i + 1 == len(bench_argv) or not bench_argv[i + 1].isdigit())
+               for i, a in enumerate(bench_argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["bench"] and _agents_flag(argv[1:]):
+            # `bench --agents` (no count after it): the tool-calling agent benchmark, its own command line
+            from prescient.latency_bench.agent_bench import main as agents_main
+
+            return agents_main([a for a in argv[1:] if a != "--agents"]) or 0
         if argv[:1] == ["bench"]:
             # latency_bench owns its whole command line (argparse's REMAINDER would refuse a
             # leading option such as `bench --quick`), so hand it over before parsing
@@ -157,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                                   response_store_size=args.response_store_size, response_ttl_s=args.response_ttl_s,
                                   response_store_mb=args.response_store_mb,
                                   response_scope=args.response_scope, header_timeout_s=args.header_timeout_s,
-                                  body_timeout_s=args.body_timeout_s, ws_idle_timeout_s=args.ws_idle_timeout_s)
+                                  body_timeout_s=args.body_timeout_s, ws_idle_timeout_s=args.ws_idle_timeout_s,
+                                  shared_pool=not args.no_shared_pool)
             return run_server(spec, config, args.host, args.port, quiet=args.quiet)
         return _generate(spec, args.prompt, args.max_tokens, args.temperature)
     except KeyboardInterrupt:

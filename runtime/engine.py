@@ -2,8 +2,8 @@
 
     sched   = scheduler.schedule()          continuous batching, chunked prefill, preemption
     drafts  = speculator.propose(seqs)      draft trees for decoding requests (speculation on)
-    batch   = build_forward_batch(...)      one target forward for everything scheduled
-    logits  = model.forward(batch, kv)
+    logits  = run_forward(model, kv, ...)   the target forward(s): decode/verify rows always on the
+                                            small-M path, prefill chunks on the GEMM (forward_plan)
     tokens  = sampler / verifier            plain sampling, or tree verification
     outputs = commit(...)                   accept tokens, stops, detokenize, free KV, stamp times
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prescient.runtime.batch import build_forward_batch
+from prescient.runtime.forward_plan import run_forward
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
@@ -173,8 +173,9 @@ class Engine:
         drafts = (self.speculator.propose(sched.seqs) if self.speculator
                   else Drafts([None] * len(sched.seqs), [0] * len(sched.seqs)))
         trees, masks = self.grammar_step.prepare(sched.seqs, drafts.trees)
-        batch = build_forward_batch(sched.seqs, trees, self.block_manager.block_size, self.model.device)
-        logits = self.model.forward(batch, self.kv_caches)  # [num_logits, vocab]
+        # decode/verify rows on the small-M path whatever shares the step (runtime/forward_plan.py)
+        logits = run_forward(self.model, self.kv_caches, sched.seqs, trees,
+                             self.block_manager.block_size)  # [num_logits, vocab]
         apply_penalties(logits, sched.seqs, trees)
         self.grammar_step.apply(logits, masks)
         results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator

@@ -94,9 +94,19 @@ class Linear:
         return (format_name(self.weight),)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
+        """x: [num_tokens, in_features] -> [num_tokens, out_features].
+
+        Up to BATCH_INVARIANT_M tokens run the packed GEMV kernel, its MAX_M rows a call (as
+        QuantizedLinear does): a decode or verify row gets the same bits in any batch, where
+        F.linear's GEMM rounds a row differently from the kernel."""
         if self.packed is not None:
-            y = self.packed(x)
+            m, step = x.shape[0], _GEMV_MAX_M
+            if m <= step or m > BATCH_INVARIANT_M or x.dim() != 2:
+                y = self.packed(x)
+            else:
+                y = x.new_empty(m, self.out_features)
+                for i in range(0, m, step):
+                    self.packed(x[i:i + step], out=y[i:i + step])
         elif x.dtype == self.weight.dtype:
             y = F.linear(x, self.weight)
         else:
@@ -104,9 +114,11 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
-# the most tokens run through the quantized decode kernel, kernels/quant_linear.MAX_M rows a call
-# (QuantizedLinear.__call__)
+# the most tokens run through the decode kernels, MAX_M rows a call (Linear / QuantizedLinear
+# __call__): the fused native layers' bound too, so a batch planned by runtime/batch.py runs the
+# same kernels for every decode/verify row on either path
 BATCH_INVARIANT_M = 64
+_GEMV_MAX_M = 16  # kernels/cpu_linear.MAX_M (checked by tests/runtime/test_batch_invariance.py)
 
 
 class QuantizedLinear:

@@ -123,7 +123,7 @@ class LlamaModel:
         """-> logits [num_logits, vocab] float32 (float64 for a float64 model)."""
         cfg = self.config
         if self._packed:
-            torch.set_num_threads(1 if batch.num_tokens <= 16 else self._torch_threads)
+            torch.set_num_threads(1 if batch.num_tokens <= cpu_layer.MAX_T else self._torch_threads)
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
         h = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
@@ -132,8 +132,7 @@ class LlamaModel:
         # decode/verify-sized CPU steps: all layers in native calls, no per-op dispatch
         # (kernels/cpu_layer.py; PRESCIENT_FUSED_LAYERS=0 keeps the torch loop below)
         fused = (cpu_layer.fused_layers(self, kv_caches)
-                 if 0 < batch.num_tokens <= 16 and self.device.type == "cpu"
-                 and getattr(kv_caches[0], "k_scale", None) is None else None)  # int8 KV: the torch loop
+                 if 0 < batch.num_tokens <= cpu_layer.MAX_T and self.device.type == "cpu" else None)
         if fused is not None:
             h = fused.forward(h, batch, cos, sin)
         for layer, kv in (() if fused is not None else zip(self.layers, kv_caches)):

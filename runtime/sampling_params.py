@@ -36,6 +36,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # Where the request may use speculation at all (a caller can switch it off per request).
     speculate: bool = True
+    # The request's own bound on its per-emission gaps (seconds; the server's `slo.itl_ms`):
+    # the draft planner keeps a verify step's predicted time under it. None: no bound.
+    max_itl_s: float | None = None
+    # Whose shared pool of recent outputs may draft for it and learns its output (the server:
+    # a digest of the API key); None: no shared pool.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +69,11 @@ class SamplingParams:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -2 <= value <= 2,
                    f"{name} must be a number in [-2, 2], got {value!r}")
+        _check(isinstance(self.speculate, bool), f"speculate must be true or false, got {self.speculate!r}")
+        _check(self.max_itl_s is None or (isinstance(self.max_itl_s, (int, float)) and not isinstance(self.max_itl_s, bool)
+                                          and 0 < self.max_itl_s < float("inf")),
+               f"max_itl_s must be a number > 0, got {self.max_itl_s!r}")
+        _check(self.tenant is None or isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
 

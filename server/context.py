@@ -4,11 +4,16 @@ The context holds the one `AsyncEngine` the server talks to and the per-server h
 around it: the chat renderer, the grammar constraints, the response store for
 `previous_response_id`, and the metrics (requests judged against the config's `slo_*`). It also
 turns a request's sampling fields into `SamplingParams` and checks the requested model name.
+
+A request's tenant, whose shared pool of recent outputs drafts for it, is its API key: with
+`--api-key` a digest of the key it presented (today every authorized client holds the one key),
+without one all clients are one tenant; `shared_pool=False` gives requests no tenant.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +25,7 @@ from prescient.server.constraints import Constraints
 from prescient.server.errors import APIError, bad_request
 from prescient.server.metrics import ServerMetrics
 from prescient.server.protocol import SamplingFields
-from prescient.server.sessions import RESPONSE_SCOPES, ResponseStore
+from prescient.server.sessions import RESPONSE_SCOPES, Client, ResponseStore
 
 MODEL_ALIAS = "default"
 
@@ -64,6 +69,9 @@ class ServerConfig:
     slo_itl_ms: float | None = 100.0  # p99 of a request's per-emission gaps
     slo_tpot_ms: float | None = None
     slo_window_s: float = 60.0  # span of the live attainment / goodput gauges
+    # Whether a tenant's (an API key's) requests draft from the recent outputs of all its
+    # sessions (speculative/suffix_pool.py); `--no-shared-pool` turns it off.
+    shared_pool: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_body_bytes", "max_frame_bytes", "ws_buffer_bytes",
@@ -141,8 +149,19 @@ class ServerContext:
             raise APIError(404, f"The model {model!r} does not exist; this server serves {self.model_name!r} "
                            f"(alias {MODEL_ALIAS!r})", param="model", code="model_not_found")
 
+    def tenant(self, client: Client | None = None) -> str | None:
+        """The shared pool a request of `client` may use (None: none). Without `client`, the
+        server's own key stands for it (the key every authorized client presents)."""
+        if not self.config.shared_pool:
+            return None
+        if self.config.api_key is None:
+            return ""
+        if client is not None and client.key:
+            return client.key
+        return hashlib.sha256(self.config.api_key.encode()).hexdigest()
+
     def sampling(self, fields: SamplingFields, max_tokens: int, *, stop=None, ignore_eos: bool = False,
-                 logprobs: int | None = None) -> SamplingParams:
+                 logprobs: int | None = None, client: Client | None = None) -> SamplingParams:
         stop = (stop,) if isinstance(stop, str) else tuple(stop or ())
         try:
             return SamplingParams(
@@ -157,6 +176,9 @@ class ServerContext:
                 logprobs=logprobs,
                 presence_penalty=fields.presence_penalty or 0.0,
                 frequency_penalty=fields.frequency_penalty or 0.0,
+                speculate=fields.speculate is not False,
+                max_itl_s=None if fields.slo is None or fields.slo.itl_ms is None else fields.slo.itl_ms / 1e3,
+                tenant=self.tenant(client),
             )
         except ValueError as err:  # SamplingParams names the field first
             message = str(err)

@@ -26,7 +26,9 @@ arithmetic is runtime/slo.py's, the reports' own).
 
 Tool calls are found by `ToolCallStreamParser` (grammar/tool_parser.py) on the hermes format
 the tool grammar enforces: a call's name is reported once its header is complete (the grammar
-fixes it there), then its arguments stream as deltas.
+fixes it there), then its arguments stream as deltas. Text that may still be call markup (a
+partial `<tool_call`, the whitespace between calls) is held back, so no delta ever carries markup
+as content; a reply cut short (max_tokens, abort) drops what is held there.
 """
 
 from __future__ import annotations
@@ -185,9 +187,10 @@ class Generation:
         if out.new_text:
             events.extend(self._text_events(out.new_text))
         if out.finished:
-            if self._parser is not None:
-                events.extend(self._convert(self._parser.finish()))
             reason = out.finish_reason or "stop"
+            if self._parser is not None:
+                # cut short (max_tokens, abort, error): held-back markup was an unwritten call
+                events.extend(self._convert(self._parser.finish(cut=reason != "stop")))
             error = out.error
             if reason == "abort" and error:  # the server is shutting down
                 reason = "error"

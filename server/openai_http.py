@@ -33,6 +33,7 @@ from prescient.server.generation import (CallDelta, CallStart, Finished, Generat
 from prescient.server.limits import check_schemas
 from prescient.server.metrics import CONTENT_TYPE
 from prescient.server.protocol import ChatCompletionRequest, CompletionRequest, decode
+from prescient.server.sessions import Client
 from prescient.server.tools import FunctionTool, tool_setup
 
 log = logging.getLogger("prescient.server")
@@ -106,7 +107,7 @@ async def chat_completions(request: Request) -> Response:
                                   "max_completion_tokens" if req.max_completion_tokens else "max_tokens", "messages",
                                   kv_tokens=ctx.kv_tokens)
     params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos,
-                          logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                          logprobs=(req.top_logprobs or 0) if req.logprobs else None, client=Client.of(request.headers))
     matcher = await ctx.constraints.matcher(spec, "response_format" if req.response_format else "tools")
     gen = Generation(ctx.aengine, prompt.token_ids, params, grammar=matcher, parse_calls=setup.parse_calls,
                      metrics=ctx.metrics, prompt_param="messages", time_limit_s=ctx.config.request_time_limit_s)
@@ -184,7 +185,8 @@ async def completions(request: Request) -> Response:
         raise bad_request("prompt is empty", param="prompt", code="empty_input")
     max_tokens = check_max_tokens(len(prompt_ids), req.max_tokens, ctx.config.default_completion_tokens,
                                   ctx.max_model_len, "max_tokens", "prompt", kv_tokens=ctx.kv_tokens)
-    params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+    params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                          client=Client.of(request.headers))
     gen = Generation(ctx.aengine, prompt_ids, params, metrics=ctx.metrics, prompt_param="prompt",
                      time_limit_s=ctx.config.request_time_limit_s)
     gen.start()

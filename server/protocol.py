@@ -68,6 +68,13 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
+class RequestSLO(Struct, kw_only=True, forbid_unknown_fields=True):
+    """extension: the request's own latency bound. `itl_ms` bounds the gap between its
+    deliveries; the draft planner keeps its verify steps within it."""
+
+    itl_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+
+
 class SamplingFields(Struct, kw_only=True):
     """Sampling fields shared by every generation request."""
 
@@ -78,6 +85,8 @@ class SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    speculate: bool | None = None  # extension: false decodes this request without speculation
+    slo: RequestSLO | None = None  # extension
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -17,6 +17,12 @@ curve is not convex. Speculation switches itself off when it does not pay (large
 an extra token costs as much as the request's whole share; persistent rejection), and a request
 that got no drafts for `probe_interval` steps gets `probe_tokens` anyway so that its estimate can
 recover when the text turns copyable again.
+
+A request may state its own bound on the gap between its deliveries (`SamplingParams.max_itl_s`).
+Its measured gaps, each divided by the relative cost of the forward that produced it, give its
+seconds per unit of verify cost (`observe_gap`); the bound over that is the most a forward may
+cost, so the plan only considers totals m with cost(T0 + m) within every bounded request's
+slack (one forward serves the whole batch). Without measurements yet, no cap applies.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class _RequestStats:
     judged: float  # EMA of drafts judged per step (accepted + the rejected one, if any)
     accepted: float  # EMA of drafts accepted per step
     steps_without_drafts: int = 0
+    unit_seconds: float | None = None  # EMA of emission gap / relative cost of its forward
 
 
 class AdaptiveSpeculation:
@@ -125,16 +132,37 @@ class AdaptiveSpeculation:
         weight = min(1.0, max(0.0, (context - lo) / (hi - lo)))
         return np.maximum(short + weight * (long_model.many(num_tokens) - short), 1.0)
 
+    def observe_gap(self, request_id: str, gap_s: float, forward_cost: float) -> None:
+        """One measured gap between the request's deliveries, made by a forward of relative
+        cost `forward_cost` (cost_many of its tokens): the request's seconds per unit of cost."""
+        if not gap_s > 0 or not forward_cost > 0:
+            return
+        stats, unit = self._get(request_id), gap_s / forward_cost
+        decay = self.config.ema_decay
+        stats.unit_seconds = unit if stats.unit_seconds is None else decay * stats.unit_seconds + (1 - decay) * unit
+
+    def max_forward_cost(self, request_ids: Sequence[str], itl_bounds: Sequence[float | None] | None) -> float:
+        """The most a forward may cost within every bounded request's ITL bound (inf: no cap)."""
+        allowed = float("inf")
+        for request_id, bound in zip(request_ids, itl_bounds or ()):
+            if bound is not None:
+                unit = self._get(request_id).unit_seconds
+                if unit is not None:
+                    allowed = min(allowed, bound / unit)
+        return allowed
+
     def plan(self, request_ids: Sequence[str], num_base_tokens: int | None = None,
-             context: int | None = None) -> list[int]:
+             context: int | None = None, itl_bounds: Sequence[float | None] | None = None) -> list[int]:
         """Draft budgets for this step's decoding requests (0 = decode plainly).
 
         num_base_tokens: tokens the forward carries without drafts (prefill chunks + one per
         decoding request); defaults to len(request_ids). context: the longest sequence in the
-        batch, for the context-dependent cost (set_verify_cost)."""
+        batch, for the context-dependent cost (set_verify_cost). itl_bounds: per request, its
+        own bound on the gap between deliveries in seconds (None: none)."""
         cfg = self.config
         num_base = len(request_ids) if num_base_tokens is None else num_base_tokens
         budgets = [0] * len(request_ids)
+        allowed = self.max_forward_cost(request_ids, itl_bounds)
         if request_ids and cfg.max_draft_tokens > 0:
             # numpy, not torch: a few dozen small arrays per step, where per-op overhead rules.
             rates = np.array([self.acceptance_rate(r) for r in request_ids])
@@ -144,15 +172,19 @@ class AdaptiveSpeculation:
             order = np.argsort(-gains.ravel(), kind="stable")
             value = len(request_ids) + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
             cost = self.cost_many(num_base + np.arange(len(value)), context)
-            best_m = int(np.argmax(value / cost))  # the first maximum: fewer drafts on ties
+            ratio = value / cost
+            ratio[1:][cost[1:] > allowed] = -np.inf  # m = 0 stays: the bound cannot ask for less
+            best_m = int(np.argmax(ratio))  # the first maximum: fewer drafts on ties
             chosen = order[:best_m] // cfg.max_draft_tokens
             budgets = np.bincount(chosen, minlength=len(request_ids)).tolist()
         for i, request_id in enumerate(request_ids):
             stats = self._get(request_id)
             if budgets[i] == 0:
                 stats.steps_without_drafts += 1
-                if stats.steps_without_drafts > cfg.probe_interval:
-                    budgets[i] = min(cfg.probe_tokens, cfg.max_draft_tokens)  # retry now and then
+                probe = min(cfg.probe_tokens, cfg.max_draft_tokens)
+                if (stats.steps_without_drafts > cfg.probe_interval and probe > 0
+                        and float(self.cost_many(np.array([num_base + sum(budgets) + probe]), context)[0]) <= allowed):
+                    budgets[i] = probe  # retry now and then
             if budgets[i] > 0:
                 stats.steps_without_drafts = 0
         return budgets

@@ -1,8 +1,10 @@
 """Draft-model proposer: a small causal LM (or the target's own first layers) guesses ahead.
 
-The draft is any `LlamaModel` sharing the target's tokenizer, or, with none given, the
+The draft is any `LlamaModel` sharing the target's tokenizer; with none given, the
 self-speculative early-exit draft `target.early_exit(n)`: the target's first n layers, final norm
-and LM head, sharing its weights (no extra memory).
+and LM head, sharing its weights (no extra memory); or `self_quantized_draft`: the target's own
+full depth with its linears quantized at load (`--draft-model self-int4|self-int8`), worth it for
+a float (bf16) target, pointless for one already held in blocks as small.
 
 Data flow of one `propose` over a batch of requests:
 1. Catch-up: the draft has its own paged KV (its own `BlockManager` and KV tensors). Per
@@ -16,7 +18,10 @@ Data flow of one `propose` over a batch of requests:
    forward recomputes each frontier node's ancestors too (a few rows; on a bandwidth-bound CPU
    extra rows are nearly free, and logits, the LM head being the costly part, are taken only for
    the frontier). Rows sit at KV positions `prefix_len + 1 + row` (after the root at
-   `prefix_len`), RoPE positions `prefix_len + depth`: the layout of docs/CONTRACTS.md.
+   `prefix_len`), RoPE positions `prefix_len + depth`: the layout of docs/CONTRACTS.md. Leading
+   rows the previous depth left in place and every later row descends from are not recomputed
+   (`_held_rows`): a chain forwards one row per depth (at batch 1 rows are not free: every
+   extra one is measurable on 2 cores).
 3. The best `budget` nodes form the `DraftTree`. The first forwarded path sits at its true
    positions, so its KV counts as held: accepted draft tokens need no recompute next step.
 
@@ -35,7 +40,8 @@ import torch
 from prescient.kernels.reference import pack_bits
 from prescient.runtime.batch import SeqRows, pack_forward_batch
 from prescient.runtime.kv_cache import BlockManager
-from prescient.runtime.loader import ModelLoadError, load_checkpoint
+from prescient.runtime.linear import QuantWeight
+from prescient.runtime.loader import QUANTIZE, ModelLoadError, load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.speculative.draft_tree_expand import DynamicTree
 from prescient.speculative.proposer import ProposalContext, register_proposer
@@ -101,6 +107,21 @@ def _common_prefix(kv: _RequestKV, token_ids: Sequence[int]) -> int:
     while common < limit and kv.token_ids[common] == token_ids[common]:
         common += 1
     return common
+
+
+def _held_rows(kv: _RequestKV, token_ids: Sequence[int], in_place: list[int], attend: torch.Tensor) -> int:
+    """How many leading rows of a depth forward need no recompute: in-place path rows whose KV
+    the previous depth's forward left valid, and which every later row descends from (a row
+    past them sees all earlier KV positions, so none may be a sibling's). A chain forwards only
+    its new node; each recomputed row is a full pass over the draft's weights' arithmetic.
+    attend: [num_rows, num_rows] bool."""
+    num_tokens, skip = len(token_ids), 0
+    limit = min(len(in_place), len(kv.token_ids) - num_tokens, attend.shape[0] - 1)
+    while skip < limit and kv.token_ids[num_tokens + skip] == in_place[skip]:
+        skip += 1
+    while skip and not bool(attend[skip:, skip - 1].all()):
+        skip -= 1  # a later row is not its descendant: it would see that row's KV
+    return skip
 
 
 @dataclass
@@ -250,11 +271,6 @@ class DraftModelProposer:
                     continue
                 rows, attend = tree.rows(frontier)
                 num_tokens = len(ctx.token_ids)
-                row_of = {node: r for r, node in enumerate(rows)}
-                seqs.append(_Rows(kv, [tree.tokens[n] for n in rows],
-                                  [num_tokens - 1 + tree.depths[n] for n in rows],
-                                  num_tokens, attend, [row_of[n] for n in frontier]))
-                frontiers.append((tree, frontier))
                 # The first rows that continue the root one depth at a time hold valid causal KV
                 # at their true positions; everything after them is scratch.
                 in_place = []
@@ -262,6 +278,14 @@ class DraftModelProposer:
                     if tree.depths[node] != r + 1 or (r and tree.parents[node] != rows[r - 1]):
                         break
                     in_place.append(tree.tokens[node])
+                skip = _held_rows(kv, ctx.token_ids, in_place, attend)
+                row_of = {node: r - skip for r, node in enumerate(rows)}
+                # one row left (a chain's new node) is plain causal attention
+                mask = attend[skip:, skip:].contiguous() if len(rows) - skip > 1 else None
+                seqs.append(_Rows(kv, [tree.tokens[n] for n in rows[skip:]],
+                                  [num_tokens - 1 + tree.depths[n] for n in rows[skip:]],
+                                  num_tokens + skip, mask, [row_of[n] for n in frontier]))
+                frontiers.append((tree, frontier))
                 held.append((kv, [*ctx.token_ids, *in_place]))
             if not seqs:
                 return
@@ -315,6 +339,66 @@ def draft_config_for(target, tokenizer=None, draft_model_path: str | None = None
                                  f"({same} of {len(target_vocab)} token ids agree)")
     draft = LlamaModel(ckpt.config, ckpt.weights, dtype=target.dtype, device=target.device)
     return DraftModelConfig(draft_model=draft, target_model=target, **overrides)
+
+
+# `--draft-model` names that are not paths: the target's own weights quantized at load
+SELF_DRAFTS = {"self-int4": "int4", "self-int8": "int8"}
+_HEAD_QTYPE = "q8_0"  # the draft's embedding / LM head: int8 keeps its argmax close at half bf16's bytes
+
+
+def _layer_linear_bytes(weights: dict) -> tuple[int, int]:
+    """(bytes, weights) over the layers' linear matrices of a canonical weights dict."""
+    nbytes = count = 0
+    for name, w in weights.items():
+        if name.startswith("layers.") and name.rsplit(".", 1)[1] in ("q", "k", "v", "o", "gate", "up", "down"):
+            n, k = w.shape
+            nbytes += w.blocks.nbytes if isinstance(w, QuantWeight) else w.nbytes
+            count += n * k
+    return nbytes, count
+
+
+def self_quantized_draft(target: LlamaModel, weights: dict, name: str) -> LlamaModel:
+    """The draft `--draft-model self-int4|self-int8` names: the target's full depth built from its
+    own canonical `weights` (the dict it was built from), every layer linear quantized to
+    QUANTIZE[...] blocks and the embedding / LM head to q8_0. The target's float tensors are
+    quantized directly; blocks (a Q8_0 target under self-int4) are dequantized first. Refused
+    when the copy's linears would not be clearly smaller than the target's (a Q4_1 target's
+    int4 copy is the target itself: drafting with it can only cost)."""
+    from prescient.kernels.quant_reference import QTYPES
+    from prescient.kernels.quant_reference import quantize as quantize_blocks
+    from prescient.runtime.loader import quantize_linears
+
+    if name not in SELF_DRAFTS:
+        raise ValueError(f"self-quantized drafts are {', '.join(SELF_DRAFTS)}, not {name!r}")
+    quantize = SELF_DRAFTS[name]
+    _, block_elems, block_bytes = QTYPES[QUANTIZE[quantize]]
+    target_bytes, count = _layer_linear_bytes(weights)
+    draft_bytes = count * block_bytes // block_elems
+    if draft_bytes > 0.8 * target_bytes:
+        raise ModelLoadError(
+            f"--draft-model {name}: the target's layer weights are already {8 * target_bytes / count:.1f} bits per "
+            f"weight ({target.weights_description()}); a {QUANTIZE[quantize]} copy "
+            f"({8 * draft_bytes / count:.1f} bits) "
+            "would cost about as much per token as the target itself, so it cannot pay. Load the target with "
+            "--weights bfloat16 to draft with its quantized copy, or use the early-exit draft (no --draft-model)")
+    floats = {k: w.dequantize(torch.float32) if isinstance(w, QuantWeight) else w for k, w in weights.items()}
+    draft_weights = quantize_linears(floats, quantize)
+    for head in ("embed", "lm_head"):
+        w = floats.get(head)
+        if w is not None and w.shape[1] % 32 == 0:
+            blocks = torch.as_tensor(quantize_blocks(w.float().contiguous(), _HEAD_QTYPE)).reshape(w.shape[0], -1)
+            draft_weights[head] = QuantWeight(blocks.contiguous(), _HEAD_QTYPE, tuple(w.shape))
+    return LlamaModel(target.config, draft_weights, dtype=target.dtype, device=target.device,
+                      weights_mode=f"--draft-model {name}")
+
+
+def draft_label(config: DraftModelConfig, draft_model_path: str | None = None) -> str:
+    """What the draft is, for messages: "early exit (7 of 30 layers)", "self-int4", a path."""
+    if config.draft_model is None:
+        assert config.target_model is not None
+        layers = config.early_exit_layers or max(1, config.target_model.num_layers // 4)
+        return f"early exit ({layers} of {config.target_model.num_layers} layers)"
+    return draft_model_path or "a draft model"
 
 
 @register_proposer("draft")

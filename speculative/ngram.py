@@ -9,6 +9,9 @@ often continue an earlier occurrence of the sequence's current suffix. Each step
 2. each site proposes the tokens that followed it; sites are weighted by match length
    (longer = more specific context) and merged into a trie, so where continuations diverge the
    draft branches;
+   The tenant's shared suffix pool (suffix_pool.py: recent outputs of all its sessions) adds
+   one continuation per pool generation, weighted as a site of its match length (capped at
+   `max_match`) at half weight, so the request's own text wins ties;
 3. the `max_draft_tokens` best trie nodes (weight x depth_decay^depth) form the `DraftTree`: a
    best-first selection in the spirit of EAGLE-2's dynamic trees, keeping the nodes most likely
    to be reached.
@@ -29,9 +32,10 @@ import heapq
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prescient.speculative.proposer import ProposalContext, register_proposer
+from prescient.speculative.suffix_pool import PoolConfig, SharedSuffixPool
 from prescient.speculative.tree import DraftTree
 
 
@@ -46,6 +50,8 @@ class NgramConfig:
     depth_decay: float = 0.9
     max_session_tokens: int = 32768  # history kept per session; oldest turns dropped first
     max_sessions: int = 256  # least recently used sessions dropped beyond this
+    # the tenants' shared pool of recent outputs; None: none (requests' `tenant` is ignored)
+    pool: PoolConfig | None = field(default_factory=PoolConfig)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_match <= self.max_match:
@@ -170,6 +176,7 @@ class NgramProposer:
         self._requests: dict[str, _RequestState] = {}
         # session_id -> indexes of finished turns, oldest first (LRU order over sessions).
         self._sessions: OrderedDict[str, list[SequenceIndex]] = OrderedDict()
+        self.pool = SharedSuffixPool(self.config.pool) if self.config.pool is not None else None
 
     # -- Proposer hooks ----------------------------------------------------------------------
 
@@ -193,6 +200,11 @@ class NgramProposer:
 
     def on_session_closed(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
+
+    def learn_output(self, tenant: str, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """A finished request of `tenant`: its output joins the tenant's shared pool."""
+        if self.pool is not None:
+            self.pool.add(tenant, prompt, output)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -245,12 +257,15 @@ class NgramProposer:
                 sites.append((length, rank, end))
             sites.sort(key=lambda s: (-s[0], s[1], -s[2]))
             del sites[cfg.max_sites :]
-        if not sites:
-            return None
         # A site's weight doubles with every matched token: a longer shared context is a much
         # more specific predictor (measured on agent-style copy and tool-call traces).
         paths = [(2.0**length, _continuation(sources[rank].tokens, end, budget, rank == 0))
                  for length, rank, end in sites]
+        if self.pool is not None and ctx.tenant is not None:
+            paths += [(0.5 * 2.0 ** min(length, cfg.max_match), continuation)
+                      for length, continuation in self.pool.drafts(ctx.tenant, own.tokens, budget)]
+        if not paths:
+            return None
         return _best_first_tree(suffix[-1], paths, budget, cfg.depth_decay)
 
 

@@ -5,6 +5,10 @@ budget per request (from `adaptive.AdaptiveSpeculation`); a proposer may return 
 request (nothing worth guessing: it decodes plainly this step). Proposers keep incremental state
 per request (an index over its tokens, a draft model's KV), so the engine tells them when tokens
 were committed and when a request ends. Variants are picked by name from `PROPOSERS`.
+
+Optional capabilities, looked up with getattr: `drafts_past_unverified` (it can draft after
+tokens not yet verified, a grammar's forced span) and `learn_output(tenant, prompt, output)`
+(a finished request's output, for a pool shared by the tenant's later requests).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ class ProposalContext:
     token_ids: Sequence[int]
     # Most nodes below the root the tree may have (0: do not propose).
     max_draft_tokens: int
+    # Whose shared suffix pool (speculative/suffix_pool.py) may draft for it: one API key's
+    # sessions; None: no pool (the request sees its own text and its session's only).
+    tenant: str | None = None
 
 
 @runtime_checkable

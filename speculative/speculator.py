@@ -9,6 +9,12 @@ speculative/:
     speculator.release(request)                              # when a request ends
     speculator.idle_work()                                   # calibration, between requests
 
+The verify-cost table is measured again (in idle moments) when batch-1 forwards drift from what
+it predicts (verify_cost.DriftMonitor); a request's own ITL bound (`params.max_itl_s`) caps the
+plan through its measured gaps (adaptive.py). A finished request with a `params.tenant` hands its
+output to the proposer's shared pool (`learn_output`, if it has one); its accepted drafts are
+reported as `draft` whichever source proposed them.
+
 A constrained request's tree comes from its grammar where it forces a span
 (speculative/grammar_drafts.py), else from the proposer; runtime/constrain.py then prunes it to
 its grammar-valid nodes and masks it.
@@ -22,9 +28,12 @@ the next step (`request.spec_budget`, which the scheduler reserves KV slots for)
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from prescient.kernels import ops
@@ -37,7 +46,9 @@ from prescient.speculative.grammar_drafts import grammar_draft_paths, grammar_tr
 from prescient.speculative.proposer import ProposalContext, Proposer
 from prescient.speculative.tree import DraftTree
 from prescient.speculative.verify import VerifyOutcome, verify
-from prescient.speculative.verify_cost import Calibration, load_cached, save_cached
+from prescient.speculative.verify_cost import Calibration, CostTables, DriftMonitor, load_cached, save_cached
+
+log = logging.getLogger("prescient.speculative")
 
 
 @dataclass
@@ -66,7 +77,9 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, proposer: Proposer, block_size: int, adaptive: AdaptiveSpeculation | None = None,
-                 calibration: Calibration | None = None, cache_key: str | None = None):
+                 calibration: Calibration | None = None, cache_key: str | None = None,
+                 recalibrate: Callable[[], Calibration] | None = None, tables: CostTables | None = None,
+                 recalibrate_interval_s: float = 300.0):
         self.proposer = proposer
         self.block_size = block_size
         self.adaptive = adaptive or AdaptiveSpeculation()
@@ -74,6 +87,15 @@ class Speculator:
         # measured in idle moments (idle_work) and then saved under cache_key, if given
         self.calibration = calibration
         self.cache_key = cache_key
+        # a fresh measurement when the installed tables drift from the forwards timed here
+        self.recalibrate = recalibrate
+        self.recalibrate_interval_s = recalibrate_interval_s
+        self.drift = DriftMonitor(tables) if tables is not None and recalibrate is not None else None
+        self.num_recalibrations = 0
+        self._last_recalibration = time.monotonic()
+        self._proposed_at: float | None = None  # end of propose(): verify's start - this = the forward
+        self._step_cost = 1.0  # relative cost of the last forward (for requests' ITL gaps)
+        self._last_stamp: dict[str, float] = {}  # request -> its last delivery's engine time
 
     def propose(self, seqs) -> Drafts:
         trees = self._proposer_trees(seqs)
@@ -89,6 +111,7 @@ class Speculator:
                 self.stats.num_span_tail_tokens += tail
                 if not tail:
                     self.stats.num_grammar_branch_tokens += trees[i].num_nodes - 1 - forced[i]
+        self._proposed_at = time.perf_counter()
         return Drafts(trees, forced)
 
     def _proposer_trees(self, seqs) -> list[DraftTree | None]:
@@ -97,7 +120,8 @@ class Speculator:
         for i, seq in enumerate(seqs):
             r = seq.request
             if seq.num_spec_slots > 0 and r.params.speculate:
-                contexts.append(ProposalContext(r.request_id, r.session_id, r.all_token_ids, seq.num_spec_slots))
+                contexts.append(ProposalContext(r.request_id, r.session_id, r.all_token_ids, seq.num_spec_slots,
+                                                r.params.tenant))
                 where.append(i)
         trees: list[DraftTree | None] = [None] * len(seqs)
         if contexts:
@@ -117,7 +141,7 @@ class Speculator:
             return None
         r = seq.request
         t0 = time.perf_counter()
-        ctx = ProposalContext(r.request_id, r.session_id, [*r.all_token_ids, *span], budget)
+        ctx = ProposalContext(r.request_id, r.session_id, [*r.all_token_ids, *span], budget, r.params.tenant)
         tree = self.proposer.propose([ctx])[0]
         self.stats.draft_seconds += time.perf_counter() - t0
         return tree if tree is not None and 1 < tree.num_nodes <= budget + 1 else None
@@ -127,6 +151,7 @@ class Speculator:
         """logits: [num_logits, vocab], rows in batch order: a tree's nodes, or one row for a
         request whose step samples, none for an unfinished prefill chunk."""
         t0 = time.perf_counter()
+        self._observe_forward(seqs, trees, t0)
         sampling = [i for i, seq in enumerate(seqs) if seq.samples]
         full_trees = [trees[i] or DraftTree.chain(seqs[i].request.all_token_ids[-1], []) for i in sampling]
         requests = [seqs[i].request for i in sampling]
@@ -151,11 +176,16 @@ class Speculator:
             )
         if src_slots:
             as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=logits.device)  # noqa: E731
-            for kv in kv_caches:
-                ops.kv_copy(kv[0], kv[1], as_long(src_slots), as_long(dst_slots), **getattr(kv, "scales", {}))
+            copy_slots = getattr(kv_caches, "copy_slots", None)  # a cache spread over processes (TP)
+            if copy_slots is not None:
+                copy_slots(as_long(src_slots), as_long(dst_slots))
+            else:
+                for kv in kv_caches:
+                    ops.kv_copy(kv[0], kv[1], as_long(src_slots), as_long(dst_slots), **getattr(kv, "scales", {}))
         num_base = sum(seq.num_new_tokens for seq in seqs)  # what the next step carries without drafts
         context = max((r.num_tokens for r in requests), default=None)
-        budgets = self.adaptive.plan([r.request_id for r in requests], num_base, context)
+        budgets = self.adaptive.plan([r.request_id for r in requests], num_base, context,
+                                     [r.params.max_itl_s for r in requests])
         for request, budget in zip(requests, budgets):
             request.spec_budget = budget if request.params.speculate else 0
         self.stats.verify_seconds += time.perf_counter() - t0
@@ -166,6 +196,11 @@ class Speculator:
         tokens, i.e. the prompt is now prefilled)."""
         if not request.params.speculate:
             return
+        if request.params.max_itl_s is not None and request.token_times:
+            stamp, before = request.token_times[-1], self._last_stamp.get(request.request_id)
+            if before is not None and stamp > before:
+                self.adaptive.observe_gap(request.request_id, stamp - before, self._step_cost)
+            self._last_stamp[request.request_id] = stamp
         if first:  # index the prompt now rather than in the first decode step
             self.proposer.on_tokens_appended(request.request_id, request.session_id, request.all_token_ids)
         if request.grammar is not None:
@@ -187,13 +222,39 @@ class Speculator:
             cal.tables.install(self.adaptive)
             if self.cache_key is not None:
                 save_cached(self.cache_key, cal.tables)
+            if self.recalibrate is not None:
+                self.drift = DriftMonitor(cal.tables)
             self.calibration = None
             return False
         return True
 
+    def _observe_forward(self, seqs, trees: list[DraftTree | None], now: float) -> None:
+        """Time the forward that just ran (propose's end to verify's start): its relative cost,
+        for the requests' ITL gaps, and at batch 1 a sample for the drift monitor."""
+        started, self._proposed_at = self._proposed_at, None
+        num_tokens = sum(t.num_nodes if t is not None else s.num_new_tokens for s, t in zip(seqs, trees))
+        context = max((s.request.num_computed_tokens for s in seqs), default=0)
+        self._step_cost = float(self.adaptive.cost_many(np.array([num_tokens]), context)[0])
+        drift = self.drift
+        if drift is None or started is None or len(seqs) != 1 or not seqs[0].samples or seqs[0].request.grammar:
+            return  # a grammar's masks and several sequences are not what the tables measured
+        drift.observe(now - started, num_tokens, context)
+        if (drift.drifted and self.calibration is None
+                and time.monotonic() - self._last_recalibration >= self.recalibrate_interval_s):
+            log.info("forwards take %.0f%% of what the verify-cost table predicts; measuring it again when idle",
+                     100 * np.exp(drift.log_ratio))
+            self.calibration = self.recalibrate()
+            self.drift = None  # until the new tables are in
+            self.num_recalibrations += 1
+            self._last_recalibration = time.monotonic()
+
     def release(self, request: Request) -> None:
         self.proposer.on_request_finished(request.request_id)
         self.adaptive.forget(request.request_id)
+        self._last_stamp.pop(request.request_id, None)
+        learn = getattr(self.proposer, "learn_output", None)
+        if learn is not None and request.params.tenant is not None and request.output_token_ids:
+            learn(request.params.tenant, request.prompt_token_ids, request.output_token_ids)
 
     def _slot(self, request: Request, position: int) -> int:
         return slot_of(request.block_ids, position, self.block_size)
@@ -244,9 +305,11 @@ def make_speculator(model, block_size: int, method: str, draft_model_path: str |
         proposer_config = draft_config_for(model, tokenizer, draft_model_path)
     proposer = make_proposer(method, proposer_config)
     adaptive = AdaptiveSpeculation(adaptive_config)
-    calibration = None
+    calibration = cached = recalibrate = None
     if adaptive_config is None and calibrate != "off":
         cached = load_cached(cache_key) if cache_key is not None and use_cache else None
+        if method != "draft":  # a draft model's table adds its forwards, which the drift check does not time
+            recalibrate = lambda: Calibration(model, block_size)  # noqa: E731
         if cached is not None:
             cached.install(adaptive)
         else:
@@ -256,7 +319,7 @@ def make_speculator(model, block_size: int, method: str, draft_model_path: str |
                 draft = cfg.draft_model or cfg.target_model.early_exit(
                     cfg.early_exit_layers or max(1, cfg.target_model.num_layers // 4))
             calibration = Calibration(model, block_size, draft)
-    spec = Speculator(proposer, block_size, adaptive, calibration, cache_key)
+    spec = Speculator(proposer, block_size, adaptive, calibration, cache_key, recalibrate=recalibrate, tables=cached)
     if calibrate == "now":
         while spec.idle_work():
             pass

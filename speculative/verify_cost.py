@@ -10,6 +10,12 @@ per-query tree mask, logits for every row), all through the engine's own `build_
     samples = measure_forward_seconds(model, block_size, sizes, context)   # blocking (benchmarks)
     tables  = cost_tables(samples_short, samples_long, long_context)       # ratios, monotone
     cal     = Calibration(...); cal.step()                                  # one forward at a time
+    drift   = DriftMonitor(tables); drift.observe(seconds, tokens, ctx)     # is the table stale?
+
+The tables also keep the 1-token forward's seconds at each context. A CPU's speed changes under
+a server (other load, frequency, a neighbour's memory traffic), so `DriftMonitor` compares the
+forwards the engine times at batch 1 with what the tables predict; once they disagree by more
+than its tolerance, the speculator measures the tables again in idle moments.
 
 Measuring takes seconds to tens of seconds on 2 cores, so the result is cached per (model,
 dtype, CPU, kernel build) under the user's cache directory, and a server measures only in idle
@@ -22,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -48,6 +55,21 @@ class CostTables:
     short_context: int = SHORT_CONTEXT
     long_context: int | None = None
     long: dict[int, float] | None = None
+    # seconds of the 1-token forward at short_context / long_context (None: not measured)
+    short_base_s: float | None = None
+    long_base_s: float | None = None
+
+    def expected_seconds(self, num_tokens: int, context: int) -> float | None:
+        """What a batch-1 forward of num_tokens after `context` cached tokens should take by
+        these tables (linear between the two contexts, clamped); None without base times."""
+        if self.short_base_s is None:
+            return None
+        ratio = lambda table: _interp(table, num_tokens)  # noqa: E731
+        short = self.short_base_s * ratio(self.short)
+        if self.long is None or self.long_base_s is None or self.long_context is None:
+            return short
+        w = min(1.0, max(0.0, (context - self.short_context) / (self.long_context - self.short_context)))
+        return short + w * (self.long_base_s * ratio(self.long) - short)
 
     def install(self, adaptive) -> None:
         """Hand the tables to an AdaptiveSpeculation."""
@@ -56,12 +78,64 @@ class CostTables:
 
     def to_json(self) -> dict:
         return {"short": self.short, "short_context": self.short_context, "long_context": self.long_context,
-                "long": self.long}
+                "long": self.long, "short_base_s": self.short_base_s, "long_base_s": self.long_base_s}
 
     @classmethod
     def from_json(cls, d: dict) -> "CostTables":
         as_table = lambda t: None if t is None else {int(k): float(v) for k, v in t.items()}  # noqa: E731
-        return cls(as_table(d["short"]), int(d["short_context"]), d.get("long_context"), as_table(d.get("long")))
+        as_float = lambda v: None if v is None else float(v)  # noqa: E731
+        return cls(as_table(d["short"]), int(d["short_context"]), d.get("long_context"), as_table(d.get("long")),
+                   as_float(d.get("short_base_s")), as_float(d.get("long_base_s")))
+
+
+def _interp(table: dict[int, float], num_tokens: int) -> float:
+    """A ratio table at num_tokens: linear between its points, flat past its ends."""
+    points = sorted(table.items())
+    if num_tokens <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if num_tokens <= x1:
+            return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+class DriftMonitor:
+    """Whether measured batch-1 forwards still take what the tables say: an EMA of
+    log(measured / expected) over forwards within the tables' sizes. Without base times in the
+    tables (an older cache file), the first `min_samples` forwards set the reference."""
+
+    def __init__(self, tables: CostTables, tolerance: float = 0.3, min_samples: int = 32, decay: float = 0.95):
+        if not tolerance > 0 or min_samples < 1 or not 0 < decay < 1:
+            raise ValueError("DriftMonitor needs tolerance > 0, min_samples >= 1 and decay in (0, 1)")
+        self.tables = tables
+        self.tolerance, self.min_samples, self.decay = tolerance, min_samples, decay
+        self.num_samples = 0
+        self.log_ratio = 0.0  # EMA of log(measured / expected)
+        self._reference: list[float] = []  # log ratios against a base of 1 s, until the tables have none
+        self._offset = 0.0 if tables.short_base_s is not None else None
+
+    def observe(self, seconds: float, num_tokens: int, context: int) -> None:
+        # only shapes the tables measured: past their contexts attention alone would read as drift
+        measured_context = self.tables.long_context or self.tables.short_context
+        if not seconds > 0 or num_tokens > max(self.tables.short) or context > 1.25 * measured_context:
+            return
+        tables = self.tables if self.tables.short_base_s is not None else CostTables(
+            self.tables.short, self.tables.short_context, self.tables.long_context, self.tables.long, 1.0, 1.0)
+        value = math.log(seconds / tables.expected_seconds(num_tokens, context))
+        if self._offset is None:  # no measured base: the first forwards are the reference
+            self._reference.append(value)
+            if len(self._reference) < self.min_samples:
+                return
+            self._offset = sorted(self._reference)[len(self._reference) // 2]
+            return
+        value -= self._offset
+        self.num_samples += 1
+        weight = min(self.decay, 1.0 - 1.0 / self.num_samples)  # a plain mean while samples are few
+        self.log_ratio = weight * self.log_ratio + (1 - weight) * value
+
+    @property
+    def drifted(self) -> bool:
+        return self.num_samples >= self.min_samples and abs(self.log_ratio) > math.log1p(self.tolerance)
 
 
 def _batches(model, block_size: int, sizes, context: int):
@@ -172,7 +246,8 @@ class Calibration:
             draft_ratio = min(draft[1]) / min(short[1])
             short_table = {t: c + (t - 1) * draft_ratio for t, c in short_table.items()}
             long_table = long_table and {t: c + (t - 1) * draft_ratio for t, c in long_table.items()}
-        self.tables = CostTables(short_table, SHORT_CONTEXT, self.long_context if long_table else None, long_table)
+        self.tables = CostTables(short_table, SHORT_CONTEXT, self.long_context if long_table else None, long_table,
+                                 min(short[1]), min(long[1]) if long_table else None)
 
 
 # ---------------------------------------------------------------- the on-disk cache

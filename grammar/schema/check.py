@@ -37,7 +37,7 @@ _DROPPED = (
 _EMPTY_IS_NOOP = frozenset({"dependentSchemas", "dependentRequired", "dependencies",
                             "patternProperties"})
 
-_STANDARD_FORMATS = frozenset({
+STANDARD_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "idn-email", "hostname", "idn-hostname",
     "ipv4", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uuid", "uri-template",
     "json-pointer", "relative-json-pointer", "regex",
@@ -76,9 +76,19 @@ def check_schema(schema: Any) -> None:
         raise GrammarError(f"malformed schema: {err}", feature="schema") from None
 
 
+def disjoint_as_written(root: Any, branches: list) -> bool:
+    """Whether check_schema proves that no instance matches two of these `oneOf` branches
+    (their references resolved in `root`); False for branches it cannot read."""
+    try:
+        return len(branches) < 2 or _Checker(root)._disjoint(branches, frozenset())
+    except (GrammarError, TypeError, AttributeError, ValueError, KeyError, RecursionError):
+        return False
+
+
 class _Checker:
     def __init__(self, root: Any):
         self.root = root
+        self.checked_refs: set[str] = set()
 
     def check(self, node: Any, path: str, refs_seen: frozenset[str]) -> None:
         if isinstance(node, bool):
@@ -129,8 +139,9 @@ class _Checker:
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise GrammarError(f"'$ref' {ref!r} is not supported: only local '#/...' references "
                                "resolve (others would match anything)", feature="$ref", path=path)
-        if ref in refs_seen:
-            return  # recursive schema: this target is already being checked
+        if ref in refs_seen or ref in self.checked_refs:
+            return  # recursive schema: this target is being checked, or was, on another path
+        self.checked_refs.add(ref)  # the verdict on a target does not depend on the path to it
         target = self._resolve(ref, path)
         self.check(target, ref, refs_seen | {ref})
 
@@ -215,6 +226,14 @@ class _Checker:
             check_pattern(node["pattern"], path)
 
     def _check_number(self, node: dict, types: frozenset[str], path: str) -> None:
+        if "integer" in types:
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                value = node.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+                        -(2 ** 63) <= value < 2 ** 63):
+                    raise GrammarError(f"integer '{key}' {value!r} is outside the 64-bit range (the "
+                                       "grammar engine cannot bound integers there)",
+                                       feature="integer bound past 64 bits", path=path)
         if "multipleOf" not in node:
             return
         step = node["multipleOf"]
@@ -424,5 +443,5 @@ def _pairwise_disjoint(sets: list) -> bool:
 
 def _format_is_annotation(fmt: Any) -> bool:
     """Formats JSON Schema does not define are annotations (a validator ignores them too)."""
-    return not isinstance(fmt, str) or fmt not in _STANDARD_FORMATS
+    return not isinstance(fmt, str) or fmt not in STANDARD_FORMATS
 

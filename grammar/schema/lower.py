@@ -11,18 +11,23 @@ check_schema to refuse with its usual message.
 - `enum`/`const` next to other keywords: the values that satisfy those keywords;
 - object rules (objects.py): undeclared required names declared, false properties
   removed from closed objects, `not: {required}`, `dependencies`, `patternProperties`;
-- scalar rules (scalars.py): `not: {type}`, a whole-number float `multipleOf`, a
-  repeated-atom `pattern` next to minLength/maxLength, `format` next to them (email, uri),
-  string keywords without a `type` (made strings: narrower);
-- `oneOf` of closed objects whose branches may overlap: disjoint narrower branches, then `anyOf`
-  (one_of.py).
+- scalar rules (scalars.py): `not: {type}`, a whole-number `multipleOf` on numbers, integer
+  bounds made whole and clamped into 64 bits, a `pattern` intersected with minLength/maxLength
+  (regex_length.py), anchors inside groups dropped, `format` next to lengths (email, uri),
+  string or number keywords without a `type` (made strings / numbers: narrower);
+- draft-4 tuple `items` as `prefixItems`;
+- `oneOf` whose branches are provably disjoint as written: `anyOf` (exact; below it narrowing
+  is sound); `oneOf` of closed objects whose branches may overlap: disjoint narrower branches,
+  then `anyOf` (one_of.py).
 
-Below a `oneOf` (and in definitions, when the schema has one) only exact rewrites run: xgrammar
-treats `oneOf` as `anyOf`, which is exact only for disjoint branches, and check_schema's proof of
-that must see the branches as written, not narrowed. A schema proved to accept nothing is refused
-as "unsatisfiable". "Closed" means additionalProperties is false, or will be set false by
-closed_objects.py. Schemas with a `$ref` to anything but `#` or `#/definitions/<name>` (`$defs`)
-are left as they are: a rewrite moves subschemas, and such a reference could point into one.
+Below a remaining `oneOf` (and in the definitions such oneOfs reach) only exact rewrites run:
+xgrammar treats `oneOf` as `anyOf`, which is exact only for disjoint branches, and check_schema's
+proof of that must see the branches as written, not narrowed. A schema proved to accept nothing
+is refused as "unsatisfiable". "Closed" means additionalProperties is false, or will be set false
+by closed_objects.py. References are first made simple (`#` or `#/definitions/<name>`) by
+refs.py; a schema with embedded resources (a subschema `$id` with its own base) is left as it is.
+Every narrowing rule that runs is named in `lower_schema(..., narrowed=[...])`, so reports count
+narrowed schemas apart from exact ones.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import re
 from typing import Any
 
 from prescient.grammar.errors import GrammarError
+from prescient.grammar.schema.check import disjoint_as_written
 from prescient.grammar.schema.closed_objects import closes
 from prescient.grammar.schema.merge import Unmergeable, merge
 from prescient.grammar.schema.nodes import (
@@ -39,15 +45,22 @@ from prescient.grammar.schema.nodes import (
     VALUE_KEYS,
     assertions,
     combinator,
+    forbids_undeclared,
     is_object,
+    typed_object,
     without,
 )
 from prescient.grammar.schema.objects import object_rules
 from prescient.grammar.schema.one_of import disjoint_one_of
+from prescient.grammar.schema.refs import localize_refs
 from prescient.grammar.schema.scalars import (
     format_with_length,
+    integer_bounds,
+    integer_bounds_to_fix,
     integer_steps,
     not_type,
+    number_keywords_without_type,
+    pattern_anchors,
     pattern_with_length,
     string_keywords_without_type,
     whole_step,
@@ -64,16 +77,48 @@ _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")  # keywords besid
 _CANNOT = (Unmergeable, TypeError, ValueError, AttributeError, KeyError, IndexError)
 
 
-def lower_schema(schema: Any, closing: bool = True) -> Any:
+def lower_schema(schema: Any, closing: bool = True, narrowed: list[str] | None = None) -> Any:
     """A rewritten copy of `schema` (the input is not changed); `closing` says whether
     closed_objects.py will close declared objects afterwards. Raises GrammarError when a
-    rewrite proves the schema unsatisfiable."""
-    if not isinstance(schema, dict) or not _refs_are_simple(schema):
+    rewrite proves the schema unsatisfiable, or when a reference does not resolve (refs.py).
+    `narrowed`, when given, gets the name of every narrowing rule that ran (none: the result
+    is equivalent to `schema`, up to the engine-wide policies: closed declared objects,
+    whole-string patterns, one JSON layout)."""
+    if not isinstance(schema, dict):
         return schema
+    schema = localize_refs(schema)
+    if not _refs_are_simple(schema):
+        return schema
+    notes: list[str] = []
     try:
-        out = _Lowerer(schema, closing).run()
+        out = _lower_all(schema, closing, notes, None)
+        # Pass 1 kept exact every definition a oneOf not provably disjoint as written reaches.
+        # Those that only oneOfs the lowering then made disjoint reach need not be: pass 2 keeps
+        # exact only what the oneOfs left in pass 1's result reach, and is used when the oneOfs
+        # left in its own result reach no more than that.
+        if isinstance(out, dict):
+            below = _definitions_below_one_ofs(out, only_open=False)
+            if not below >= _definitions_below_one_ofs(schema, only_open=True):
+                notes2: list[str] = []
+                out2 = _lower_all(schema, closing, notes2, below)
+                if isinstance(out2, dict) and _definitions_below_one_ofs(out2, only_open=False) <= below:
+                    out, notes = out2, notes2
     except RecursionError:
         return schema  # check_schema refuses it for its depth
+    if out is False:
+        # Narrowing rewrites may have left nothing; only the exact rules prove unsatisfiable.
+        if _Lowerer(schema, closing).run(exact=True) is not False:
+            raise GrammarError("the narrower schema this one needs (overlapping oneOf branches, "
+                               "dependencies, ...) leaves nothing to generate", feature="narrowing")
+        raise GrammarError("the schema is unsatisfiable: no instance satisfies it",
+                           feature="unsatisfiable")
+    if narrowed is not None:
+        narrowed.extend(dict.fromkeys(notes))
+    return _without_false_properties(out, closing)
+
+
+def _lower_all(schema: dict, closing: bool, notes: list[str], exact_definitions: set | None) -> Any:
+    out = _Lowerer(schema, closing, notes, exact_definitions).run()
     for _ in range(3):  # a definition lowered to false: its references are false too
         defs = [out.get(kind) if isinstance(out, dict) else None for kind in ("definitions", "$defs")]
         # a client's `$defs` may be any JSON value; one that is not an object defines nothing
@@ -83,27 +128,28 @@ def lower_schema(schema: Any, closing: bool = True) -> Any:
             break
         out = _without_refs_to(out, dead)
         if isinstance(out, dict):
-            out = _Lowerer(out, closing).run()
-    if out is False:
-        # Narrowing rewrites may have left nothing; only the exact rules prove unsatisfiable.
-        if _Lowerer(schema, closing).run(exact=True) is not False:
-            raise GrammarError("the narrower schema this one needs (overlapping oneOf branches, "
-                               "dependencies, ...) leaves nothing to generate", feature="narrowing")
-        raise GrammarError("the schema is unsatisfiable: no instance satisfies it",
-                           feature="unsatisfiable")
+            out = _Lowerer(out, closing, notes, exact_definitions).run()
     return out
 
 
 class _Lowerer:
-    def __init__(self, root: dict, closing: bool):
+    def __init__(self, root: dict, closing: bool, notes: list[str] | None = None,
+                 exact_definitions: set | None = None):
         self.root = root
         self.closing = closing
+        self.notes = [] if notes is None else notes
         draft = root.get("$schema")
         self.ref_siblings_ignored = isinstance(draft, str) and any(d in draft for d in _OLD_DRAFTS)
-        # definitions may be the branches of some oneOf: only exact rewrites there
-        self.definitions_exact = _uses(root, ("oneOf",))
+        # definitions reachable from a oneOf whose branches are not provably disjoint as
+        # written: only exact rewrites there (check_schema's proof must see them unnarrowed)
+        self.exact_definitions = (_definitions_below_one_ofs(root, only_open=True)
+                                  if exact_definitions is None else exact_definitions)
         self._validator = None
         self._budget = 256  # $ref inlines: a recursive schema must not grow without end
+
+    def note(self, rule: str) -> None:
+        """Record that a narrowing (not exact) rewrite ran."""
+        self.notes.append(rule)
 
     def run(self, exact: bool = False) -> Any:
         return self.lower(self.root, frozenset(), 0, exact)
@@ -128,8 +174,9 @@ class _Lowerer:
         out = dict(node)
         for key in _SUBSCHEMA_MAPS:
             if isinstance(node.get(key), dict):
-                sub_exact = exact or (key in ("definitions", "$defs") and self.definitions_exact)
-                out[key] = {k: self.lower(v, inlined, depth + 1, sub_exact)
+                defs = key in ("definitions", "$defs") and node is self.root
+                out[key] = {k: self.lower(v, inlined, depth + 1, exact or (
+                                defs and (True in self.exact_definitions or (key, k) in self.exact_definitions)))
                             for k, v in node[key].items()}
         for key in _SUBSCHEMA_LISTS:
             if isinstance(node.get(key), list):
@@ -159,6 +206,16 @@ class _Lowerer:
         try:
             if node.get("not") in ({}, True):
                 return False, inlined  # `not` of everything: nothing matches
+            if isinstance(node.get("items"), list) and "prefixItems" not in node:
+                # draft 4-2019 tuple form (xgrammar reads only the 2020-12 one): the same meaning
+                rest = without(node, "items", "additionalItems")
+                tail = node.get("additionalItems", True)
+                return {**rest, "prefixItems": node["items"], **({} if tail is True else {"items": tail})}, inlined
+            if isinstance(node.get("oneOf"), list) and "anyOf" not in node and disjoint_as_written(
+                    self.root, node["oneOf"]):
+                # at most one branch matches any instance: oneOf means anyOf, and below an
+                # anyOf narrowing is sound
+                return {**without(node, "oneOf"), "anyOf": node["oneOf"]}, inlined
             if "$ref" in node and assertions(node, "$ref"):
                 ref = node["$ref"]
                 if self.ref_siblings_ignored:  # what drafts 4-7 say, and what jsonschema does
@@ -182,15 +239,28 @@ class _Lowerer:
                              without(node, "enum", "const"), self.keep_valid), inlined
             if isinstance(node.get("not"), dict) and set(node["not"]) == {"type"}:
                 return not_type(node), inlined
-            if whole_step(node.get("multipleOf")):
+            if whole_step(node):
                 return integer_steps(node), inlined
+            if integer_bounds_to_fix(node):
+                return integer_bounds(self, node), inlined
             if string_keywords_without_type(node) and not exact:
+                self.note("string keywords without a type")
                 return {**node, "type": "string"}, inlined  # narrower: other types pass them
+            if number_keywords_without_type(node) and not exact:
+                self.note("number keywords without a type")
+                return {**node, "type": "number"}, inlined  # narrower: other types pass them
             if "format" in node and "pattern" not in node and (
                     "minLength" in node or "maxLength" in node):
                 return format_with_length(node), inlined
             if "pattern" in node and ("minLength" in node or "maxLength" in node):
-                return pattern_with_length(node), inlined
+                return pattern_with_length(self, node), inlined
+            if isinstance(node.get("pattern"), str) and ("^" in node["pattern"] or "$" in node["pattern"]):
+                rewritten = pattern_anchors(node)
+                if rewritten is not node:
+                    return rewritten, inlined
+            if (typed_object(node) and forbids_undeclared(node) and isinstance(node.get("minProperties"), int)
+                    and node["minProperties"] > len(node.get("properties") or {})):
+                return False, inlined  # needs more keys than it allows
             if is_object(node):
                 rewritten = object_rules(self, node, inlined, exact)
                 if rewritten is not node:
@@ -278,13 +348,60 @@ class _Lowerer:
             raise Unmergeable(f"literal filter: {err}") from None
 
 
-def _uses(node: Any, keys: tuple[str, ...]) -> bool:
-    if isinstance(node, dict):
-        return any(k in node for k in keys) or any(
-            _uses(v, keys) for k, v in node.items() if k not in VALUE_KEYS)
+def _without_false_properties(node: Any, closing: bool) -> Any:
+    """Optional properties whose schema is false dropped from objects that allow no other key
+    (absent is the only way to meet false there, and xgrammar refuses a false schema)."""
     if isinstance(node, list):
-        return any(_uses(v, keys) for v in node)
-    return False
+        return [_without_false_properties(v, closing) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k in VALUE_KEYS else
+               {n: _without_false_properties(s, closing) for n, s in v.items()}
+               if k == "properties" and isinstance(v, dict) else _without_false_properties(v, closing))
+           for k, v in node.items()}
+    props = out.get("properties")
+    if isinstance(props, dict) and False in props.values() and not node.get("patternProperties"):
+        required = out.get("required") if isinstance(out.get("required"), list) else []
+        ap = node.get("additionalProperties")
+        kept = {n: s for n, s in props.items() if s is not False or n in required}
+        if ap is False or (closing and ap is None and closes({**node, "properties": kept}) and kept):
+            out["properties"] = kept
+            out["additionalProperties"] = False
+    return out
+
+
+def _definitions_below_one_ofs(root: dict, only_open: bool) -> set:
+    """(kind, name) of every definition a `oneOf` (with `only_open`: one not provably disjoint
+    as written) reaches through references (`True` in the set: one reaches `#`, the whole
+    schema)."""
+    open_branches: list = []
+    stack: list = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("oneOf"), list) and not (only_open and disjoint_as_written(root, node["oneOf"])):
+                open_branches += node["oneOf"]
+            stack += [v for k, v in node.items() if k not in VALUE_KEYS]
+        elif isinstance(node, list):
+            stack += node
+    reached: set = set()
+    stack = open_branches
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref == "#":
+                return {True}
+            if isinstance(ref, str) and _SIMPLE_REF.match(ref):
+                _, kind, name = ref.split("/", 2)
+                target = root.get(kind)
+                if (kind, name) not in reached and isinstance(target, dict) and name in target:
+                    reached.add((kind, name))
+                    stack.append(target[name])
+            stack += [v for k, v in node.items() if k not in VALUE_KEYS]
+        elif isinstance(node, list):
+            stack += node
+    return reached
 
 
 def _without_refs_to(node: Any, dead: set[str]) -> Any:

@@ -39,6 +39,8 @@ def object_rules(lw, node: dict, inlined: frozenset[str], exact: bool) -> Any:
     for name in (n for n in required if n not in props):
         sub = undeclared_schema(node, name)
         if sub is None:
+            if typed_object(node):
+                return False  # an object must have a key it may not have: none matches
             raise Unmergeable(f"required {name!r} is not allowed")  # check_schema names it
         props[name] = sub  # exact: the schema a key outside `properties` had
     falses = [n for n, v in props.items() if v is False]

@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from prescient.grammar.errors import GrammarError
+from prescient.grammar.pattern import check_pattern
+from prescient.grammar.schema.check import STANDARD_FORMATS
 from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
+from prescient.grammar.schema.regex_length import restrict_pattern
 
-# One atom (a class, a shorthand, a letter or digit) under one quantifier, anchored or not.
-_REPEATED_ATOM = re.compile(
-    r"^(\^?)(\[(?:\\.|[^\]\\])+\]|\\[wdsWDS]|[A-Za-z0-9])(\+|\*|\{(\d+)(,(\d*))?\})?(\$?)$")
-_MAX_REPEAT = 512  # a longer bounded repeat makes a slow grammar
 _ALL_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
 # The shortest string xgrammar's grammar for a format accepts ("a@b", "a:").
 _FORMAT_SHORTEST = {"email": 3, "uri": 2}
@@ -23,33 +23,43 @@ _EMAIL = (r"^[a-z0-9]{1,16}([._+-][a-z0-9]{1,16})?@[a-z0-9]([a-z0-9-]{0,14}[a-z0
           r"(\.[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?){0,2}\.[a-z]{2,10}$")
 _EMAIL_LENGTHS = (6, 95)
 _STRING_ONLY = frozenset({"pattern", "minLength", "maxLength"})
+_NUMBER_ONLY = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
 
 
-def pattern_with_length(node: dict) -> Any:
-    """`pattern` repeating one atom plus minLength/maxLength: one pattern with the bounds in its
-    quantifier. Exact where the engine already is: patterns match the whole string here (see
-    check.py), narrower than JSON Schema's search for an unanchored pattern."""
-    m = _REPEATED_ATOM.match(node["pattern"]) if isinstance(node["pattern"], str) else None
-    if m is None:
-        raise Unmergeable("pattern is not one repeated atom")
-    start, atom, quant, low, comma, high, end = m.groups()
-    lo, hi = {None: (1, 1), "+": (1, None), "*": (0, None)}.get(quant, (None, None))
-    if low is not None:
-        lo, hi = int(low), (None if comma is not None and high == "" else int(high or low))
-    lo = max(lo, _length(node, "minLength", 0))
-    if "maxLength" in node:
-        cap = _length(node, "maxLength", 0)
-        hi = cap if hi is None else min(hi, cap)
-    if hi is not None and lo > hi:
-        # only an anchored pattern on a string-only node is surely unsatisfiable; an unanchored
-        # one may match inside a longer string, another type may match instead
-        if start and end and node.get("type") in ("string", ["string"]):
+def pattern_with_length(lw, node: dict) -> Any:
+    """`pattern` next to minLength/maxLength: one pattern whose strings have those lengths
+    (regex_length.py; exact, or narrower where it says so). False when no string of the
+    pattern has such a length, on a node that can only be a string."""
+    pattern = node["pattern"]
+    if not isinstance(pattern, str):
+        raise Unmergeable("pattern is not a string")
+    low = _length(node, "minLength", 0)
+    high = _length(node, "maxLength", 0) if "maxLength" in node else None
+    out = restrict_pattern(pattern, low, high)
+    if out is None:
+        if node.get("type") in ("string", ["string"]):
             return False
-        raise Unmergeable("length bounds outside the pattern's")
-    if hi is not None and hi > _MAX_REPEAT:
-        raise Unmergeable("bounded repeat too long")
+        raise Unmergeable("no string of the pattern has the length (another type may match)")
+    if not out.exact:
+        lw.note("pattern+minLength/maxLength")
     rest = {k: v for k, v in node.items() if k not in ("pattern", "minLength", "maxLength")}
-    return {**rest, "pattern": f"^{atom}{{{lo},{'' if hi is None else hi}}}$"}
+    return {**rest, "pattern": out.pattern}
+
+
+def pattern_anchors(node: dict) -> Any:
+    """A pattern with anchors inside groups (`(^a|^b)$`): the same pattern without them where
+    whole-string matching makes them no-ops (exact), else Unmergeable."""
+    pattern = node["pattern"]
+    try:
+        check_pattern(pattern)
+        return node
+    except GrammarError as err:
+        if err.feature != "pattern:anchor":
+            return node
+    out = restrict_pattern(pattern, 0, None)
+    if out is None or not out.exact:
+        raise Unmergeable("anchors that are not no-ops")
+    return {**node, "pattern": out.pattern}
 
 
 def _length(node: dict, key: str, default: int) -> int:
@@ -78,20 +88,29 @@ def not_type(node: dict) -> Any:
             "type": kept if len(kept) > 1 else kept[0]}
 
 
-def whole_step(step: Any) -> bool:
-    return isinstance(step, float) and step.is_integer() and step >= 1
+def whole_step(node: dict) -> bool:
+    """A whole-number `multipleOf` written as a float (3.0), or any whole one on numbers."""
+    step = node.get("multipleOf")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 1:
+        return False
+    types = node.get("type")
+    on_numbers = "number" in ([types] if isinstance(types, str) else list(types or []))
+    return (isinstance(step, float) and step.is_integer()) or (isinstance(step, int) and on_numbers)
 
 
 def integer_steps(node: dict) -> Any:
-    """`multipleOf: 3.0` on numbers: integers with a whole step (narrower: 3.0 itself is a
-    multiple too); xgrammar enforces a whole-number step on integers, and 1 constrains none."""
+    """`multipleOf: 3.0` (or 3) on numbers: integers with a whole step. The same values (a
+    multiple of 3 is an integer; 3.0 is written 3, the engine's one layout for a value);
+    xgrammar enforces a whole-number step on integers, and 1 constrains none."""
     types = node.get("type")
     types = [types] if isinstance(types, str) else list(types or [])
-    if not types or not set(types) <= {"number", "integer"}:
+    if not types or not set(types) & {"number", "integer"}:
         raise Unmergeable("multipleOf on a non-numeric type")
     step = int(node["multipleOf"])
     rest = {k: v for k, v in node.items() if k != "multipleOf"}
-    return {**rest, "type": "integer", **({"multipleOf": step} if step != 1 else {})}
+    kept = list(dict.fromkeys("integer" if t == "number" else t for t in types))
+    return {**rest, "type": kept[0] if len(kept) == 1 else kept,
+            **({"multipleOf": step} if step != 1 else {})}
 
 
 def format_with_length(node: dict) -> Any:
@@ -108,8 +127,71 @@ def format_with_length(node: dict) -> Any:
 
 
 def string_keywords_without_type(node: dict) -> bool:
-    """pattern/minLength/maxLength with no `type` (xgrammar ignores them there)."""
+    """pattern/minLength/maxLength, or a format JSON Schema defines, with no `type` (xgrammar
+    ignores them there)."""
     keys = {k for k in node if k in _STRING_ONLY or k == "format" or k == "type"}
-    return "type" not in node and bool(keys & _STRING_ONLY) and not (
-        set(node) - keys - ANNOTATIONS)
+    asserting = keys & _STRING_ONLY or node.get("format") in STANDARD_FORMATS
+    return "type" not in node and bool(asserting) and not (set(node) - keys - ANNOTATIONS)
 
+
+def number_keywords_without_type(node: dict) -> bool:
+    """minimum/maximum/exclusive bounds/multipleOf with no `type` (xgrammar ignores them)."""
+    keys = {k for k in node if k in _NUMBER_ONLY}
+    return "type" not in node and bool(keys) and not (set(node) - keys - ANNOTATIONS)
+
+
+
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def integer_bounds_to_fix(node: dict) -> bool:
+    """An integer node (no `number` beside it) bounded by a fraction or at or past the 64-bit
+    range (xgrammar refuses both)."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else list(types or [])
+    if "integer" not in types or "number" in types:
+        return False
+    return any(_beyond(node.get(k)) or _fraction(node.get(k))
+               for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _beyond(value: Any) -> bool:
+    return _number(value) and not _INT64[0] < value < _INT64[1]
+
+
+def _fraction(value: Any) -> bool:
+    return isinstance(value, float) and not value.is_integer()
+
+
+def integer_bounds(lw, node: dict) -> Any:
+    """Integer bounds made whole (exact: an integer >= 1.5 is one >= 2) and clamped into the
+    64-bit range: a maximum of 2**63 or more becomes 2**63 - 1 (narrower: larger integers are
+    left out). A node whose integers all lie past that range is left for check_schema."""
+    import math
+
+    out = dict(node)
+    for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
+        value = node.get(key)
+        if not (_beyond(value) or _fraction(value)):
+            continue
+        low = key in ("minimum", "exclusiveMinimum")
+        if (low and value >= _INT64[1]) or (not low and value <= _INT64[0]):
+            raise Unmergeable("integers only outside the 64-bit range")
+        del out[key]
+        if _fraction(value):
+            whole = math.ceil(value) if low else math.floor(value)
+        else:  # past the range on the open side
+            whole = int(value) + (1 if key == "exclusiveMinimum" else -1 if key == "exclusiveMaximum" else 0)
+        if low:
+            clamped = max(_INT64[0], whole)
+            out["minimum"] = max(clamped, out.get("minimum", clamped))
+        else:
+            clamped = min(_INT64[1], whole)
+            if clamped < whole:
+                lw.note("integer bound past 64 bits")
+            out["maximum"] = min(clamped, out.get("maximum", clamped))
+    return out

@@ -50,6 +50,35 @@ def test_refusals_are_cached_too(toy_compiler):
             toy_compiler.compile(spec)
 
 
+def test_a_compile_killed_at_the_time_limit_is_compiled_again(toy_tokenizer):
+    """An isolated compile killed at the limit says nothing about the schema (a loaded machine,
+    a cold worker): the next request compiles it again instead of getting the cached failure."""
+    from concurrent.futures import Future
+
+    from prescient.grammar.compile_pool import _time_limit
+
+    compiler = GrammarCompiler(toy_tokenizer)
+    submitted = []
+
+    class KilledPool:  # stands in for the worker processes: every compile dies at the limit
+        def submit(self, spec, deadline):
+            future = Future()
+            submitted.append(spec)
+            future.set_exception(_time_limit(compiler.config.time_limit_s))
+            return future
+
+        def close(self):
+            pass
+
+    compiler._procs = KilledPool()
+    spec = GrammarSpec("regex", "ab")
+    for attempt in (1, 2):
+        with pytest.raises(GrammarError, match="time limit"):
+            compiler.compile(spec)
+        assert len(submitted) == attempt
+    compiler.close()
+
+
 def test_submit_returns_at_once_and_time_limit_refuses(real_tokenizer):
     # ~50 ms against the 49k vocabulary on a quiet machine (more under load): 25x the limit
     compiler = GrammarCompiler(real_tokenizer, CompilerConfig(time_limit_s=0.002))
@@ -74,7 +103,7 @@ def test_submit_returns_at_once_and_time_limit_refuses(real_tokenizer):
     ("regex", "a(b", "invalid regex"),
     ("regex", "^(?=a)a$", "lookaround"),
     ("ebnf", 'root ::= "a" undefined_rule', "invalid ebnf"),
-    ("json_schema", '{"type": "integer", "minimum": 1.5}', "invalid json schema"),
+    ("json_schema", '{"type": "integer", "minimum": "1"}', "invalid JSON schema: '1' is not of type"),
 ])
 def test_invalid_grammars_raise_grammar_error(toy_compiler, kind, source, match):
     with pytest.raises(GrammarError, match=match):
@@ -142,3 +171,16 @@ def test_close_declared_objects_touches_only_schema_positions():
     assert closed["$defs"]["d"]["additionalProperties"] is False
     assert "additionalProperties" not in closed["anyOf"][0]
     assert "additionalProperties" not in schema  # input not modified
+
+
+def test_valid_schema_the_engine_cannot_compile_is_named_with_its_place(toy_compiler, caplog):
+    """JSON Schema accepts it; xgrammar refuses it (its own assertion): the client gets the
+    feature and the pointer, not "invalid schema", and the raw message goes to the log."""
+    schema = {"type": "object", "properties": {
+        "box": {"properties": {"a": {}}, "additionalProperties": False, "minProperties": 2}}}
+    with caplog.at_level("WARNING", logger="prescient.grammar.schema_failure"):
+        with pytest.raises(GrammarError) as info:
+            toy_compiler.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    assert info.value.feature == "xgrammar" and info.value.path == "#/properties/box"
+    assert "invalid" not in str(info.value)
+    assert "minProperties" in caplog.text

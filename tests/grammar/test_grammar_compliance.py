@@ -7,12 +7,14 @@ from prescient.latency_bench.grammar_compliance import ComplianceConfig, markdow
 
 
 def test_compliance_report_on_a_sample(toy_tokenizer):
-    config = ComplianceConfig(files=("maskbench_bfcl.jsonl", "Glaiveai2K.jsonl"), limit=12,
-                              walks_per_schema=2)
+    config = ComplianceConfig(files=("maskbench_bfcl.jsonl", "Glaiveai2K.jsonl", "Github_hard.jsonl"),
+                              limit=12, walks_per_schema=2)
     report = run(config, toy_tokenizer)
     for name, result in report["files"].items():
         assert result["schemas"] == 12
         assert result["compiled"] + result["refused"] + result["compile_errors"] == 12
         assert result["walks"] > 0 and result["walks_valid"] == result["walks"], result
         assert result["invalid_outputs"] == []
-    assert "| maskbench_bfcl.jsonl | 12 |" in markdown(report)
+        assert result["exact"] + result["narrowed"] == result["compiled"]
+    text = markdown(report)
+    assert "| maskbench_bfcl.jsonl | 12 |" in text and "refused by feature" in text

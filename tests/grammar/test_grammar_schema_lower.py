@@ -112,6 +112,34 @@ CASES = [
     ("a property that can never be there", {
         "type": "object", "properties": {"a": {"not": {}}, "b": {}}},
      ['{"a": 1}', '{"b": 1}', "{}"], True),
+    ("pattern with two variable parts under a maxLength (budget split)", {
+        "type": "string", "pattern": "^[a-z]+-[a-z]+$", "maxLength": 9},
+     ['"ab-cd"', '"abcd-efgh"', '"abcdefgh-a"', '"a_b"'], False),
+    ("unanchored pattern under a minLength reads as a search", {
+        "type": "string", "pattern": "^a", "minLength": 3},
+     ['"abc"', '"abcd"', '"a"', '"bcd"'], True),
+    ("format without a type", {"format": "date"}, ['"2024-01-02"', '"x"'], False),
+    ("number keywords without a type", {"minimum": 3}, ["3", "2", '"s"'], False),
+    ("a whole multipleOf written as an integer, on numbers", {"type": "number", "multipleOf": 2},
+     ["4", "3", "4.5"], True),
+    ("integer bounds that are fractions", {"type": "integer", "minimum": 1.5,
+                                           "exclusiveMaximum": 4.5}, ["1", "2", "4", "5"], True),
+    ("integer bound past 64 bits", {"type": "integer", "maximum": 9223372036854776000},
+     ["9223372036854775807", "-3", "9223372036854775808"], False),
+    ("oneOf proved disjoint by type, narrowing below it", {
+        "oneOf": [{"type": "string"}, {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}]},
+     ['"s"', '{"x": 1}', '{"x": "s"}'], False),
+    ("reference by anchor", {"$defs": {"a": {"$anchor": "num", "type": "integer"}},
+                             "type": "object", "properties": {"n": {"$ref": "#num", "minimum": 2}}},
+     ['{"n": 2}', '{"n": 1}', '{"n": "x"}'], True),
+    ("reference into nested definitions", {
+        "definitions": {"box": {"definitions": {"side": {"type": "integer", "minimum": 1}}}},
+        "type": "object", "properties": {"s": {"$ref": "#/definitions/box/definitions/side", "maximum": 3}}},
+     ['{"s": 2}', '{"s": 0}', '{"s": 4}'], True),
+    ("tuple items (draft 4 form)", {
+        "$schema": "http://json-schema.org/draft-04/schema#", "type": "array",
+        "items": [{"type": "integer"}, {"type": "string"}], "additionalItems": False},
+     ['[1, "a"]', "[1]", '[1, "a", 3]', '["a"]'], True),
     ("not required, implied by closing", {
         "type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"],
         "oneOf": [{"required": ["a"], "not": {"required": ["b"]}}, {"required": ["b"]}]},
@@ -225,11 +253,26 @@ def test_lowered_schema_is_sound_and_enforced(name, schema, candidates, exact):
     {"type": "string", "pattern": "^[a-z]{3}$", "maxLength": 2},
     {"type": "object", "properties": {"a": False, "b": {}}, "required": ["a"]},
     {"type": "object", "properties": {"a": {}}, "required": ["a"], "not": {"required": ["a"]}},
+    {"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2},
+    {"type": "object", "properties": {"a": {}}, "required": ["b"], "additionalProperties": False},
 ])
 def test_unsatisfiable_schema_is_named(schema):
     with pytest.raises(GrammarError, match="unsatisfiable") as info:
         lower_schema(schema)
     assert info.value.feature == "unsatisfiable"
+
+
+@pytest.mark.parametrize("schema,rules", [
+    ({"type": "string", "pattern": "^[a-z]+-[a-z]+$", "maxLength": 9}, ["pattern+minLength/maxLength"]),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 9}, []),
+    ({"pattern": "^a$"}, ["string keywords without a type"]),
+    ({"type": "integer", "maximum": 2 ** 64}, ["integer bound past 64 bits"]),
+    ({"type": "integer", "minimum": 0.5}, []),
+])
+def test_narrowing_rules_are_reported_apart_from_exact_ones(schema, rules):
+    narrowed: list[str] = []
+    lower_schema(schema, narrowed=narrowed)
+    assert narrowed == rules
 
 
 def test_compiler_lowers_before_checking(toy_compiler):
@@ -261,12 +304,22 @@ def test_recursive_ref_with_siblings_stays_small():
         check_schema(lowered)
 
 
-def test_unsupported_reference_leaves_schema_alone():
+def test_reference_into_a_property_is_lowered_through_a_copy():
+    """`#/properties/a` is resolved in the original schema and copied into the definitions, so
+    the merge beside it is exact and the reference survives the rewrite."""
     schema = {"properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a",
                                                             "minimum": 1}}}
-    assert lower_schema(schema) is schema
-    with pytest.raises(GrammarError, match=r"\$ref"):
-        check_schema(schema)
+    lowered = lower_schema(schema)
+    check_schema(lowered)
+    closed = close_declared_objects(lowered)
+    for text, valid in (('{"b": 1}', True), ('{"b": 0}', False), ('{"b": "x"}', False)):
+        assert _accepts(closed, text) == valid
+
+
+def test_reference_to_another_document_is_refused_with_its_place():
+    with pytest.raises(GrammarError, match="another document") as info:
+        lower_schema({"properties": {"a": {"$ref": "other.json#/definitions/a"}}})
+    assert info.value.feature == "$ref" and info.value.path == "#/properties/a"
 
 
 def test_merge_rules():
@@ -285,7 +338,13 @@ def test_merge_rules():
         merge({"type": "string", "pattern": "^a"}, {"pattern": "b$"})
 
 
-@pytest.mark.parametrize("name", ["Glaiveai2K.jsonl", "Github_trivial.jsonl", "Github_easy.jsonl"])
+# Refusals on the bundled sample, with these rules (measured: medium 6 of 150, hard 9 of 80):
+# a ceiling that fails if a rule stops applying.
+SAMPLE_REFUSAL_CEILING = {"Github_medium.jsonl": 8, "Github_hard.jsonl": 11}
+
+
+@pytest.mark.parametrize("name", ["Glaiveai2K.jsonl", "Github_trivial.jsonl", "Github_easy.jsonl",
+                                  "Github_medium.jsonl", "Github_hard.jsonl"])
 def test_lowering_on_real_schemas(name):
     """Lowering never crashes on real-world schemas, and on the GlaiveAI function schemas every
     remaining refusal is a proof of unsatisfiability (a `oneOf` whose branches all match)."""
@@ -298,3 +357,5 @@ def test_lowering_on_real_schemas(name):
     if name.startswith("Glaive"):
         assert set(refused) <= {"unsatisfiable"}
         assert len(refused) < 0.01 * 1707
+    if name in SAMPLE_REFUSAL_CEILING:
+        assert len(refused) <= SAMPLE_REFUSAL_CEILING[name], sorted(refused)

@@ -146,7 +146,7 @@ def test_parse_tool_calls():
     assert [c.name for c in parsed.tool_calls] == ["search", "add"]
     assert json.loads(parsed.tool_calls[0].arguments) == TRICKY
     assert parsed.tool_calls[1].arguments == '{"a": 1, "b": 2}'
-    assert parsed.content == "Sure.\n\n\nDone"
+    assert parsed.content == "Sure.\n\nDone"  # the "\n" between the calls is markup
     assert parse_tool_calls(W1 + "\n" + A1).content == ""
 
 
@@ -179,7 +179,7 @@ def test_stream_parser_reports_name_once_fixed_then_argument_deltas(chunk):
                            if isinstance(e, ToolCallArgumentsDelta) and e.index == index)
         assert streamed == call_.arguments
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    assert content == "Sure.\n\n\nDone"
+    assert content == "Sure.\n\nDone"  # the "\n" between the calls is markup
     # argument deltas of a call come after its start and before its end
     order = [type(e).__name__ for e in events if not isinstance(e, ContentDelta)]
     assert order[0] == "ToolCallStart" and order[-1] == "ToolCallEnd"

@@ -124,9 +124,11 @@ def _compare(model, T, ctx, seed, tree, monkeypatch):
 
 
 # (T, context before the step, tree mask): decode at several lengths (a split context at 300
-# and 1000), and verify trees of 8 nodes; 16 is the largest forward the path takes.
+# and 1000), verify trees of 8 and 40 nodes (the linears then run 16 rows a call), and
+# cpu_layer.MAX_T, the largest forward the path takes.
 CASES = [(1, 0, False), (1, 40, False), (1, 300, False), (1, 1000, False),
-         (8, 0, True), (8, 37, True), (8, 300, True), (16, 100, False)]
+         (8, 0, True), (8, 37, True), (8, 300, True), (16, 100, False), (40, 120, True),
+         (cpu_layer.MAX_T, 10, False)]
 
 
 @pytest.mark.parametrize("isa", ISA_TIERS)
@@ -211,11 +213,13 @@ def test_hook_conditions(ckpts, monkeypatch):
     assert cpu_layer.fused_layers(unpacked, unpacked.allocate_kv_cache(4, BLOCK)) is None
     f64 = LlamaModel(ck.config, ck.weights, dtype=torch.float64)
     assert cpu_layer.fused_layers(f64, f64.allocate_kv_cache(4, BLOCK)) is None
-    # more than 16 tokens (prefill): the torch loop
-    rows = [SeqRows(list(range(3, 23)), range(20), 0, [0, 1], None, [19])]
+    # more than MAX_T tokens (a prefill chunk): the torch loop
+    n = cpu_layer.MAX_T + 1
+    big_kv = model.allocate_kv_cache(-(-n // BLOCK), BLOCK)
+    rows = [SeqRows([3 + i % 20 for i in range(n)], range(n), 0, list(range(-(-n // BLOCK))), None, [n - 1])]
     batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
-    monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda *a: pytest.fail("fused path on 20 tokens"))
-    model.forward(batch, kv)
+    monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda *a: pytest.fail(f"fused path on {n} tokens"))
+    model.forward(batch, big_kv)
 
 
 def test_bad_arguments_raise(ckpts):
@@ -278,3 +282,37 @@ def test_greedy_generation_identical(ckpts, dtype, speculate, monkeypatch):
     assert 1 in sizes
     if speculate == "draft":
         assert max(sizes) > 1, "no verify step ran through the fused path"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+def test_int8_kv_cache(ckpts, dtype, monkeypatch):
+    """--kv-dtype int8: the native layer quantizes the new K/V rows and attends over the int8
+    cache with the same kernels as the torch loop (ops.store_kv, ops.tree_attention)."""
+    model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=dtype)
+    for i, (T, ctx, tree) in enumerate([(1, 300, False), (8, 100, True), (40, 20, True)]):
+        g = torch.Generator().manual_seed(i)
+        nb = (ctx + T) // BLOCK + 3
+        kv_torch = model.allocate_kv_cache(nb, BLOCK, torch.int8)
+        for layer in kv_torch:
+            for c in layer:
+                c.copy_(torch.randint(-127, 128, c.shape, generator=g).to(c.dtype) if c.dtype == torch.int8
+                        else torch.rand(c.shape, generator=g) * 0.05)
+        kv_fused = model.allocate_kv_cache(nb, BLOCK, torch.int8)
+        for a, b in zip(kv_fused, kv_torch):
+            for x, y in zip(a.tensors(), b.tensors()):
+                x.copy_(y)
+        _, _, batch = _case(model, T, ctx, i, tree)
+        ref, out = _run_both(model, kv_torch, kv_fused, batch, monkeypatch)
+        if dtype == torch.bfloat16:
+            _assert_match(ref, out, f"int8 KV logits T={T}", True)
+        else:  # SiLU's fp32 ulp (module docstring) can move a later layer's row by one int8 step
+            assert (ref - out).abs().max() <= 1e-2 * ref.abs().max(), f"int8 KV logits T={T}"
+        for j, (a, b) in enumerate(zip(kv_torch, kv_fused)):
+            for x, y in zip(a.tensors(), b.tensors()):
+                # layer 0's stored rows precede any SiLU, so they agree bit for bit in fp32 too
+                if dtype == torch.bfloat16 or j == 0:
+                    _assert_match(x.float(), y.float(), f"int8 KV layer {j}", True)
+                elif x.dtype == torch.int8:
+                    assert (x.int() - y.int()).abs().max() <= 1, f"int8 KV layer {j}: more than one step apart"
+                else:
+                    _assert_match(x, y, f"int8 KV scales layer {j}", False)

@@ -267,11 +267,12 @@ def test_sections_without_cuda_are_skipped(check, monkeypatch):
     code, report = check(None)  # the real registry
     assert time.monotonic() - t0 < 30
     assert code == 0
-    assert list(report["sections"]) == ["kernel_tests", "tree_attention", "decode"]
+    assert list(report["sections"]) == ["kernel_tests", "tree_attention", "decode", "slo", "tensor_parallel"]
     for record in report["sections"].values():
         assert record["status"] == "skipped" and record["reason"] == "no CUDA device", record
     tolerances = {name: r["tolerance"] for name, r in report["sections"].items()}
-    assert tolerances == {"kernel_tests": 0, "tree_attention": 2e-2, "decode": 0.1}
+    assert tolerances == {"kernel_tests": 0, "tree_attention": 2e-2, "decode": 0.1, "slo": None,
+                          "tensor_parallel": 5e-2}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA this would run the whole GPU check")

@@ -15,6 +15,7 @@ from prescient.runtime.engine import Engine, EngineConfig
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.speculative import draft_model
 from prescient.speculative.draft_model import DraftModelConfig, DraftModelProposer, draft_config_for
 from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from prescient.speculative.draft_tree_expand import DynamicTree
@@ -95,6 +96,29 @@ def test_target_as_draft_chains_are_accepted_in_full(target):
             (outcome,) = verify([tree], logits, [SamplingParams(temperature=0)], [None])
             assert outcome.num_accepted == 4 and outcome.tokens == expected
             seqs[i] = seqs[i] + outcome.tokens
+
+
+def test_chain_depths_forward_only_their_new_node(target, monkeypatch):
+    """A chain's ancestors already hold causal KV at their positions, so each depth forward
+    after the catch-up computes one row per request (and the chain is still the target's
+    greedy continuation); a tree with siblings recomputes the paths it needs."""
+    rows = []
+    real = DraftModelProposer._forward
+    monkeypatch.setattr(DraftModelProposer, "_forward",
+                        lambda self, seqs: rows.append([len(s.input_ids) for s in seqs]) or real(self, seqs))
+    draft = proposer(target, target.num_layers)
+    prompts = [random_tokens(9, 4), random_tokens(14, 5)]
+    trees = draft.propose([ctx(p, request_id=str(i)) for i, p in enumerate(prompts)])
+    assert rows == [[9, 14], [1, 1], [1, 1], [1, 1]]  # catch-up, then depths 2..4
+    for p, tree in zip(prompts, trees):
+        assert tree == DraftTree.chain(p[-1], greedy_continuation(target, p, 4))
+    # trees (whose frontier nodes rarely share all held rows): the rule changes no proposal
+    skipping = proposer(target, 2, top_k=3, max_draft_tokens=8).propose(
+        [ctx(p, budget=8, request_id=str(i)) for i, p in enumerate(prompts)])
+    monkeypatch.setattr(draft_model, "_held_rows", lambda *args: 0)
+    recomputing = proposer(target, 2, top_k=3, max_draft_tokens=8).propose(
+        [ctx(p, budget=8, request_id=str(i)) for i, p in enumerate(prompts)])
+    assert skipping == recomputing and all(t.num_nodes == 9 for t in skipping)
 
 
 def test_separate_draft_model_chains_its_own_greedy_continuation(target, tmp_path):

@@ -1,0 +1,164 @@
+"""Servers the agent benchmark drives, each its own process: `prescient serve` and the peer.
+
+`PrescientServer` runs `python -m prescient.cli serve --port 0 ...` and reads its URL from the
+banner; `LlamaCppServer` runs llama-cpp-python's OpenAI-compatible server (`python -m
+llama_cpp.server`, the `peers` extra; its web stack comes from llama-cpp-python's `server`
+extra) on the same GGUF and polls `/v1/models` until it answers. Either raises `PeerMissing`
+with the reason (the report lists the system as not run). `cpu_seconds()` is user + system time
+of the server process and all its descendants (grammar compile workers included), from /proc:
+the figure a per-task cost is made of.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+class PeerMissing(Exception):
+    """A system that cannot be started here; the message says why."""
+
+
+def _tree_cpu_s(root: int) -> float:
+    """utime + stime of `root` and its live descendants, plus what its reaped children used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), fields)  # ppid, fields from state on
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in stats:
+            continue
+        fields = stats[pid][1]
+        # fields[11..14] = utime, stime, cutime, cstime (stat fields 14..17)
+        total += sum(int(x) for x in fields[11:15]) / tick
+        todo += [p for p, (ppid, _) in stats.items() if ppid == pid]
+    return total
+
+
+class _Process:
+    name = "server"
+
+    def __init__(self, args: list[str], env: dict | None = None):
+        self.args = args
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                     env=env)
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            self.on_line(line)
+        self._ready.set()
+
+    def on_line(self, line: str) -> None:
+        pass
+
+    def cpu_seconds(self) -> float:
+        return _tree_cpu_s(self.proc.pid)
+
+    def tail(self, n: int = 15) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(20)
+
+
+class PrescientServer(_Process):
+    def __init__(self, model: str | None, speculate: str, extra: tuple[str, ...] = (), timeout_s: float = 300.0):
+        args = [sys.executable, "-m", "prescient.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                "--speculate", speculate, "--quiet", *extra]
+        if model:
+            args += ["--model", model]
+        self.name = f"prescient serve --speculate {speculate}"
+        super().__init__(args)
+        if not self._ready.wait(timeout_s) or self.url is None:
+            self.stop()
+            raise PeerMissing(f"{self.name} did not start:\n{self.tail()}")
+
+    def on_line(self, line: str) -> None:
+        m = re.search(r"OpenAI API\s+(http://\S+)/v1", line)
+        if m:
+            self.url = m.group(1)
+        if "/metrics" in line:  # the banner's last line
+            self._ready.set()
+
+
+def llamacpp_version() -> str | None:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version("llama_cpp_python")
+    except Exception:
+        return None
+
+
+class LlamaCppServer(_Process):
+    """llama_cpp.server as its documentation sets it up for tool calls: a function-calling chat
+    format (`chatml-function-calling`, for ChatML models such as SmolLM2) and the prompt cache on;
+    requests queue rather than interrupt each other."""
+
+    def __init__(self, model: str, threads: int, chat_format: str = "chatml-function-calling", n_ctx: int = 4096,
+                 timeout_s: float = 180.0, pythonpath: str | None = None):
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError as e:
+            raise PeerMissing(f"llama-cpp-python is not installed (the `peers` extra): {e}") from e
+        if not model.endswith(".gguf"):
+            raise PeerMissing(f"llama.cpp needs a .gguf model, got {model}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ)
+        if pythonpath:  # the server extra's web stack, installed apart from this environment
+            env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.name = f"llama_cpp.server {llamacpp_version()} ({chat_format}, cache on)"
+        self.chat_format = chat_format
+        super().__init__([sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
+                          "--port", str(port), "--chat_format", chat_format, "--cache", "true", "--n_ctx", str(n_ctx),
+                          "--n_threads", str(threads), "--verbose", "false",
+                          # its default lets each new request cut off the one streaming: concurrent
+                          # agents would get empty replies instead of waiting their turn
+                          "--interrupt_requests", "false"], env)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while not self._answers(port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                why = "exited" if self.proc.returncode is not None else "did not answer"
+                raise PeerMissing(f"{self.name} {why}:\n{self.tail()}")
+            time.sleep(0.3)
+
+    @staticmethod
+    def _answers(port: int) -> bool:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/v1/models")
+            ok = conn.getresponse().status == 200
+            conn.close()
+            return ok
+        except OSError:
+            return False
+
