@@ -490,7 +490,9 @@ void z_emit(const pq_job_t *j, __m512 (*acc)[PQ_NR], int n, const int NR)
         if (NR == 4)
             z_store_row4(j, m, n, z_hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
         else
-            store1(j, m, n, _mm512_reduce_add_ps(acc[m][0]));
+            /* z_hsum4's order for a lone row too: a row sums alike in a tile or in the tail */
+            store1(j, m, n, _mm_cvtss_f32(z_hsum4(acc[m][0], _mm512_setzero_ps(), _mm512_setzero_ps(),
+                                                  _mm512_setzero_ps())));
     }
 }
 
@@ -1042,23 +1044,11 @@ static inline __attribute__((always_inline)) __m128 y_hsum4(__m256 a, __m256 b, 
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+/* One row's sum in y_hsum4's order (a row sums alike in a 4-row tile or in the tail). */
 static inline __attribute__((always_inline)) float y_hsum1(__m256 a)
 {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline __attribute__((always_inline)) __m128i y_bf16x4(__m128 v)
-{
-    __m128i u = _mm_castps_si128(v);
-    __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-    __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff), lsb));
-    __m128i q = _mm_or_si128(u, _mm_set1_epi32(0x400000));
-    r = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(r), _mm_castsi128_ps(q), _mm_cmpunord_ps(v, v)));
-    r = _mm_srli_epi32(r, 16);
-    return _mm_packus_epi32(r, r);
+    const __m256 z = _mm256_setzero_ps();
+    return _mm_cvtss_f32(y_hsum4(a, z, z, z));
 }
 
 static inline __attribute__((always_inline)) void y_store_row4(const pq_job_t *j, int m, int n, __m128 s)
@@ -1069,7 +1059,7 @@ static inline __attribute__((always_inline)) void y_store_row4(const pq_job_t *j
     if (j->ydt == DT_F32)
         _mm_storeu_ps((float *)j->y + off, s);
     else
-        _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off), y_bf16x4(s));
+        _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off), bf16x4_rne(s));
 }
 
 static inline __attribute__((always_inline)) void y_prefetch(const uint8_t *p, size_t bytes)

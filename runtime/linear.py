@@ -76,6 +76,7 @@ class Linear:
                 cpu_linear = None
             if cpu_linear is not None and cpu_linear.available():
                 self.packed = cpu_linear.pack_weight(self.weight)
+                self._max_m = cpu_linear.MAX_M  # rows per kernel call
 
     @property
     def out_features(self) -> int:
@@ -100,7 +101,7 @@ class Linear:
         QuantizedLinear does): a decode or verify row gets the same bits in any batch, where
         F.linear's GEMM rounds a row differently from the kernel."""
         if self.packed is not None:
-            m, step = x.shape[0], _GEMV_MAX_M
+            m, step = x.shape[0], self._max_m
             if m <= step or m > BATCH_INVARIANT_M or x.dim() != 2:
                 y = self.packed(x)
             else:
@@ -118,7 +119,6 @@ class Linear:
 # __call__): the fused native layers' bound too, so a batch planned by runtime/batch.py runs the
 # same kernels for every decode/verify row on either path
 BATCH_INVARIANT_M = 64
-_GEMV_MAX_M = 16  # kernels/cpu_linear.MAX_M (checked by tests/runtime/test_batch_invariance.py)
 
 
 class QuantizedLinear:

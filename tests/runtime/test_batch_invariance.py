@@ -21,7 +21,7 @@ import torch
 
 from prescient.kernels import cpu_layer, cpu_linear
 from prescient.kernels.cpu_linear import ISA_TIERS
-from prescient.runtime import forward_plan, linear
+from prescient.runtime import forward_plan
 from prescient.runtime.batch import SeqRows, pack_forward_batch
 from prescient.runtime.linear import BATCH_INVARIANT_M, QuantWeight, make_linear
 from prescient.runtime.loader import load_checkpoint, quantize_linears
@@ -46,7 +46,6 @@ def tier(request):
 def test_bounds_agree():
     """One bound for the plan, the linears and the fused layers."""
     assert BATCH_INVARIANT_M == cpu_layer.MAX_T
-    assert linear._GEMV_MAX_M == cpu_linear.MAX_M
 
 
 def _weights(kind: str, n: int, k: int, g: torch.Generator):
@@ -73,6 +72,29 @@ def test_linear_rows_do_not_depend_on_the_batch(tier, kind):
             assert torch.equal(got, alone[:m]), f"{kind} {xdt} M={m}: {(got != alone[:m]).sum()} elements differ"
         # a row's place in the call does not matter either
         assert torch.equal(lin(x[5:30]), alone[5:30])
+
+
+@pytest.mark.parametrize("tier", ISA_TIERS, indirect=True)
+@pytest.mark.parametrize("kind", ["f32", "bf16", "q8_0", "q4_1", "q4_k"])
+def test_output_rows_do_not_depend_on_their_tile(tier, kind):
+    """An output feature gets the same bits in a full 4-row tile as among the leftover rows of
+    an N that is no multiple of 4 (the kernels' one-row tail path), so no thread split or shard
+    boundary moves a result."""
+    g = torch.Generator().manual_seed(len(kind))
+    w = _weights("f32", 203, 256, g)  # [N, K], N % 4 == 3
+    rolled = torch.roll(w, 3, dims=0)  # the last 3 rows (the tail) now lead, inside a full tile
+    if kind != "f32":
+        w, rolled = w.to(torch.bfloat16), rolled.to(torch.bfloat16)
+    if kind not in ("f32", "bf16"):
+        from prescient.kernels.quant_reference import quantize
+        from prescient.kernels.quant_reference_k import quantize_k
+
+        q = quantize_k if kind.endswith("_k") else quantize
+        w, rolled = (QuantWeight(torch.as_tensor(q(t.float(), kind)).reshape(203, -1), kind, (203, 256))
+                     for t in (w, rolled))
+    x = torch.randn(5, 256, generator=g)  # [M, K]
+    a, b = make_linear(w)(x), make_linear(rolled)(x)
+    assert torch.equal(torch.roll(a, 3, dims=1), b), f"{kind}: {(torch.roll(a, 3, dims=1) != b).sum()} differ"
 
 
 def _seq(rows: int, samples: bool = True):
