@@ -13,7 +13,8 @@ the refusal is what the cache keeps.
 Every JSON schema that reaches xgrammar, tool argument schemas included, is first rewritten into
 a form xgrammar enforces exactly (schema/lower.py), passes `check_schema` (schema/check.py:
 nothing is silently weakened), then has its declared objects closed (schema/closed_objects.py)
-and, if it has a `pattern`, is compiled as EBNF (pattern.py).
+and is converted to EBNF (patterns through pattern.py), rewritten to compile faster in the same
+language (open_keys.py, rule_dedupe.py) before xgrammar compiles it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from prescient.grammar.pattern import (
     has_pattern,
     schema_ebnf_with_patterns,
 )
+from prescient.grammar.open_keys import share_key_tails
+from prescient.grammar.rule_dedupe import dedupe_rules
 from prescient.grammar.schema.check import check_schema
 from prescient.grammar.schema.closed_objects import close_declared_objects
 from prescient.grammar.schema.lower import lower_schema
@@ -70,9 +73,14 @@ class CompilerConfig:
     # Worker processes run at this nice value: a heavy compile takes the CPU the engine and the
     # event loop leave over instead of slowing every stream's steps.
     nice: int = 10
+    # xgrammar's own cache, in MiB (0: off), per compiling process. It keeps token masks per
+    # rule, so a pattern or subschema met in an earlier grammar costs nothing in the next one
+    # (a schema repeating another's `^[a-zA-Z0-9_]{1,500}$`: 0.85 s -> 7 ms); ~2-4 MB a grammar.
+    xgrammar_cache_mb: int = 128
 
     def __post_init__(self) -> None:
-        if self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1 or not 0 <= self.nice <= 19:
+        if (self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1 or not 0 <= self.nice <= 19
+                or self.xgrammar_cache_mb < 0):
             raise ValueError(f"invalid CompilerConfig {self}")
 
 
@@ -128,9 +136,11 @@ class GrammarCompiler:
     def __init__(self, tokenizer: GrammarTokenizer, config: CompilerConfig = CompilerConfig()):
         self.tokenizer = tokenizer
         self.config = config
-        # xgrammar's own cache is off: ours bounds memory by entry count and also caches refusals.
+        # Ours caches whole grammars by spec, refusals too; xgrammar's, bounded in bytes, is kept
+        # for what ours cannot share: masks of rules that recur across different grammars.
         self._xgr = xgr.GrammarCompiler(
-            tokenizer.info, max_threads=config.xgrammar_threads, cache_enabled=False
+            tokenizer.info, max_threads=config.xgrammar_threads,
+            cache_enabled=config.xgrammar_cache_mb > 0, cache_limit_bytes=config.xgrammar_cache_mb << 20,
         )
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar")
         self._procs = CompilePool(tokenizer, config, self._result, self.build) if config.isolate else None
@@ -236,10 +246,7 @@ class GrammarCompiler:
         return close_declared_objects(schema) if closing else schema
 
     def _json_schema(self, source: str) -> xgr.CompiledGrammar:
-        schema = self.prepare_schema(json.loads(source))
-        if has_pattern(schema):  # see pattern.py: xgrammar's own pattern FSM over-accepts
-            return self._xgr.compile_grammar(schema_ebnf_with_patterns(schema, self._schema_ebnf))
-        return self._xgr.compile_json_schema(json.dumps(schema), **self._json_options())
+        return self._xgr.compile_grammar(self._schema_grammar(json.loads(source)))
 
     def _json_object(self, source: str) -> xgr.CompiledGrammar:
         return self._xgr.compile_json_schema('{"type": "object"}', **self._json_options())
@@ -252,13 +259,19 @@ class GrammarCompiler:
         return self._xgr.compile_grammar(source)
 
     def _tool_calls(self, source: str) -> xgr.CompiledGrammar:
-        return self._xgr.compile_structural_tag(tool_call_structural_tag(source, self._args_ebnf))
+        return self._xgr.compile_structural_tag(tool_call_structural_tag(source, self._schema_grammar))
 
-    def _args_ebnf(self, schema: object) -> str:
+    def _schema_grammar(self, schema: object) -> str:
+        """EBNF for a JSON schema (a response format's or a tool's arguments): prepared, converted
+        by xgrammar, then rewritten to compile faster in the same language: open objects' key
+        tries share their free tails (open_keys.py) and repeated rules are merged
+        (rule_dedupe.py). Together ~10x on the slowest Github_hard schemas."""
         schema = self.prepare_schema(schema)
-        if has_pattern(schema):
-            return schema_ebnf_with_patterns(schema, self._schema_ebnf)
-        return self._schema_ebnf(json.dumps(schema))
+        if has_pattern(schema):  # see pattern.py: xgrammar's own pattern FSM over-accepts
+            ebnf = schema_ebnf_with_patterns(schema, self._schema_ebnf)
+        else:
+            ebnf = self._schema_ebnf(json.dumps(schema))
+        return dedupe_rules(share_key_tails(ebnf))
 
     def _schema_ebnf(self, schema_json: str) -> str:
         return str(xgr.Grammar.from_json_schema(schema_json, **self._json_options()))

@@ -101,6 +101,13 @@ def _renamed_rules(ebnf: str, prefix: str) -> str:
 
 def _rename_refs(body: str, names: set[str], prefix: str) -> str:
     """Prefix rule references in an EBNF body, leaving string literals and classes alone."""
+    return "".join(prefix + t if t in names else t for t in ebnf_tokens(body))
+
+
+def ebnf_tokens(body: str) -> list[str]:
+    """Split an EBNF rule body into identifiers, string literals, character classes and single
+    characters (joined, they give the body back), so a reference is one token, never part of a
+    literal."""
     out, i, n = [], 0, len(body)
     while i < n:
         c = body[i]
@@ -115,13 +122,12 @@ def _rename_refs(body: str, names: set[str], prefix: str) -> str:
             j = i
             while j < n and (body[j].isalnum() or body[j] == "_"):
                 j += 1
-            word = body[i:j]
-            out.append(prefix + word if word in names else word)
+            out.append(body[i:j])
             i = j
         else:
             out.append(c)
             i += 1
-    return "".join(out)
+    return out
 
 
 def check_pattern(pattern: Any, path: str = "#") -> None:

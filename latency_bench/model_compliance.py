@@ -71,8 +71,16 @@ def classify(schema: dict, text: str) -> tuple[str, str | None]:
 
 
 def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: int,
-             concurrency: int, temperature: float, progress: bool = True, **penalties) -> dict:
+             concurrency: int, temperature: float, progress: bool = True, sample: int | None = None,
+             seed: int = 0, **penalties) -> dict:
+    """`limit`: the file's first rows; `sample`: a seeded uniform draw of that many rows instead
+    (an estimate of the whole split, whose rows are not in random order)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if sample:
+        import random
+
+        picked = sorted(random.Random(seed).sample(range(len(rows)), min(sample, len(rows))))
+        rows = [rows[i] for i in picked]
     rows = rows[:limit] if limit else rows
     compiler = engine.grammar_compiler()
     refused: dict[str, int] = {}
@@ -224,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frequency-penalty", type=float, default=1.0)
     parser.add_argument("--speculate", default="off", choices=["off", "ngram"])
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="a seeded uniform draw of this many schemas per file (instead of the first ones)")
+    parser.add_argument("--seed", type=int, default=0, help="the --sample draw's seed")
     parser.add_argument("--out", default=None, help="write the JSON report here")
     args = parser.parse_args(argv)
     engine = build_engine(EngineSpec(dtype=args.dtype, speculate=args.speculate, calibrate="now"))
     report = {"config": {"max_tokens": args.max_tokens, "temperature": args.temperature,
                          "speculate": args.speculate, "concurrency": args.concurrency, "limit": args.limit,
+                         "sample": args.sample, "seed": args.seed,
                          "dtype": args.dtype, "presence_penalty": args.presence_penalty,
                          "frequency_penalty": args.frequency_penalty,
                          "model": "SmolLM2-135M-Instruct Q4_1 GGUF (the default)"}, "files": {}}
@@ -237,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.files.split(","):
         t0 = time.perf_counter()
         report["files"][name] = run_file(engine, pathlib.Path(args.data) / name, args.limit, args.max_tokens,
-                                         args.concurrency, args.temperature,
+                                         args.concurrency, args.temperature, sample=args.sample, seed=args.seed,
                                          presence_penalty=args.presence_penalty,
                                          frequency_penalty=args.frequency_penalty)
         step_seconds += time.perf_counter() - t0

@@ -58,6 +58,9 @@ class EngineSpec:
     progress: bool = True  # stage progress on stderr
     # tensor-parallel ranks (runtime/tp_worker.py): rank 0 is this process, the others are spawned
     tp: int = 1
+    # a prefill/decode split (runtime/disaggregated.py): this process decodes, a spawned prefill
+    # worker computes every prompt and hands its KV pages over torch.distributed
+    pd_split: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -78,6 +81,12 @@ class EngineSpec:
 
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
+        if self.pd_split and self.tp > 1:
+            raise ValueError("--pd-split with --tp > 1 is not supported: both workers would need their own "
+                             "tensor-parallel group")
+        if self.pd_split and self.speculate == "draft":
+            raise ValueError("--pd-split with --speculate draft is not supported: the draft model keeps its own "
+                             "KV of the prompt, which the prefill worker does not compute (use ngram or off)")
         kind = self.device.split(":")[0]
         if kind not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
@@ -227,5 +236,29 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
             with stage("measuring the verify cost (cached for later starts)", spec.progress):
                 while speculator.idle_work():
                     pass
-    return Engine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids,
-                  speculator=speculator)
+    if spec.pd_split and loaded.identity is None:
+        raise ValueError("--pd-split needs a checkpoint the prefill worker can load itself (this model's "
+                         "weights were made in memory)")
+    engine = Engine(loaded.model, loaded.tokenizer, config, eos_token_ids=loaded.eos_token_ids,
+                    speculator=speculator)
+    if spec.pd_split:
+        start_prefill_worker(spec, engine)
+    return engine
+
+
+def start_prefill_worker(spec: EngineSpec, engine: Engine) -> None:
+    """Spawn the split's prefill worker (the same checkpoint, read from the converted-weights
+    cache) and give this engine the decode side. The cores are shared out between the two."""
+    from prescient.runtime.disaggregated import launch_prefill_worker
+    from prescient.runtime.tensor_parallel import default_threads
+    from prescient.runtime.tp_worker import CheckpointSource, _set_threads
+
+    threads = default_threads(2)
+    _set_threads(threads)
+    if hasattr(engine.model, "_torch_threads"):  # the threads its prefill-sized forwards get back
+        engine.model._torch_threads = threads
+    source = CheckpointSource(spec.model, spec.dtype, spec.weights_cache, spec.weights, spec.quantize)
+    kwargs = dict(dtype=DTYPES[spec.dtype], weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],
+                  weights_mode=weights_label(spec), device=spec.device)
+    with stage(f"starting the prefill worker ({threads} thread(s) each)", spec.progress):
+        engine.remote_prefill = launch_prefill_worker(engine, source, kwargs, threads=threads)

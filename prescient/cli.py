@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from prescient.build import CALIBRATE, SPECULATE, EngineSpec
 from prescient.runtime.loader import QUANTIZE
@@ -79,6 +80,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks: this process (rank 0: scheduler, speculation, grammar, sampling) "
                    "and N-1 spawned workers, each holding a shard of every layer (split by KV-head group); "
                    "on CPU the cores are shared out, so it is not faster on a small machine")
+    p.add_argument("--pd-split", action="store_true",
+                   help="prefill/decode split: a spawned prefill worker computes every prompt and hands its KV "
+                   "pages to this process, which decodes and streams (the cores are shared out between them)")
     p.add_argument("--quiet", action="store_true", help="no progress or stage lines on stderr")
 
 
@@ -147,7 +151,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
                       session_ttl_s=args.session_ttl_s, max_waiting=args.max_waiting,
                       max_queue_wait_s=args.max_queue_wait_s,
                       calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet,
-                      tp=args.tp)
+                      tp=args.tp, pd_split=args.pd_split)
 
 
 def _agents_flag(bench_argv: list[str]) -> bool:
@@ -164,6 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             from prescient.latency_bench.agent_bench import main as agents_main
 
             return agents_main([a for a in argv[1:] if a != "--agents"]) or 0
+        if argv[:1] == ["bench"] and any(a in ("--tp", "--pd-split") for a in argv):
+            # ms/token at TP=1 and TP=2 (tp_bench), or decode ITL under a long prefill with and
+            # without the prefill/decode split (pd_bench): each its own command line
+            if "--tp" in argv:
+                from prescient.latency_bench.tp_bench import main as tp_main
+
+                return tp_main([a for a in argv[1:] if a != "--tp"]) or 0
+            from prescient.latency_bench.pd_bench import main as pd_main
+
+            return pd_main([a for a in argv[1:] if a != "--pd-split"]) or 0
         if argv[:1] == ["bench"]:
             # latency_bench owns its whole command line (argparse's REMAINDER would refuse a
             # leading option such as `bench --quick`), so hand it over before parsing
@@ -208,10 +222,13 @@ def _generate(spec: EngineSpec, prompt: str, max_tokens: int, temperature: float
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     request = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        outs = engine.step()
+        for out in outs:
             if out.request_id == request.request_id and out.new_text:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
+        if not outs:
+            time.sleep(0.0005)  # --pd-split: the prompt is with the prefill worker
     sys.stdout.write("\n")
     if request.finish_reason == "error":
         print("prescient: error: generation failed", file=sys.stderr)

@@ -45,6 +45,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = False
         self.step_hooks: list[Callable[[Engine, list[RequestOutput], float], None]] = []
+        remote = getattr(engine, "remote_prefill", None)
+        if remote is not None:  # a prefill/decode split: pages arriving wake the loop
+            remote.wake = self._wake.set
         self._thread = threading.Thread(target=self._loop, name="prescient-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +127,9 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+        remote = getattr(self.engine, "remote_prefill", None)
+        if remote is not None:
+            remote.close()
 
     # ---------------------------------------------------------------- engine thread
 

@@ -26,7 +26,7 @@ from prescient.runtime.request import (SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGE
                                       RequestOutput)
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.runtime.scheduler import Scheduler
+from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.sessions import SessionPins
 from prescient.runtime.speculation import Drafts, Speculation
 from prescient.runtime.step_result import SeqResult, commit_tokens
@@ -71,6 +71,9 @@ class Engine:
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
         self.grammar_step = GrammarStep(model.config.vocab_size, self.eos_token_ids)
         self._grammar_compiler = None
+        # a prefill/decode split's prefill worker (runtime/disaggregated.py): new prompts are
+        # computed there and their pages come back here; None = prompts are prefilled here
+        self.remote_prefill = None
         self._ids = itertools.count()
         self.num_steps = 0
 
@@ -133,7 +136,12 @@ class Engine:
         request_id = request.request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.scheduler.add(request)  # first: a full queue (OverloadedError) leaves nothing behind
+        remote = self.remote_prefill
+        if remote is not None and remote.accepts():
+            self.scheduler.check_room()  # first, like scheduler.add: a refusal leaves nothing behind
+            remote.submit(self, request)
+        else:
+            self.scheduler.add(request)  # first: a full queue (OverloadedError) leaves nothing behind
         self.requests[request_id] = request
         if self.tokenizer is not None:
             self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
@@ -145,6 +153,8 @@ class Engine:
             return False
         request.finish_reason = "abort"
         request.finished_time = time.perf_counter()
+        if self.remote_prefill is not None:
+            self.remote_prefill.abort(request)
         self._release(request)
         return True
 
@@ -158,7 +168,7 @@ class Engine:
             self.speculator.release(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.remote_prefill is not None and self.remote_prefill.has_pending())
 
     # ---------------------------------------------------------------- the step
 
@@ -166,6 +176,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         self.sessions.expire()
         failed = self._expire_waiting()
+        if self.remote_prefill is not None:
+            failed += self._take_handoffs()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return failed
@@ -182,6 +194,43 @@ class Engine:
                    else self._sample(sched.seqs, logits))
         self.num_steps += 1
         return failed + self._commit(sched.seqs, results, drafts.forced)
+
+    def _take_handoffs(self) -> list[RequestOutput]:
+        """Prompts the prefill worker finished: their pages are in this cache; sample each first
+        token from the logits row that came with them, as a co-located step would from its
+        forward (penalties, grammar mask, sampling or verification, commit)."""
+        ready, bad = self.remote_prefill.collect(self)
+        outputs = [self._fail_request(request, message) for request, message in bad]
+        if not ready:
+            return outputs
+        seqs = [ScheduledSeq(request, 0, 0) for request, _ in ready]  # prompts computed: each samples
+        rows = {id(request): row for request, row in ready}
+        outputs += self._resolve_grammars(seqs)
+        if not seqs:
+            return outputs
+        logits = torch.cat([rows[id(seq.request)] for seq in seqs]).to(self.model.device)  # [n, vocab]
+        trees, masks = self.grammar_step.prepare(seqs, [None] * len(seqs))
+        apply_penalties(logits, seqs, trees)
+        self.grammar_step.apply(logits, masks)
+        results = (self.speculator.verify(seqs, trees, logits, self.kv_caches) if self.speculator
+                   else self._sample(seqs, logits))
+        for seq in seqs:  # drafts from the next step's plan, made over the whole batch
+            seq.request.spec_budget = 0
+        outs = self._commit(seqs, results, [0] * len(seqs))
+        now = time.perf_counter()
+        for out in outs:
+            request = next(s.request for s in seqs if s.request.request_id == out.request_id)
+            timing = self.remote_prefill.first_token_committed(request, now)
+            out.ttft_split = None if timing is None else timing.as_dict()
+        return outputs + outs
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        self.requests.pop(request.request_id, None)
+        request.finish_reason = "error"
+        request.finished_time = time.perf_counter()
+        self._release(request)
+        return RequestOutput(request.request_id, [], "", True, "error", error=message,
+                             num_prompt_tokens=len(request.prompt_token_ids))
 
     def _expire_waiting(self) -> list[RequestOutput]:
         """End the requests that waited too long to start, each with an "overloaded" error."""
@@ -298,9 +347,12 @@ class Engine:
         ids = [self.add_request(p, params).request_id for p in prompts]
         done: dict[str, list[int]] = {i: [] for i in ids}
         while self.has_unfinished_requests():
-            for out in self.step():
+            outs = self.step()
+            for out in outs:
                 if out.request_id in done:
                     done[out.request_id].extend(out.new_token_ids)
+            if not outs and self.remote_prefill is not None:
+                time.sleep(0.0005)  # waiting for the prefill worker's pages: leave it the core
         return [done[i] for i in ids]
 
 

@@ -101,6 +101,9 @@ class RequestOutput:
     error: str | None = None
     error_type: str | None = None  # "overloaded": refused for load, worth retrying after retry_after_s
     retry_after_s: float | None = None
+    # a prefill/decode split's first output: where the time to first token went (seconds:
+    # queue_s, prefill_s, transfer_s, first_decode_s; runtime/kv_handoff.HandoffTiming)
+    ttft_split: dict | None = None
 
 
 class OverloadedError(RuntimeError):

@@ -539,9 +539,11 @@ def launch(source, world: int, model_kwargs: dict, device: str = "cpu", rank0_we
                                local, config, plans)
 
 
-def _join(fn, procs: list, timeout_s: float):
+def _join(fn, procs: list, timeout_s: float, name=lambda rank: f"tensor-parallel rank {rank}",
+          error=TensorParallelError):
     """fn() on a helper thread while the workers are watched: a worker that exits during startup
-    is an error at once, not a wait for the rendezvous timeout."""
+    is an error at once, not a wait for the rendezvous timeout. `name(rank)` names a worker (ranks
+    from 1) and `error` is what is raised."""
     box: dict = {}
 
     def run():
@@ -557,10 +559,10 @@ def _join(fn, procs: list, timeout_s: float):
         t.join(0.1)
         for rank, p in enumerate(procs, start=1):
             if p.exitcode is not None and t.is_alive():
-                raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {p.exitcode} during "
-                                          "startup (its error is above)")
+                raise error(f"{name(rank)} exited with code {p.exitcode} during startup (its error is above)")
         if time.monotonic() > deadline:
-            raise TensorParallelError(f"tensor-parallel startup: the ranks did not meet within {timeout_s:g} s")
+            raise error(f"startup: {', '.join(name(r) for r in range(1, len(procs) + 1))} did not meet this "
+                        f"process within {timeout_s:g} s")
     if "error" in box:
         raise box["error"]
     return box.get("value")

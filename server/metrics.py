@@ -68,6 +68,23 @@ class EngineCollector:
                                     value=spec.acceptance_rate)
             yield GaugeMetricFamily("prescient_spec_mean_accepted_length", "tokens per speculative step, bonus "
                                     "included", value=spec.mean_accepted_length)
+        remote = getattr(e, "remote_prefill", None)
+        if remote is not None:  # --pd-split: where the split requests' TTFT went (runtime/disaggregated.py)
+            for name, doc, value in (
+                    ("handoffs", "prompts prefilled by the prefill worker", remote.num_handoffs),
+                    ("prompt_tokens", "prompt tokens whose KV the prefill worker handed over",
+                     remote.num_prompt_tokens_moved),
+                    ("first_tokens", "split requests' first tokens committed", remote.num_first_tokens),
+                    ("local_fallbacks", "handed-over prompts prefilled here after all (their cached prefix "
+                     "was evicted meanwhile)", remote.num_local_fallbacks)):
+                family = CounterMetricFamily(f"prescient_pd_{name}", doc)
+                family.add_metric([], value)
+                yield family
+            parts = CounterMetricFamily("prescient_pd_ttft_seconds", "split requests' time to first token by "
+                                        "part (queue, prefill, transfer, first_decode), summed", labels=["part"])
+            for part, value in remote.totals.as_dict().items():
+                parts.add_metric([part.removesuffix("_s")], value)
+            yield parts
         grammar = e.grammar_step.stats
         mask = CounterMetricFamily("prescient_grammar_mask_seconds", "time spent filling and applying grammar masks")
         mask.add_metric([], grammar.mask_seconds)

@@ -7,11 +7,14 @@ Every JSON schema bound for xgrammar (response formats and tool argument schemas
                                 would weaken rewritten into equivalent or narrower ones; the
                                 rules live in merge.py (keywords beside `$ref`/combinators
                                 merged, enums filtered), objects.py, scalars.py (with
-                                regex_length.py: pattern x length) and one_of.py, over the
-                                helpers in nodes.py; refuses a schema it proves unsatisfiable
-                                and names every narrowing rule it used
+                                regex_length.py: pattern x length), one_of.py and
+                                one_of_singletons.py, fractional_step.py, formats.py and
+                                not_rules.py, over the helpers in nodes.py; refuses a schema it
+                                proves unsatisfiable and names every narrowing rule it used
     check  (check.py)           refuse, with GrammarError naming the feature, whatever is left
-                                that xgrammar would silently drop
+                                that xgrammar would silently drop; a `oneOf` passes when
+                                disjoint.py (with regex_overlap.py for patterns) proves its
+                                branches share no instance
     close  (closed_objects.py)  additionalProperties: false on objects that declare properties
 
 Narrower is allowed (every output still validates against the original schema), looser never.

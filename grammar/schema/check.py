@@ -27,6 +27,7 @@ from urllib.parse import unquote
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.pattern import check_pattern
+from prescient.grammar.schema.disjoint import Disjointness
 
 # Dropped wherever they appear (verified: a violating instance is accepted).
 _DROPPED = (
@@ -89,6 +90,8 @@ class _Checker:
     def __init__(self, root: Any):
         self.root = root
         self.checked_refs: set[str] = set()
+        self._disjointness: Disjointness | None = None
+        self._validator = None
 
     def check(self, node: Any, path: str, refs_seen: frozenset[str]) -> None:
         if isinstance(node, bool):
@@ -339,9 +342,24 @@ class _Checker:
                 [_widen(t) for t in type_sets]
             ):
                 return True
-            if all(_types_of(b) == frozenset({"object"}) for b in resolved):
-                return self._discriminated(resolved, refs_seen)
-        return False
+            if all(_types_of(b) == frozenset({"object"}) for b in resolved) and self._discriminated(
+                    resolved, refs_seen):
+                return True
+        return self._prover().pairwise(branches)
+
+    def _prover(self) -> Disjointness:
+        """disjoint.py's pairwise proof, for the branches the quick rules above do not settle."""
+        if self._disjointness is None:
+            self._disjointness = Disjointness(self.root, lambda ref: self._resolve(ref, ref), self._valid)
+        return self._disjointness
+
+    def _valid(self, instance: Any, schema: Any) -> bool:
+        if self._validator is None:
+            import jsonschema
+
+            # the draft the schema names, else the newest (what the compliance check uses too)
+            self._validator = jsonschema.validators.validator_for(self.root)(self.root)
+        return self._validator.evolve(schema=schema).is_valid(instance)
 
     def _discriminated(self, branches: list[dict], refs_seen: frozenset[str]) -> bool:
         common = set.intersection(*(set(b.get("required") or []) for b in branches))

@@ -16,9 +16,14 @@ check_schema to refuse with its usual message.
   (regex_length.py), anchors inside groups dropped, `format` next to lengths (email, uri),
   string or number keywords without a `type` (made strings / numbers: narrower);
 - draft-4 tuple `items` as `prefixItems`;
-- `oneOf` whose branches are provably disjoint as written: `anyOf` (exact; below it narrowing
-  is sound); `oneOf` of closed objects whose branches may overlap: disjoint narrower branches,
-  then `anyOf` (one_of.py).
+- `oneOf` whose branches are provably disjoint as written (check.py with disjoint.py): `anyOf`
+  (exact; below it narrowing is sound); values two branches share (null, [], "", {}) taken out
+  of them (one_of_singletons.py, exact); `oneOf` of closed objects whose branches may overlap:
+  disjoint narrower branches, then `anyOf` (one_of.py);
+- a fractional `multipleOf` (fractional_step.py), `format` beside lengths or a pattern and
+  formats xgrammar does not enforce (formats.py), `if`/`then`/`else` on one property's values
+  (conditionals.py), `not` of literals, one character or
+  required names (not_rules.py, objects.py), a type list with object keywords split by type.
 
 Below a remaining `oneOf` (and in the definitions such oneOfs reach) only exact rewrites run:
 xgrammar treats `oneOf` as `anyOf`, which is exact only for disjoint branches, and check_schema's
@@ -50,8 +55,15 @@ from prescient.grammar.schema.nodes import (
     typed_object,
     without,
 )
+from prescient.grammar.schema import formats
+from prescient.grammar.schema.check import STANDARD_FORMATS
+from prescient.grammar.schema.formats import format_with_pattern
+from prescient.grammar.schema.conditionals import if_then_else
+from prescient.grammar.schema.fractional_step import fractional_step, fractional_steps
+from prescient.grammar.schema.not_rules import not_literals
 from prescient.grammar.schema.objects import object_rules
 from prescient.grammar.schema.one_of import disjoint_one_of
+from prescient.grammar.schema.one_of_singletons import shared_singletons
 from prescient.grammar.schema.refs import localize_refs
 from prescient.grammar.schema.scalars import (
     format_with_length,
@@ -60,6 +72,7 @@ from prescient.grammar.schema.scalars import (
     integer_steps,
     not_type,
     number_keywords_without_type,
+    object_keywords_without_type,
     pattern_anchors,
     pattern_with_length,
     string_keywords_without_type,
@@ -71,6 +84,8 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 # Not `not` or `if`: narrowing there would widen the schema. Left alone, check_schema refuses them.
 _SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems",
               "unevaluatedItems")
+OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+                   "minProperties", "maxProperties", "dependencies", "dependentRequired")
 _SIMPLE_REF = re.compile(r"^#(/(definitions|\$defs)/[^/]+)?$")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")  # keywords beside $ref ignored
 # A malformed schema (`"required": 5`) makes a rule fail in Python: leave it to check_schema.
@@ -103,6 +118,23 @@ def lower_schema(schema: Any, closing: bool = True, narrowed: list[str] | None =
                 out2 = _lower_all(schema, closing, notes2, below)
                 if isinstance(out2, dict) and _definitions_below_one_ofs(out2, only_open=False) <= below:
                     out, notes = out2, notes2
+        # A oneOf left unproved that is reached from its own branches (a recursive definition)
+        # keeps its definition exact above, so one_of.py never narrows it. Pass 3 starts from
+        # no exact definitions and adds those the oneOfs left in its result reach, until they
+        # are already exact (then no narrowed definition sits below a remaining oneOf).
+        if isinstance(out, dict) and _has_open_one_of(out):
+            exact: set = set()
+            for _ in range(3):
+                notes3: list[str] = []
+                out3 = _lower_all(schema, closing, notes3, exact)
+                if not isinstance(out3, dict):
+                    break
+                reached = _definitions_below_one_ofs(out3, only_open=False)
+                if reached <= exact:
+                    if not _has_open_one_of(out3):
+                        out, notes = out3, notes3
+                    break
+                exact |= reached
     except RecursionError:
         return schema  # check_schema refuses it for its depth
     if out is False:
@@ -112,9 +144,12 @@ def lower_schema(schema: Any, closing: bool = True, narrowed: list[str] | None =
                                "dependencies, ...) leaves nothing to generate", feature="narrowing")
         raise GrammarError("the schema is unsatisfiable: no instance satisfies it",
                            feature="unsatisfiable")
+    # (closing an open object is a narrowing: not where a oneOf is left for check_schema to prove)
+    out = _without_false_properties(out, closing, notes if not (
+        isinstance(out, dict) and _has_open_one_of(out)) else None)
     if narrowed is not None:
         narrowed.extend(dict.fromkeys(notes))
-    return _without_false_properties(out, closing)
+    return out
 
 
 def _lower_all(schema: dict, closing: bool, notes: list[str], exact_definitions: set | None) -> Any:
@@ -146,6 +181,17 @@ class _Lowerer:
                                   if exact_definitions is None else exact_definitions)
         self._validator = None
         self._budget = 256  # $ref inlines: a recursive schema must not grow without end
+
+    def _format_with_length(self, node: dict, exact: bool) -> Any:
+        try:
+            out = format_with_length(node)
+        except Unmergeable:
+            return formats.format_with_length(self, node, exact)
+        if "pattern" in out:  # common addresses for an email: narrower
+            if exact:
+                raise Unmergeable("format with a length: narrower")
+            self.note("format with a length (common values)")
+        return out
 
     def note(self, rule: str) -> None:
         """Record that a narrowing (not exact) rewrite ran."""
@@ -193,6 +239,10 @@ class _Lowerer:
                 out[key] = self.lower(node[key], inlined, depth + 1, exact)
         if isinstance(node.get("items"), list):
             out["items"] = [self.lower(v, inlined, depth + 1, exact) for v in node["items"]]
+        if out.get("additionalProperties") is False and "propertyNames" in out and not out.get(
+                "properties") and not out.get("patternProperties"):
+            # no key is allowed at all: xgrammar would read propertyNames as letting keys in
+            out = without(out, "propertyNames")
         props = out.get("properties")
         if is_object(out) and isinstance(props, dict) and False in props.values():
             try:  # a property lowered to false: only absent will do
@@ -216,6 +266,13 @@ class _Lowerer:
                 # at most one branch matches any instance: oneOf means anyOf, and below an
                 # anyOf narrowing is sound
                 return {**without(node, "oneOf"), "anyOf": node["oneOf"]}, inlined
+            if (isinstance(node.get("oneOf"), list) and len(node["oneOf"]) > 1
+                    and not assertions(node, "oneOf")):
+                rewritten = shared_singletons(self, node, inlined)  # exact
+                if rewritten is not node:
+                    return rewritten, inlined
+            if "if" in node or "then" in node or "else" in node:
+                return if_then_else(self, node, inlined), inlined  # exact (conditionals.py)
             if "$ref" in node and assertions(node, "$ref"):
                 ref = node["$ref"]
                 if self.ref_siblings_ignored:  # what drafts 4-7 say, and what jsonschema does
@@ -239,19 +296,37 @@ class _Lowerer:
                              without(node, "enum", "const"), self.keep_valid), inlined
             if isinstance(node.get("not"), dict) and set(node["not"]) == {"type"}:
                 return not_type(node), inlined
+            if "not" in node and node.get("type") in ("string", ["string"], "integer", ["integer"]):
+                try:
+                    return not_literals(self, node, inlined), inlined
+                except Unmergeable:
+                    pass  # other rules may still apply; check_schema refuses the `not`
             if whole_step(node):
                 return integer_steps(node), inlined
+            if fractional_step(node):
+                return fractional_steps(self, node, exact), inlined
             if integer_bounds_to_fix(node):
                 return integer_bounds(self, node), inlined
             if string_keywords_without_type(node) and not exact:
                 self.note("string keywords without a type")
                 return {**node, "type": "string"}, inlined  # narrower: other types pass them
+            if object_keywords_without_type(node) and not exact:
+                self.note("object keywords without a type")
+                return {**node, "type": "object"}, inlined  # narrower: other types pass them
+            if isinstance(node.get("propertyNames"), dict) and "$ref" in node["propertyNames"]:
+                # check_schema reads propertyNames as a string schema: the target inlined
+                return {**node, "propertyNames": self.plain(node["propertyNames"], inlined)}, inlined
             if number_keywords_without_type(node) and not exact:
                 self.note("number keywords without a type")
                 return {**node, "type": "number"}, inlined  # narrower: other types pass them
+            if node.get("format") in formats.UNENFORCED and not exact and not any(
+                    k in node for k in ("pattern", "minLength", "maxLength")) and node.get("type") is not None:
+                return formats.unenforced_format(self, node, exact), inlined
+            if node.get("format") in STANDARD_FORMATS and "pattern" in node:
+                return format_with_pattern(self, node, exact), inlined
             if "format" in node and "pattern" not in node and (
                     "minLength" in node or "maxLength" in node):
-                return format_with_length(node), inlined
+                return self._format_with_length(node, exact), inlined
             if "pattern" in node and ("minLength" in node or "maxLength" in node):
                 return pattern_with_length(self, node), inlined
             if isinstance(node.get("pattern"), str) and ("^" in node["pattern"] or "$" in node["pattern"]):
@@ -261,6 +336,15 @@ class _Lowerer:
             if (typed_object(node) and forbids_undeclared(node) and isinstance(node.get("minProperties"), int)
                     and node["minProperties"] > len(node.get("properties") or {})):
                 return False, inlined  # needs more keys than it allows
+            if isinstance(node.get("type"), list) and "object" in node["type"] and len(node["type"]) > 1 and (
+                    node.get("patternProperties") or node.get("dependencies")) and not assertions(
+                    node, "type", *OBJECT_KEYWORDS) and not exact:
+                # exact: object keywords apply to objects only; each type gets its own branch
+                # (no rule reads anyOf branches as written, so below a oneOf it waits)
+                others = [t for t in node["type"] if t != "object"]
+                notes = {k: v for k, v in node.items() if k in NON_ASSERTIONS}
+                return {**notes, "anyOf": [{**without(node, *NON_ASSERTIONS), "type": "object"},
+                                           {"type": others[0] if len(others) == 1 else others}]}, inlined
             if is_object(node):
                 rewritten = object_rules(self, node, inlined, exact)
                 if rewritten is not node:
@@ -348,16 +432,17 @@ class _Lowerer:
             raise Unmergeable(f"literal filter: {err}") from None
 
 
-def _without_false_properties(node: Any, closing: bool) -> Any:
+def _without_false_properties(node: Any, closing: bool, notes: list[str] | None) -> Any:
     """Optional properties whose schema is false dropped from objects that allow no other key
-    (absent is the only way to meet false there, and xgrammar refuses a false schema)."""
+    (absent is the only way to meet false there, and xgrammar refuses a false schema); an
+    object that allows other keys is closed too (narrower: noted)."""
     if isinstance(node, list):
-        return [_without_false_properties(v, closing) for v in node]
+        return [_without_false_properties(v, closing, notes) for v in node]
     if not isinstance(node, dict):
         return node
     out = {k: (v if k in VALUE_KEYS else
-               {n: _without_false_properties(s, closing) for n, s in v.items()}
-               if k == "properties" and isinstance(v, dict) else _without_false_properties(v, closing))
+               {n: _without_false_properties(s, closing, notes) for n, s in v.items()}
+               if k == "properties" and isinstance(v, dict) else _without_false_properties(v, closing, notes))
            for k, v in node.items()}
     props = out.get("properties")
     if isinstance(props, dict) and False in props.values() and not node.get("patternProperties"):
@@ -365,6 +450,10 @@ def _without_false_properties(node: Any, closing: bool) -> Any:
         ap = node.get("additionalProperties")
         kept = {n: s for n, s in props.items() if s is not False or n in required}
         if ap is False or (closing and ap is None and closes({**node, "properties": kept}) and kept):
+            out["properties"] = kept
+            out["additionalProperties"] = False
+        elif notes is not None and all(s is not False for s in kept.values()) and not node.get("propertyNames"):
+            notes.append("false property on an open object (closed)")
             out["properties"] = kept
             out["additionalProperties"] = False
     return out
@@ -404,6 +493,20 @@ def _definitions_below_one_ofs(root: dict, only_open: bool) -> set:
     return reached
 
 
+def _has_open_one_of(root: dict) -> bool:
+    """Whether a `oneOf` not provably disjoint as written is left anywhere in `root`."""
+    stack: list = [root]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("oneOf"), list) and not disjoint_as_written(root, node["oneOf"]):
+                return True
+            stack += [v for k, v in node.items() if k not in VALUE_KEYS]
+        elif isinstance(node, list):
+            stack += node
+    return False
+
+
 def _without_refs_to(node: Any, dead: set[str]) -> Any:
     """`node` with every reference to a `dead` definition replaced by false (and those
     definitions removed)."""
@@ -428,7 +531,9 @@ def _without_refs_to(node: Any, dead: set[str]) -> Any:
 def _refs_are_simple(node: Any) -> bool:
     if isinstance(node, dict):
         ref = node.get("$ref")
-        if ref is not None and not (isinstance(ref, str) and _SIMPLE_REF.match(ref)):
+        # only a string is a reference: a `properties` map may name a key "$ref" (an object
+        # value), and check_schema refuses a non-string `$ref` in a schema
+        if isinstance(ref, str) and not _SIMPLE_REF.match(ref):
             return False
         return all(_refs_are_simple(v) for k, v in node.items()
                    if k not in VALUE_KEYS)

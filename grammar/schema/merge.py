@@ -42,6 +42,11 @@ def merge(a: Any, b: Any, literal_filter: Callable[[list, dict], list] | None = 
         return False
     if not isinstance(a, dict) or not isinstance(b, dict):
         raise Unmergeable("a subschema is not an object")
+    for x, y in ((a, b), (b, a)):
+        if "$ref" in x and x != y and any(k not in ANNOTATIONS for k in y):
+            # keywords written beside a `$ref` are ignored by drafts 4-7: the two stay apart,
+            # for lower.py to resolve the reference and merge the target
+            return {"allOf": [a, b]}
     if ("enum" in a or "const" in a) or ("enum" in b or "const" in b):
         return _merge_literals(a, b, literal_filter)
     for x, y in ((a, b), (b, a)):

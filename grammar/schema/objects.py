@@ -13,9 +13,12 @@ import re
 from typing import Any
 
 from prescient.grammar.schema.merge import Unmergeable
+from prescient.grammar.schema.not_rules import required_sets
+from prescient.grammar.schema.merge import ANNOTATIONS
+from prescient.grammar.schema.regex_overlap import disjoint as patterns_disjoint
+from prescient.grammar.schema.regex_overlap import within
 from prescient.grammar.schema.nodes import (
     combinator,
-    not_required,
     typed_object,
     without,
 )
@@ -53,24 +56,25 @@ def object_rules(lw, node: dict, inlined: frozenset[str], exact: bool) -> Any:
         out["additionalProperties"] = False  # absent is the only way; keep it closed explicitly
     if props != (node.get("properties") or {}):
         out["properties"] = props
-    banned = not_required(node)
-    if banned is not None:
-        if set(banned) <= set(required):
+    sets = required_sets(lw, node, inlined)
+    if sets is not None:
+        if any(set(banned) <= set(required) for banned in sets):
             return False  # an object has them all; a non-object passes `required`: `not` fails
         if typed_object(node) and lw.closed(out):
-            if all(n in props for n in banned):
-                if exact:
-                    raise Unmergeable("not-required narrowing below a oneOf")
-                # narrower: leave out the optional ones, then it cannot have them all
-                props = {k: v for k, v in props.items() if k not in banned or k in required}
-                out["properties"] = props
-                out["additionalProperties"] = False
-            out = without(out, "not")  # a closed object lacks one of them: `not` holds
+            for banned in sets:
+                if all(n in props for n in banned):
+                    if exact:
+                        raise Unmergeable("not-required narrowing below a oneOf")
+                    # narrower: leave out one optional name, then it cannot have them all
+                    lw.note("not required (a name left out)")
+                    dropped = [n for n in banned if n not in required][-1]
+                    props = {k: v for k, v in props.items() if k != dropped}
+                    out["properties"] = props
+                    out["additionalProperties"] = False
+            out = without(out, "not")  # a closed object lacks one of each: `not` holds
     patterns = node.get("patternProperties")
     if isinstance(patterns, dict) and patterns:
-        if exact:
-            raise Unmergeable("patternProperties below a oneOf")
-        return _pattern_properties(lw, out, patterns, inlined)
+        return _pattern_properties(lw, out, patterns, inlined, exact)
     return out if out != node else node
 
 
@@ -130,17 +134,39 @@ def _with_dependency(lw, node: dict, dep: Any, inlined: frozenset[str]) -> Any:
     return lw.merge(node, dep, inlined)  # schema dependency
 
 
-def _pattern_properties(lw, node: dict, patterns: dict, inlined: frozenset[str]) -> Any:
+def _pattern_properties(lw, node: dict, patterns: dict, inlined: frozenset[str], exact: bool) -> Any:
     node = without(node, "patternProperties")
     props = node.get("properties") or {}
-    if not props:
-        if len(patterns) != 1 or "propertyNames" in node:
-            raise Unmergeable("several patternProperties")
+    if len(patterns) == 1 and not props:
         (pattern, sub), = patterns.items()
+        if isinstance(pattern, str) and within(r"^[\s\S]*$", pattern):
+            return {**node, "additionalProperties": sub}  # every name matches: exact
+    if not props:
+        names = node.get("propertyNames")
+        if names is not None and not (len(patterns) == 1 and isinstance(names, dict) and
+                                      names.get("pattern") == next(iter(patterns))
+                                      and set(names) - ANNOTATIONS <= {"pattern", "type"}):
+            raise Unmergeable("patternProperties beside propertyNames")
+        (pattern, sub), *others = patterns.items()
+        if exact and (others or node.get("additionalProperties") is not False):
+            raise Unmergeable("narrower patternProperties below a oneOf")
+        if others:
+            # narrower: only names of one pattern whose names no other pattern matches
+            pattern, sub = _pattern_apart(patterns)
+            lw.note("patternProperties (one pattern's names)")
+        elif node.get("additionalProperties") is not False:
+            lw.note("patternProperties (only matching names)")
         # exact when other names were forbidden; else narrower (only matching names)
-        return {**node, "propertyNames": {"pattern": pattern}, "additionalProperties": sub}
+        # (names are strings: the type says nothing more, and keeps the pattern enforced)
+        return {**node, "propertyNames": {"type": "string", "pattern": pattern}, "additionalProperties": sub}
+    if exact:
+        raise Unmergeable("patternProperties beside properties below a oneOf")
     if not lw.closed(node):
-        raise Unmergeable("patternProperties next to properties on an open object")
+        if node.get("additionalProperties", True) is not True:
+            raise Unmergeable("patternProperties next to properties on an open object")
+        # narrower: the declared keys only (the pattern's keys and any other left out)
+        node = {**node, "additionalProperties": False}
+    lw.note("patternProperties (declared keys only)")  # keys matching a pattern left out
     props = dict(props)
     for pattern, sub in patterns.items():
         try:
@@ -153,3 +179,12 @@ def _pattern_properties(lw, node: dict, patterns: dict, inlined: frozenset[str])
             if regex.search(name):
                 props[name] = lw.merge(props[name], sub, inlined)
     return {**node, "properties": props}
+
+
+def _pattern_apart(patterns: dict) -> tuple[str, Any]:
+    """A (pattern, schema) of `patterns` whose whole-string names no other pattern finds."""
+    for pattern, sub in patterns.items():
+        if isinstance(pattern, str) and all(patterns_disjoint(pattern, other)
+                                            for other in patterns if other != pattern):
+            return pattern, sub
+    raise Unmergeable("several patternProperties that may match one name")

@@ -46,6 +46,8 @@ def disjoint_one_of(lw, node: dict, inlined: frozenset[str], exact_only: bool) -
         raise Unmergeable("oneOf branches are not all closed objects")
     tag = _discriminator(originals)
     if tag is not None and all(tag in (b.get("properties") or {}) for b in narrowed):
+        if any(tag not in (b.get("required") or []) for b in narrowed):
+            lw.note("oneOf branches made disjoint")  # an optional tag made required
         return {**rest, "anyOf": [{**_require(b, tag), "type": "object"} for b in narrowed]}
     # branches equal but for `required`: R_j within R_i means i's instances all match j
     exact = all(without(b, "required") == without(originals[0], "required") for b in originals)
@@ -58,7 +60,10 @@ def disjoint_one_of(lw, node: dict, inlined: frozenset[str], exact_only: bool) -
     author_closed = [forbids_undeclared(b) for b in originals]
     out = []
     for i, b in enumerate(narrowed):
-        b = _require_own_key(b, i, originals, author_closed)
+        own = _require_own_key(b, i, originals, author_closed)
+        if own is not b:
+            lw.note("oneOf branches made disjoint")  # an optional key made required
+        b = own
         mine = set(b.get("required") or [])
         banned: set[str] | None = set()
         for j, other in enumerate(originals):
@@ -75,6 +80,8 @@ def disjoint_one_of(lw, node: dict, inlined: frozenset[str], exact_only: bool) -
                 break
             banned |= extra
         if banned is not None:
+            if banned & set(b.get("properties") or {}):
+                lw.note("oneOf branches made disjoint")  # declared keys left out
             props = {k: v for k, v in (b.get("properties") or {}).items() if k not in banned}
             # an object (narrower where the branch had no type: xgrammar makes it one anyway)
             out.append({**b, "type": "object", "properties": props, "additionalProperties": False})

@@ -11,6 +11,7 @@ from typing import Any
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.pattern import check_pattern
+from prescient.grammar.schema.check import _ASSERTIONS as ASSERTIONS
 from prescient.grammar.schema.check import STANDARD_FORMATS
 from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
 from prescient.grammar.schema.regex_length import restrict_pattern
@@ -24,6 +25,7 @@ _EMAIL = (r"^[a-z0-9]{1,16}([._+-][a-z0-9]{1,16})?@[a-z0-9]([a-z0-9-]{0,14}[a-z0
 _EMAIL_LENGTHS = (6, 95)
 _STRING_ONLY = frozenset({"pattern", "minLength", "maxLength"})
 _NUMBER_ONLY = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+_OBJECT_ONLY = frozenset({"propertyNames", "minProperties", "maxProperties"})
 
 
 def pattern_with_length(lw, node: dict) -> Any:
@@ -131,13 +133,19 @@ def string_keywords_without_type(node: dict) -> bool:
     ignores them there)."""
     keys = {k for k in node if k in _STRING_ONLY or k == "format" or k == "type"}
     asserting = keys & _STRING_ONLY or node.get("format") in STANDARD_FORMATS
-    return "type" not in node and bool(asserting) and not (set(node) - keys - ANNOTATIONS)
+    return "type" not in node and bool(asserting) and not (set(node) - keys - ANNOTATIONS) & ASSERTIONS
 
 
 def number_keywords_without_type(node: dict) -> bool:
     """minimum/maximum/exclusive bounds/multipleOf with no `type` (xgrammar ignores them)."""
     keys = {k for k in node if k in _NUMBER_ONLY}
-    return "type" not in node and bool(keys) and not (set(node) - keys - ANNOTATIONS)
+    return "type" not in node and bool(keys) and not (set(node) - keys - ANNOTATIONS) & ASSERTIONS
+
+
+def object_keywords_without_type(node: dict) -> bool:
+    """propertyNames/minProperties/maxProperties alone, with no `type` (xgrammar ignores them)."""
+    keys = {k for k in node if k in _OBJECT_ONLY}
+    return "type" not in node and bool(keys) and not (set(node) - keys - ANNOTATIONS) & ASSERTIONS
 
 
 

@@ -1,0 +1,137 @@
+"""Decode ITL while a long prompt is prefilled: a prefill/decode split against co-located engines.
+
+    python -m prescient.latency_bench.pd_bench [--long-tokens 1500] [--decodes 2] [--reps 3]
+
+Three setups in this process, runs interleaved (the order rotates each rep):
+- colocated-1t: one engine on one thread; the long prompt's chunks share its steps with the decodes;
+- split: this process decodes on one thread, the prefill worker prefills on the other
+  (`--pd-split`, runtime/disaggregated.py): one thread per worker, as co-located-1t;
+- colocated-2t: one engine on both threads (the same cores as the split, all in one worker).
+Each run starts `--decodes` chat requests (greedy, speculation off), lets them decode 8 tokens, then
+submits one long prompt (max_tokens 1). The figures: the decodes' emission gaps while the long
+prompt is being prefilled (its submission to its first token): p50 / p99 / max; the long prompt's
+TTFT, and for the split its parts (prefill, transfer, first decode). The KV caches are made
+resident first, as `serve` makes them. Engine-level: the engine's own
+emission stamps, the ones /metrics judges (the server adds the same HTTP cost to every setup).
+The decodes' tokens must be equal across setups (greedy: the split changes no output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens: int) -> dict:
+    from prescient.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    decs = [engine.add_request(c, params) for c in chats]
+    stamps: dict[str, list[float]] = {r.request_id: [] for r in decs}
+    long_req, t_submit, t_first, split = None, None, None, None
+    deadline = time.monotonic() + 600
+    while engine.has_unfinished_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError("pd_bench: a run stalled")
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id in stamps and out.new_token_ids:
+                stamps[out.request_id].append(out.token_times[-1] if out.token_times else now)
+            if long_req is not None and out.request_id == long_req.request_id and out.new_token_ids and t_first is None:
+                t_first, split = (out.token_times[-1] if out.token_times else now), out.ttft_split
+        if long_req is None and all(len(s) >= 8 for s in stamps.values()):
+            long_req = engine.add_request(long_ids, SamplingParams(temperature=0.0, max_tokens=1))
+            t_submit = time.perf_counter()
+        if not outs:
+            time.sleep(0.0005)  # the split waiting for pages: nothing else to run
+    gaps = []
+    for s in stamps.values():
+        gaps += [b - a for a, b in zip(s, s[1:]) if b > t_submit and a < t_first]
+    return {"gaps_ms": [g * 1e3 for g in gaps], "ttft_ms": (t_first - t_submit) * 1e3, "split": split,
+            "tokens": [r.output_token_ids for r in decs]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dataclasses import replace
+
+    from prescient.build import EngineSpec, build_engine, load_model
+    from prescient.runtime.tp_worker import _set_threads
+    from prescient.latency_bench.workloads import load_workloads
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--weights", default="native")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--long-tokens", type=int, default=1500)
+    p.add_argument("--decodes", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=160)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+    spec = EngineSpec(model=args.model, dtype=args.dtype, weights=args.weights, speculate="off", calibrate="off",
+                      kv_cache_gb=0.5, progress=False, enable_prefix_caching=False)
+    full = torch.get_num_threads()
+    loaded = load_model(spec)
+    colocated = build_engine(spec, loaded)
+    split = build_engine(replace(spec, pd_split=True), loaded)  # this process now on one thread
+    for engine in (colocated, split):  # resident, as `serve` makes them (runtime/memory.py)
+        engine.prefault_kv().join()
+    tok = loaded.tokenizer
+    workloads, _ = load_workloads()
+    chats = [tok.apply_chat_template(list(w.messages)) for w in workloads[:args.decodes]]
+    text = " ".join(m["content"] for w in workloads for m in w.messages if isinstance(m.get("content"), str))
+    filler = tok.encode(text)
+    long_ids = (filler * (args.long_tokens // max(1, len(filler)) + 1))[:args.long_tokens]
+    setups = {"colocated-1t": (colocated, 1), "split": (split, 1), "colocated-2t": (colocated, full)}
+    runs: dict[str, list[dict]] = {name: [] for name in setups}
+    names = list(setups)
+    for rep in range(args.reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            engine, threads = setups[name]
+            _set_threads(threads)
+            loaded.model._torch_threads = threads
+            r = run_once(engine, chats, long_ids, args.decode_tokens)
+            runs[name].append(r)
+            print(f"rep {rep} {name}: gap p99 {_pct(r['gaps_ms'], 0.99):.1f} ms, long TTFT {r['ttft_ms']:.0f} ms",
+                  file=sys.stderr, flush=True)
+    ref = runs["colocated-1t"][0]["tokens"]
+    report = {"model": args.model or "default", "weights": args.weights, "dtype": args.dtype,
+              "long_prompt_tokens": len(long_ids), "decodes": args.decodes, "reps": args.reps,
+              "threads": {"colocated-1t": 1, "split": "1 + 1 (prefill worker)", "colocated-2t": full},
+              "outputs_equal": all(r["tokens"] == ref for rs in runs.values() for r in rs), "setups": {}}
+    for name, rs in runs.items():
+        gaps = [g for r in rs for g in r["gaps_ms"]]
+        entry = {"gaps": len(gaps), "itl_p50_ms": round(_pct(gaps, 0.5), 1), "itl_p99_ms": round(_pct(gaps, 0.99), 1),
+                 "itl_max_ms": round(max(gaps), 1) if gaps else None,
+                 "long_ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 1)}
+        if rs[0]["split"]:
+            entry["long_ttft_split_ms"] = {k.removesuffix("_s"): round(1e3 * statistics.median(r["split"][k] for r in rs), 1)
+                                           for k in rs[0]["split"]}
+        report["setups"][name] = entry
+    kv = loaded.model.kv_bytes_per_token()
+    report["kv_bytes_per_token"] = kv
+    sp = report["setups"]["split"].get("long_ttft_split_ms", {})
+    if sp.get("transfer"):
+        report["transfer_us_per_token"] = round(1e3 * sp["transfer"] / len(long_ids), 2)
+    out = json.dumps(report, indent=1)
+    print(out)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(out + "\n")
+    split.remote_prefill.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
