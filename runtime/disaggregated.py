@@ -2,18 +2,20 @@
 prompt to the prefill worker (runtime/prefill_worker.py), and takes the pages back into its own
 KV cache (the engine calls `submit`, `collect`, `abort`; a receiver thread waits for pages).
 
-    submit:  hold the prompt's blocks already in this worker's prefix cache (k of them);
+    submit:  k = the prompt's leading blocks in this worker's prefix cache (nothing held);
              queue [OP_PREFILL, num, len, k] + prompt for the sender thread  (engine thread)
     threads: the sender sends in order; the receiver takes [OP_KV header] + payload ->
              arrivals and wakes the engine loop
-    collect: per arrival, fresh blocks for the rest of the prompt, pages scattered in,
-             the request running with its prompt computed -> (request, logits row)
-             for the engine to sample the first token from                (engine thread)
+    collect: arrivals in order while max_num_seqs and the free blocks allow: the k blocks
+             matched again and held, fresh blocks for the rest, pages scattered in, the request
+             running with its prompt computed -> (request, logits row) for the engine to
+             sample the first token from                                    (engine thread)
 
-The decode worker computes no prompt token (unless its own scheduler preempts a request later:
-that one is recomputed here, as any preempted request is). A prefill worker that dies fails the
-requests waiting on it with an error naming it; later prompts are prefilled locally.
-"""
+The decode worker computes no prompt token, except for a request its own scheduler preempts
+later (recomputed here, as any preempted request is) and an arrival whose k blocks were evicted
+meanwhile (prefilled here). A prefill worker that dies, or answers nothing within the queue-wait
+bound, fails the requests waiting on it with an error naming it; later prompts are prefilled
+locally."""
 
 from __future__ import annotations
 
