@@ -51,8 +51,9 @@ class _Pending:
 
 
 class RemotePrefill:
-    def __init__(self, proc, requests_group, results_group, vocab_size: int, max_pending: int):
+    def __init__(self, proc, requests_group, results_group, vocab_size: int, max_pending: int, store=None):
         self.proc = proc
+        self.store = store  # the rendezvous must outlive the groups
         self.requests_group, self.results_group = requests_group, results_group
         self.vocab_size = vocab_size
         self.max_pending = max_pending
@@ -157,26 +158,21 @@ class RemotePrefill:
         t0 = time.perf_counter()
         request, blocks = entry.request, engine.block_manager
         k = len(entry.hashes)
-        hit_ids, hit_hashes = blocks.match_prefix(request.prompt_token_ids)
-        if hit_hashes[:k] != entry.hashes:  # the pages before k are gone: prefill it here instead
-            engine.scheduler.waiting.appendleft(request)
-            self.num_local_fallbacks += 1
-            return False
-        hit_ids = hit_ids[:k]
         fresh = -(-len(request.prompt_token_ids) // blocks.block_size) - k
         if fresh != int(head[2]):
             return f"the prefill worker handed over {int(head[2])} KV blocks for a prompt that needs {fresh}"
-        idle = sum(1 for b in hit_ids if blocks.blocks[b].ref_count == 0)  # taken from the free list
-        while not blocks.can_allocate(fresh + idle):
-            if not engine.sessions.evict_oldest():
-                return None
+        while True:
             hit_ids, hit_hashes = blocks.match_prefix(request.prompt_token_ids)
-            if hit_hashes[:k] != entry.hashes:
+            if hit_hashes[:k] != entry.hashes:  # the pages before k are gone: prefill it here instead
                 engine.scheduler.waiting.appendleft(request)
                 self.num_local_fallbacks += 1
                 return False
             hit_ids = hit_ids[:k]
-            idle = sum(1 for b in hit_ids if blocks.blocks[b].ref_count == 0)
+            idle = sum(1 for b in hit_ids if blocks.blocks[b].ref_count == 0)  # taken from the free list
+            if blocks.can_allocate(fresh + idle):
+                break
+            if not engine.sessions.evict_oldest():  # pins released: match again, blocks may be gone
+                return None
         blocks.acquire_prefix(hit_ids, len(request.prompt_token_ids))
         new_ids = blocks.allocate(fresh)
         try:
@@ -321,7 +317,6 @@ def launch_prefill_worker(engine, source, model_kwargs: dict, threads: int = 1, 
                                  f"{int(head[3])}) are not this worker's ({ours}, blocks of "
                                  f"{engine.block_manager.block_size}, vocab {vocab})")
     remote = RemotePrefill(proc, requests_group, results_group, engine.model.config.vocab_size,
-                           engine.config.scheduler.max_waiting)
-    remote.store = store  # the rendezvous must outlive the groups
+                           engine.config.scheduler.max_waiting, store)
     atexit.register(remote.close)
     return remote

@@ -218,13 +218,14 @@ class Engine:
             seq.request.spec_budget = 0
         outs = self._commit(seqs, results, [0] * len(seqs))
         now = time.perf_counter()
+        by_id = {seq.request.request_id: seq.request for seq in seqs}
         for out in outs:
-            request = next(s.request for s in seqs if s.request.request_id == out.request_id)
-            timing = self.remote_prefill.first_token_committed(request, now)
+            timing = self.remote_prefill.first_token_committed(by_id[out.request_id], now)
             out.ttft_split = None if timing is None else timing.as_dict()
         return outputs + outs
 
     def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        """End one request with an error output (its blocks released); the others go on."""
         self.requests.pop(request.request_id, None)
         request.finish_reason = "error"
         request.finished_time = time.perf_counter()
@@ -259,12 +260,7 @@ class Engine:
                 resolve_matcher(request)
             except Exception as e:  # GrammarError, compile errors: this request only
                 seqs.remove(seq)
-                self.requests.pop(request.request_id, None)
-                request.finish_reason = "error"
-                request.finished_time = time.perf_counter()
-                self._release(request)
-                failed.append(RequestOutput(request.request_id, [], "", True, "error", error=str(e),
-                                            num_prompt_tokens=len(request.prompt_token_ids)))
+                failed.append(self._fail_request(request, str(e)))
         return failed
 
     def _sample(self, seqs, logits: torch.Tensor) -> list[SeqResult | None]:

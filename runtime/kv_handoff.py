@@ -43,17 +43,6 @@ def page_layout(kv_caches) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return [(tuple(t.shape[1:]), t.dtype) for layer in kv_caches for t in layer.tensors()]
 
 
-def page_bytes(kv_caches) -> int:
-    """Payload bytes of one KV block (every layer's tensors)."""
-    n = 0
-    for shape, dtype in page_layout(kv_caches):
-        numel = 1
-        for d in shape:
-            numel *= d
-        n += numel * torch.empty((), dtype=dtype).element_size()
-    return n
-
-
 def gather_pages(kv_caches, block_ids: list[int], logits_row: torch.Tensor) -> torch.Tensor:
     """-> uint8 payload: every layer's pages of `block_ids`, then `logits_row` [vocab] in its own
     dtype. Each tensor's pages are gathered straight into their slice of the payload."""

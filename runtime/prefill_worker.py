@@ -47,8 +47,7 @@ class PrefillServer:
         self.engine = engine
         self.requests_group, self.results_group = requests_group, results_group
         self.inbox: queue.Queue = queue.Queue()
-        self.skip: dict[str, int] = {}  # request id -> leading blocks the decode worker holds
-        self.arrived: dict[str, float] = {}
+        self.skip: dict[str, int] = {}  # request id -> leading blocks the decode worker has cached
 
     def send(self, head: torch.Tensor, payload: torch.Tensor | None = None) -> None:
         send(self.results_group, 0, head, payload)
@@ -80,7 +79,6 @@ class PrefillServer:
                 return False
             if op == kh.OP_ABORT:
                 self.skip.pop(rid, None)
-                self.arrived.pop(rid, None)
                 self.engine.abort(rid)
                 continue
             try:
@@ -90,7 +88,6 @@ class PrefillServer:
                 self.send(kh.header(kh.OP_FAILED, num), _text(f"{type(e).__name__}: {e}"))
                 continue
             self.skip[rid] = int(head[3])
-            self.arrived[rid] = at
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -116,7 +113,7 @@ class PrefillServer:
     def _hand_off(self, request: Request, logits_row: torch.Tensor, done: float) -> None:
         rid = request.request_id
         skip = self.skip.pop(rid, 0)
-        arrived = self.arrived.pop(rid, request.arrival_time)
+        arrived = request.arrival_time  # when its message arrived (make_request's arrival_time)
         t0 = time.perf_counter()
         payload = kh.gather_pages(self.engine.kv_caches, request.block_ids[skip:], logits_row)
         gather_ns = int((time.perf_counter() - t0) * 1e9)

@@ -19,7 +19,7 @@ import torch
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.disaggregated import launch_prefill_worker
 from prescient.runtime.engine import Engine, EngineConfig
-from prescient.runtime.kv_handoff import gather_pages, page_bytes, scatter_pages
+from prescient.runtime.kv_handoff import gather_pages, scatter_pages
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.tp_worker import GivenWeights
@@ -81,7 +81,7 @@ def test_pages_round_trip_between_equal_caches(weights):
             t.copy_(torch.randn(t.shape))
     row = torch.randn(cfg.vocab_size)
     payload = gather_pages(src, [5, 2], row)
-    assert payload.numel() == 2 * page_bytes(src) + 4 * cfg.vocab_size
+    assert payload.numel() == 2 * BLOCK * model.kv_bytes_per_token() + 4 * cfg.vocab_size
     got = scatter_pages(dst, [0, 7], payload, cfg.vocab_size)
     assert torch.equal(got[0], row)
     for a, b in zip(src, dst):
