@@ -42,6 +42,7 @@ from prescient.grammar.spec import GrammarSpec
 
 WARM_WORKERS = 2  # started with the pool, and kept
 IDLE_EXIT_S = 60.0  # a worker beyond those ends after idling this long
+START_LIMIT_S = 120.0  # a worker not ready by then is killed; its thread compiles in this process
 
 
 class CompilePool:
@@ -61,6 +62,7 @@ class CompilePool:
         self._threads = 0  # one per worker process
         self._idle = 0  # of them, waiting for a job or starting up
         self._queued = 0  # jobs no worker has taken yet
+        self._ready: set = set()  # workers that said they can compile (their imports done)
         for _ in range(min(WARM_WORKERS, config.max_workers)):
             self._add_worker()
 
@@ -76,6 +78,11 @@ class CompilePool:
         if grow:
             self._add_worker()
         return future
+
+    @property
+    def ready_workers(self) -> int:
+        """Workers up and able to take a compile at once (not those still importing)."""
+        return len(self._ready)
 
     def close(self) -> None:
         self._closed = True
@@ -194,6 +201,10 @@ class CompilePool:
             self._procs.add(proc)
             conn = Connection(ours.detach())
             conn.send(self._spawn_args)  # waits for the worker to read it (its imports: ~2 s)
+            # ready once its compiler is built: a first compile's limit should not count the start
+            if not conn.poll(START_LIMIT_S) or conn.recv() != "ready":
+                raise OSError("the grammar compile worker did not start")
+            self._ready.add(proc)
             return proc, conn
         except Exception:  # no processes here (a sandbox): compile in this process instead
             self._stop(proc)
@@ -202,6 +213,7 @@ class CompilePool:
     def _stop(self, proc) -> None:
         if proc is not None:
             self._procs.discard(proc)
+            self._ready.discard(proc)
             with contextlib.suppress(Exception):
                 proc.kill()
                 proc.wait(1.0)
@@ -230,6 +242,7 @@ def worker_main(fd: int) -> None:
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
     compiler = GrammarCompiler(GrammarTokenizer(info, _no_encode, tuple(stop_token_ids)),
                                CompilerConfig(**config_fields))
+    conn.send("ready")
     while True:
         try:
             kind, source = conn.recv()
