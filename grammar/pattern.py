@@ -11,6 +11,13 @@ and the ISO-8601 duration pattern accepts "P8". Its regex-to-EBNF converter (the
    converted with `Grammar.from_regex`;
 3. its rules, renamed, replace the placeholder's `Regex(...)` element.
 
+A pattern with nested repetition (`([a-z]+ ?)*`) is written as its minimal DFA instead of
+through `Grammar.from_regex` (regex_dfa.py: the converter's form takes time growing with the
+string to match).
+
+Shorthand classes (`\\d \\w \\s`, complements) match what ECMA-262 and Python's `re` both put in
+them (class_dialects.py), so an output passes a validator of either dialect.
+
 The rewrite emits the canonical JSON escape for each character (`\\n`, not `\\u000a`), which
 is stricter than JSON and still valid.
 """
@@ -23,19 +30,14 @@ from typing import Any, Callable
 
 import xgrammar as xgr
 
+from prescient.grammar.class_dialects import shorthand
 from prescient.grammar.errors import GrammarError
+from prescient.grammar.regex_dfa import dfa_ebnf
 from prescient.grammar.schema.nodes import VALUE_KEYS
 
 _MAX_CHAR = 0x10FFFF
 _UNSAFE = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # must be escaped inside a JSON string
 _SHORT_ESCAPES = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x22: '"', 0x5C: "\\"}
-_CLASS_SHORTHANDS = {
-    "d": [(0x30, 0x39)],
-    "w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
-    "s": [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
-          (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
-          (0xFEFF, 0xFEFF)],
-}
 _CHAR_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
 _LINE_TERMINATORS = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
 _PLACEHOLDER = "prescientpattern{}x"
@@ -57,7 +59,9 @@ def schema_ebnf_with_patterns(schema: Any, to_ebnf: Callable[[str], str]) -> str
     ebnf = to_ebnf(json.dumps(masked))
     rules = []
     for i, pattern in enumerate(patterns):
-        regex_ebnf = str(xgr.Grammar.from_regex(json_text_regex(pattern)))
+        regex = json_text_regex(pattern)  # also refuses what the engine cannot read exactly
+        # nested repetition matches in time that grows with the string: a DFA instead (regex_dfa.py)
+        regex_ebnf = dfa_ebnf(pattern) or str(xgr.Grammar.from_regex(regex))
         rules.append(_renamed_rules(regex_ebnf, f"prescient_pattern_{i}_"))
     ebnf = _PLACEHOLDER_RE.sub(lambda m: f"prescient_pattern_{m.group(1)}_root", ebnf)
     # A pattern in an unused $defs entry never reaches the grammar; one that reached it in
@@ -165,6 +169,19 @@ def check_pattern(pattern: Any, path: str = "#") -> None:
                                "supported (xgrammar would ignore it)", feature="pattern:anchor",
                                path=path)
         i += 1
+    if "^" in pattern or "$" in pattern:  # an end anchor in a repeated group: `(^a|b)*` is no no-op
+        from prescient.grammar.schema.merge import Unmergeable
+        from prescient.grammar.schema.regex_length import _Parser, _strip_anchors
+
+        try:
+            _strip_anchors(_Parser(pattern).parse(), True, True)
+        except Unmergeable as err:
+            if "inside the pattern" in str(err):
+                raise GrammarError(f"anchor inside a repeated part of pattern {pattern!r} is not "
+                                   "supported (xgrammar would ignore it)", feature="pattern:anchor",
+                                   path=path) from None
+        except (RecursionError, IndexError, ValueError):
+            pass  # the parser here reads less than the converter: its checks above stand
 
 
 # --- pattern -> regex over the JSON text of the string body -----------------------------------
@@ -229,15 +246,15 @@ class _Rewriter:
         ranges = self._escape()
         return _emit_set(ranges)
 
-    def _escape(self) -> list[tuple[int, int]]:
-        """Parse `\\x...` at self.i; return the character set it matches."""
+    def _escape(self, over: bool = False) -> list[tuple[int, int]]:
+        """Parse `\\x...` at self.i; return the character set it matches (a shorthand class as
+        both regex dialects read it, or with `over` either: class_dialects.py)."""
         if self.i + 1 >= len(self.p):
             raise self.fail("trailing backslash")
         c = self.p[self.i + 1]
         self.i += 2
-        if c.lower() in _CLASS_SHORTHANDS:
-            ranges = _CLASS_SHORTHANDS[c.lower()]
-            return _complement(ranges) if c.isupper() else ranges
+        if c in "dDwWsS":
+            return shorthand(c, over)
         if c in _CHAR_ESCAPES:
             return [(_CHAR_ESCAPES[c], _CHAR_ESCAPES[c])]
         if c in "xu":
@@ -265,12 +282,12 @@ class _Rewriter:
                 self.i += 1
                 break
             first = False
-            atom = self._class_atom()
+            atom = self._class_atom(over=negated)
             single = len(atom) == 1 and atom[0][0] == atom[0][1]
             if (single and self.p.startswith("-", self.i) and self.i + 1 < len(self.p)
                     and self.p[self.i + 1] != "]"):
                 self.i += 1
-                high = self._class_atom()
+                high = self._class_atom(over=negated)
                 if len(high) != 1 or high[0][0] != high[0][1] or high[0][0] < atom[0][0]:
                     raise self.fail("character class range")
                 ranges.append((atom[0][0], high[0][0]))
@@ -278,7 +295,7 @@ class _Rewriter:
                 ranges += atom
         return _complement(ranges) if negated else _normalize(ranges)
 
-    def _class_atom(self) -> list[tuple[int, int]]:
+    def _class_atom(self, over: bool = False) -> list[tuple[int, int]]:
         c = self.p[self.i]
         if c != "\\":
             self.i += 1
@@ -286,7 +303,7 @@ class _Rewriter:
         if self.p.startswith("\\b", self.i):
             self.i += 2
             return [(0x08, 0x08)]  # [\b] is backspace
-        return self._escape()
+        return self._escape(over)
 
 
 def _normalize(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -349,7 +366,8 @@ def _emit_set(ranges: list[tuple[int, int]]) -> str:
     if not parts:
         raise GrammarError("pattern with an empty character class is not supported",
                            feature="pattern:empty class")
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+    # an escape is several characters of JSON text: grouped, so a quantifier takes all of them
+    return parts[0] if len(parts) == 1 and safe else "(?:" + "|".join(parts) + ")"
 
 
 def _emit_class(safe: list[tuple[int, int]]) -> str:
@@ -369,7 +387,7 @@ def _emit_range(r: tuple[int, int]) -> str:
 
 def _emit_char(code: int) -> str:
     if any(low <= code <= high for low, high in _UNSAFE):
-        return _json_escape_regex(code)
+        return f"(?:{_json_escape_regex(code)})"  # grouped, as in _emit_set
     ch = chr(code)
     if ch in "\\.^$|?*+()[]{}/":
         return "\\" + ch

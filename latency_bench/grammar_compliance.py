@@ -104,7 +104,7 @@ def run(config: ComplianceConfig, tokenizer: GrammarTokenizer) -> dict:
         refused: collections.Counter = collections.Counter()
         compile_errors: list[str] = []
         compile_s: list[float] = []
-        walks = valid = unfinished = 0
+        walks = valid = unfinished = judge_errors = 0
         invalid: list[dict] = []
         narrowed_by_rule: collections.Counter = collections.Counter()
         exact = narrowed = 0
@@ -136,8 +136,12 @@ def run(config: ComplianceConfig, tokenizer: GrammarTokenizer) -> dict:
                 if text is None:
                     unfinished += 1
                     continue
+                try:
+                    error = _validation_error(validator, text)
+                except Exception:  # jsonschema itself failed on this schema: judged neither way
+                    judge_errors += 1
+                    continue
                 walks += 1
-                error = _validation_error(validator, text)
                 if error is None:
                     valid += 1
                 else:
@@ -160,6 +164,7 @@ def run(config: ComplianceConfig, tokenizer: GrammarTokenizer) -> dict:
             "walks": walks,
             "walks_valid": valid,
             "walks_unfinished": unfinished,
+            "walks_unjudged": judge_errors,  # the judge (jsonschema) raised on the schema
             "invalid_outputs": invalid[:20],
         }
     real.close()

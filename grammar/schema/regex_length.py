@@ -143,9 +143,12 @@ class _Parser:
                 close = p.find("}", self.i)
                 body = p[self.i + 1:close] if close > 0 else ""
                 lo_s, comma, hi_s = body.partition(",")
-                if not lo_s.isdigit() or (hi_s and not hi_s.isdigit()):
+                # ASCII digits only: `{٣}` is literal text to ECMA-262 and to Python's re
+                if not (lo_s.isascii() and lo_s.isdigit()) or (hi_s and not (hi_s.isascii() and hi_s.isdigit())):
                     raise Unmergeable("'{' that is not a counted repeat")
                 lo, hi = int(lo_s), (int(hi_s) if hi_s else (INF if comma else int(lo_s)))
+                if hi is not INF and hi < lo:
+                    raise Unmergeable("a counted repeat whose bounds are out of order")
                 self.i = close + 1
             else:
                 lo, hi = {"*": (0, INF), "+": (1, INF), "?": (0, 1)}[c]

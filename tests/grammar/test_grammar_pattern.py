@@ -70,14 +70,43 @@ def _random_regex(rng: random.Random, depth: int = 0) -> str:
 
 
 def test_random_patterns_match_python_re():
+    """Every accepted string matches in both dialects (Python's `re` in Unicode mode, and in
+    ASCII mode standing in for ECMA-262's ASCII \\d \\w); where the dialects read the string
+    alike (ASCII), exactly the matching strings are accepted."""
     rng = random.Random(0)
     strings = ["".join(t) for n in range(4) for t in itertools.product(ALPHABET, repeat=n)]
     for _ in range(40):
         body = _random_regex(rng)
         grammar = ours({"type": "string", "pattern": f"^{body}$"})
         for s in strings:
-            expected = re.fullmatch(body, s, re.ASCII) is not None
-            assert accepts(grammar, s) == expected, (body, s)
+            ascii_match = re.fullmatch(body, s, re.ASCII) is not None
+            unicode_match = re.fullmatch(body, s) is not None
+            if accepts(grammar, s):
+                assert ascii_match and unicode_match, (body, s)
+            elif s.isascii():
+                assert not ascii_match, (body, s)
+
+
+@pytest.mark.parametrize("pattern,text", [
+    (r"^\S+@\S+$", "a\x1d@b"),  # \x1d: a space to Python's re, not to ECMA-262
+    (r"^\w+$", "é"), (r"^\W$", "é"), (r"^\D$", "٣"), (r"^[^\s]$", "\x1c"), (r"^\s$", "\ufeff"),
+])
+def test_shorthands_take_only_what_both_dialects_agree_on(pattern, text):
+    assert not accepts(ours({"type": "string", "pattern": pattern}), text)
+
+
+def test_shorthands_keep_what_both_dialects_agree_on():
+    grammar = ours({"type": "string", "pattern": r"^\S+@\S+\s\w\W\d\D[^\s]$"})
+    assert accepts(grammar, "añ@b\u3000_-7x!")
+
+
+@pytest.mark.parametrize("body", ['a"*', r"a\\?", r"\n+", r"[\\]{2}", r'["]{1,2}b', r"a\\+?"])
+def test_a_quantifier_takes_the_whole_escape(body):
+    """A character JSON escapes is several characters of JSON text (`\\"`): a quantifier after
+    it repeats the escape, not its last character."""
+    grammar = ours({"type": "string", "pattern": f"^{body}$"})
+    for s in ["", "a", 'a"', 'a""', "a\\", "a\\\\", "\n", "\n\n", "\\\\", '"b', '""b', 'a\\"']:
+        assert accepts(grammar, s) == (re.fullmatch(body, s) is not None), (body, s)
 
 
 def test_escapes_in_the_string_body():

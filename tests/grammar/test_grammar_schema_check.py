@@ -82,6 +82,7 @@ REFUSED = [
     ("pattern:lookaround", {"type": "string", "pattern": "^(?!a)[a-z]+$"}, '"ab"'),
     ("pattern:anchor", {"type": "string", "pattern": "a^b"}, '"ab"'),
     ("pattern:anchor", {"type": "string", "pattern": "(a$|c)b"}, '"ab"'),
+    ("pattern:anchor", {"type": "string", "pattern": "(^a|b)*"}, '"ba"'),  # '^' in a repeat
 ]
 
 
