@@ -14,23 +14,15 @@ disjoint whichever regex dialect (ECMA-262, Python's) reads them.
 
 from __future__ import annotations
 
+from functools import cache
+
+from prescient.grammar.class_dialects import shorthand
 from prescient.grammar.schema.merge import Unmergeable
 from prescient.grammar.schema.regex_length import INF, _Parser, _range, _searching, _strip_anchors
 
 _NON_ASCII = 128
 _ALL = frozenset(range(129))
-_DIGITS = frozenset(range(0x30, 0x3A))
-_WORD = _DIGITS | frozenset(range(0x41, 0x5B)) | frozenset(range(0x61, 0x7B)) | {0x5F}
-_SPACE = frozenset({0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20})
-_PY_SPACE = _SPACE | frozenset(range(0x1C, 0x20))  # Python's \s also has \x1c-\x1f
 _ASCII = frozenset(range(128))
-# Over-approximations (every character any reading matches) and under-approximations (only
-# characters every reading matches; ASCII only) of the shorthand classes.
-_SHORTHANDS = {"d": _DIGITS | {_NON_ASCII}, "w": _WORD | {_NON_ASCII}, "s": _PY_SPACE | {_NON_ASCII},
-               # complements: every ASCII character outside, and non-ASCII (some are outside)
-               "D": (_ALL - _DIGITS), "W": (_ALL - _WORD), "S": (_ALL - _SPACE)}
-_UNDER = {"d": _DIGITS, "w": _WORD, "s": _SPACE, "D": _ASCII - _DIGITS, "W": _ASCII - _WORD,
-          "S": _ASCII - _PY_SPACE}
 _ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
 _EVERYTHING = frozenset("[\\%s\\%s]" % pair for a, b in (("s", "S"), ("d", "D"), ("w", "W"))
                         for pair in ((a, b), (b, a)))
@@ -40,28 +32,28 @@ _MAX_PAIRS = 200_000
 
 def disjoint(a: str, b: str) -> bool:
     """No whole-string match of `a` is a (searched) match of `b`; False when not proven."""
-    try:
-        whole = _strip_anchors(_Parser(a).parse(), True, True)
-        tree = _Parser(b).parse()
-        searched = _searching(tree)
-        nfa_a = _Nfa(whole)
-        nfa_b = _Nfa(searched if searched is not None else _strip_anchors(tree, True, True))
-    except (Unmergeable, RecursionError, IndexError, ValueError):
-        return False
-    return nfa_a.ok and nfa_b.ok and _empty_product(nfa_a, nfa_b)
+    nfas = _automata(a, b, under=False)
+    return nfas is not None and _empty_product(*nfas)
 
 
 def within(a: str, b: str) -> bool:
     """Every whole-string match of `a` is a (searched) match of `b`; False when not proven."""
+    nfas = _automata(a, b, under=True)
+    return nfas is not None and _included(*nfas)
+
+
+def _automata(a: str, b: str, under: bool):
+    """NFAs of `a` read as a whole-string match and of `b` read as JSON Schema's search (its
+    classes under-approximated with `under`); None when either cannot be built."""
     try:
         whole = _strip_anchors(_Parser(a).parse(), True, True)
         tree = _Parser(b).parse()
         searched = _searching(tree)
         nfa_a = _Nfa(whole)
-        nfa_b = _Nfa(searched if searched is not None else _strip_anchors(tree, True, True), under=True)
+        nfa_b = _Nfa(searched if searched is not None else _strip_anchors(tree, True, True), under=under)
     except (Unmergeable, RecursionError, IndexError, ValueError):
-        return False
-    return nfa_a.ok and nfa_b.ok and _included(nfa_a, nfa_b)
+        return None
+    return (nfa_a, nfa_b) if nfa_a.ok and nfa_b.ok else None
 
 
 def pattern_lengths(pattern: str) -> tuple[int, int | None] | None:
@@ -89,14 +81,26 @@ def char_set(text: str, under: bool = False) -> frozenset[int]:
     return out & _ASCII if under else out
 
 
+@cache
+def _shorthand(letter: str, under: bool) -> frozenset[int]:
+    """class_dialects.py's reading on the abstract alphabet: the over-approximation is every
+    character either dialect puts in the class (non-ASCII ones as their one symbol); the
+    under-approximation the ASCII characters both do."""
+    ranges = shorthand(letter, over=not under)
+    codes = {c for low, high in ranges for c in range(low, min(high, 127) + 1)}
+    if not under and ranges and ranges[-1][1] >= 128:
+        codes.add(_NON_ASCII)
+    return frozenset(codes)
+
+
 def _code(ch: str) -> frozenset[int]:
     return frozenset({ord(ch)}) if ord(ch) < 128 else frozenset({_NON_ASCII})
 
 
 def _escape(body: str, under: bool = False) -> frozenset[int]:
     e = body[0]
-    if e in _SHORTHANDS:
-        return _UNDER[e] if under else _SHORTHANDS[e]
+    if e in "dDwWsS":
+        return _shorthand(e, under)
     if e in _ESCAPES:
         return frozenset({_ESCAPES[e]})
     if e in "xu":
@@ -117,8 +121,8 @@ def _class(body: str, under: bool = False) -> frozenset[int]:
         c = body[i]
         if c == "\\" and i + 1 < len(body):
             e = body[i + 1]
-            if e in _SHORTHANDS:
-                items.append(_UNDER[e] if under else _SHORTHANDS[e])
+            if e in "dDwWsS":
+                items.append(_shorthand(e, under))
                 i += 2
                 continue
             if e in "xu":
