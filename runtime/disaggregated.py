@@ -248,9 +248,7 @@ class RemotePrefill:
                 if self._closing:
                     return
                 log.error("prefill/decode split: receiving from the prefill worker: %s", e)
-                if self.proc is not None:
-                    self.proc.join(timeout=1)
-                code = self.proc.exitcode if self.proc is not None else None
+                code = self._exit_code(timeout_s=2.0)
                 self._fail(f"the prefill worker stopped (exit code {code})" if code is not None
                            else "the link to the prefill worker broke")
                 self.wake()
@@ -258,6 +256,16 @@ class RemotePrefill:
             with self._lock:
                 self._arrivals.append((head, payload, t_head, time.perf_counter()))
             self.wake()
+
+    def _exit_code(self, timeout_s: float) -> int | None:
+        """The worker's exit code, or None while it runs. Polled, not joined: another thread may
+        reap the process first, and a join here would then see no child and report it running."""
+        if self.proc is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while (code := self.proc.exitcode) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return code
 
     def close(self) -> None:
         """Stop the worker and wait for the link threads (idempotent; also run at exit: a gloo
