@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import queue
 import signal
 import socket
@@ -38,6 +39,8 @@ import xgrammar as xgr
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.spec import GrammarSpec
+
+log = logging.getLogger("prescient.grammar")
 
 
 WARM_WORKERS = 2  # started with the pool, and kept
@@ -206,7 +209,11 @@ class CompilePool:
                 raise OSError("the grammar compile worker did not start")
             self._ready.add(proc)
             return proc, conn
-        except Exception:  # no processes here (a sandbox): compile in this process instead
+        except Exception as e:  # no processes here (a sandbox): compile in this process instead
+            # said once per failed start: compiles then share this process's CPU and GIL with
+            # the engine, which an operator should know (it is why isolation exists)
+            log.warning("a grammar compile worker could not start (%s: %s); compiling in the server process "
+                        "until one can", type(e).__name__, e)
             self._stop(proc)
             return None, None
 

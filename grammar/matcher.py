@@ -101,6 +101,15 @@ class Matcher:
         """Write the allowed-next-token mask to `bitmask[row]`; False if it allows everything."""
         return self.handle.fill_next_token_bitmask(bitmask, row)
 
+    def allows_nothing(self) -> bool:
+        """Whether no token may follow (a grammar such as `root ::= [^\\x00-\\U0010FFFF]` compiles
+        but admits nothing): not terminated, and an empty next-token mask."""
+        if self.handle.is_terminated():
+            return False
+        row = allocate_bitmask(1, self.tokenizer.vocab_size)
+        self.handle.fill_next_token_bitmask(row, 0)
+        return not bool(row.any())
+
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar forces next (canonically tokenized, last one held back).
         Cached until the matcher next changes: the engine asks more than once per step."""

@@ -29,6 +29,11 @@ SPECULATE = ("ngram", "draft", "off")
 # idle = cached, else measured in the engine's idle moments; now = cached, else measured before
 # the engine is returned; fresh = measured now whatever is cached; off = the default table
 CALIBRATE = ("idle", "now", "fresh", "off")
+# The int8 KV cache has C kernels (CPU) only: on CUDA, kernels/ops.py would send store_kv and
+# tree_attention to the torch reference, which reads each sequence's block table and lengths back
+# to the host in every layer of every step. Refused rather than run at a fraction of the speed.
+KV_INT8_ON_CUDA = ("--kv-dtype int8 is not supported on CUDA: the Triton kernels have no int8 KV cache path (only "
+                   "the CPU's C kernels read int8 rows with their scales); use --kv-dtype auto on a GPU")
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,11 @@ class EngineSpec:
     session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
     max_waiting: int = 256  # queued requests before a new one is refused as overloaded (429)
     max_queue_wait_s: float = 30.0  # a request not started this long after arrival: overloaded
+    # the scheduler's time budget (docs/SCHEDULING.md): steps with prefill work beside decodes
+    # stay within a margin of this ITL bound (a request's slo.itl_ms tightens it; None: token
+    # budget only); waiting prompts start earliest TTFT deadline first, this the default bound
+    itl_target_ms: float | None = 100.0
+    ttft_target_ms: float = 1000.0
     calibrate: str = "idle"
     weights_cache: bool = True  # memory-map converted GGUF weights from the user's cache
     progress: bool = True  # stage progress on stderr
@@ -92,6 +102,8 @@ class EngineSpec:
             raise ValueError(f"device must be cpu or cuda[:N], got {self.device!r}")
         if kind == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r}: this torch build sees no CUDA device")
+        if kind == "cuda" and self.kv_dtype == "int8":
+            raise ValueError(KV_INT8_ON_CUDA)
 
 
 @dataclass
@@ -204,12 +216,17 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
     if loaded.model.weights_mode and loaded.model.weights_mode != weights_label(spec):
         raise ValueError(f"the loaded model's weights are {loaded.model.weights_mode}, the spec asks for "
                          f"{weights_label(spec)}")
+    if (config is not None and config.cache.kv_dtype == "int8"
+            and str(getattr(loaded.model, "device", "cpu")).startswith("cuda")):
+        raise ValueError(KV_INT8_ON_CUDA)  # an EngineConfig given directly: the same refusal as the spec's
     config = config or EngineConfig(
         dtype=spec.dtype,
         cache=CacheConfig(kv_cache_bytes=int(spec.kv_cache_gb * (1 << 30)), enable_prefix_caching=spec.enable_prefix_caching,
                           kv_dtype=None if spec.kv_dtype == "auto" else spec.kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=spec.max_num_seqs, max_num_batched_tokens=spec.max_num_batched_tokens,
-                                  max_waiting=spec.max_waiting, max_queue_wait_s=spec.max_queue_wait_s),
+                                  max_waiting=spec.max_waiting, max_queue_wait_s=spec.max_queue_wait_s,
+                                  itl_target_s=None if spec.itl_target_ms is None else spec.itl_target_ms / 1e3,
+                                  ttft_target_s=spec.ttft_target_ms / 1e3),
         session_ttl_s=spec.session_ttl_s,
     )
     block_size = config.cache.block_size

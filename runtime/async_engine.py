@@ -54,10 +54,11 @@ class AsyncEngine:
     # ---------------------------------------------------------------- caller side (event loop)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       session_id: str | None = None, grammar=None) -> AsyncIterator[RequestOutput]:
+                       session_id: str | None = None, grammar=None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and iterate its outputs; cancelling the iteration aborts it."""
         request_id = request_id or f"req-{next(self._ids)}"
-        queue = self.submit(prompt, params, request_id, session_id, grammar)
+        queue = self.submit(prompt, params, request_id, session_id, grammar, arrival_time)
         try:
             while True:
                 out = await queue.get()
@@ -69,11 +70,12 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def submit(self, prompt, params: SamplingParams, request_id: str, session_id: str | None = None,
-               grammar=None) -> asyncio.Queue:
+               grammar=None, arrival_time: float | None = None) -> asyncio.Queue:
         """Validate here (raises ValueError at once; OverloadedError when the queue is full),
         queue on the engine thread, return the request's output queue. Never blocks the event
-        loop on an engine step."""
-        request = self.engine.make_request(prompt, params, request_id, session_id, grammar)
+        loop on an engine step. `arrival_time` (perf_counter; default now): when the request
+        arrived at the server, which the queue-wait bound and the request's timings count from."""
+        request = self.engine.make_request(prompt, params, request_id, session_id, grammar, arrival_time)
         self.engine.scheduler.check_room()  # a read from this thread; enqueue checks again
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -155,11 +157,16 @@ class AsyncEngine:
                 continue
             t0 = time.perf_counter()
             steps = self.engine.num_steps
+            self.engine.in_step = []
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # keep serving: fail the in-flight requests, not the process
+            except Exception:  # keep serving: fail the in-flight requests, not the process
+                # Per-request failures never get here (Engine.step ends those requests alone):
+                # this is the forward or the engine's own state, which every request shares.
+                # Clients get a generic message: the cause may name other clients' requests.
                 log.error("engine step failed: %s", traceback.format_exc())
-                outputs = self._fail_all(f"engine error: {e}")
+                outputs = self._fail_all("engine error: a model step failed and the requests in flight were "
+                                         "stopped; the cause is in the server's log")
             for hook in self.step_hooks:
                 hook(self.engine, outputs, time.perf_counter() - t0)
             for out in outputs:
@@ -190,8 +197,11 @@ class AsyncEngine:
             return False
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
+        """End the failed step's requests (all of them when it failed before scheduling: the
+        engine's state is then in doubt); requests waiting outside that step go on."""
+        step = [r for r in self.engine.in_step if r in self.engine.requests]
         outs = []
-        for request_id in list(self.engine.requests):
+        for request_id in step or list(self.engine.requests):
             self.engine.abort(request_id)
             outs.append(RequestOutput(request_id, [], "", True, "error", error=message))
         return outs

@@ -128,6 +128,19 @@ class SchedulerConfig:
     # Later requests admitted past a waiting one that does not fit yet (no head-of-line wedge);
     # after that many, admission waits for it while the running requests finish (no starvation).
     max_overtakes: int = 32
+    # Steps sized by time (runtime/scheduler.py, docs/SCHEDULING.md): a step carrying prefill
+    # work is kept within `itl_margin` x the tightest ITL bound among the decoding requests
+    # (their `max_itl_s`, else `itl_target_s`); waiting prompts start earliest TTFT deadline
+    # first (their `max_ttft_s`, else `ttft_target_s`). None: no time budget (tokens only).
+    itl_target_s: float | None = 0.1
+    ttft_target_s: float = 1.0
+    itl_margin: float = 0.85
+    # A prompt is cut into chunks of whole `prefill_unit`s (a last piece of at most 64 tokens
+    # joins the chunk before it): every chunk then runs on the GEMM path, whose rows do not depend
+    # on how the prompt was cut, so output is the same however load sized the chunks.
+    prefill_unit: int = 128
+    # A chunk whose full cost would break the ITL budget runs a few of its layers per step.
+    layer_split: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -138,6 +151,12 @@ class SchedulerConfig:
             raise ValueError("max_waiting must be >= 1")
         if self.max_overtakes < 0:
             raise ValueError("max_overtakes must be >= 0")
-        for name in ("max_queue_wait_s", "retry_after_s"):
+        if self.itl_target_s is not None and not self.itl_target_s > 0:
+            raise ValueError("itl_target_s must be > 0 (or None: no time budget)")
+        if not 0 < self.itl_margin <= 1:
+            raise ValueError("itl_margin must be in (0, 1]")
+        if self.prefill_unit <= 64:
+            raise ValueError("prefill_unit must be > 64 (a chunk of 64 tokens or fewer runs on the small-M path)")
+        for name in ("max_queue_wait_s", "retry_after_s", "ttft_target_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

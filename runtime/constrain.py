@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prescient.kernels import ops
-from prescient.runtime.request import SOURCE_FORCED, Request
+from prescient.runtime.request import SOURCE_FORCED, Request, RequestDeadEnd
 from prescient.speculative.tree import DraftTree
 
 
@@ -64,47 +64,32 @@ class GrammarStep:
         self.num_words = (vocab_size + 31) // 32
         self.stats = GrammarStats()
 
-    def prepare(self, seqs, trees: list[DraftTree | None]) -> tuple[list[DraftTree | None], PreparedMasks | None]:
-        """Returns the pruned trees and the bitmask for the logits rows, or None when no
-        scheduled request is constrained."""
+    def prepare(self, seqs, trees: list[DraftTree | None]
+                ) -> tuple[list[DraftTree | None], PreparedMasks | None, dict[int, Exception]]:
+        """Returns the pruned trees, the bitmask for the logits rows (None when no scheduled
+        request is constrained) and the requests that failed here ({index in seqs: error}):
+        their rows are left out of the bitmask, so the caller drops them from the batch."""
+        failures: dict[int, Exception] = {}
         if not any(s.samples and s.request.grammar is not None for s in seqs):
-            return trees, None
+            return trees, None, failures
         t0 = time.perf_counter()
         trees = list(trees)
         blocks: list[torch.Tensor] = []
         for i, seq in enumerate(seqs):
             if not seq.samples:
                 continue
-            request = seq.request
-            tree = trees[i]
-            num_rows = tree.num_nodes if tree is not None else 1
-            if request.grammar is None:
-                blocks.append(torch.full((num_rows, self.num_words), -1, dtype=torch.int32))
+            try:
+                trees[i], block = self._prepare_one(seq.request, trees[i])
+            except Exception as e:  # this request's grammar: its failure alone (the engine ends it)
+                failures[i] = e
                 continue
-            matcher = request.grammar
-            if tree is not None:
-                from prescient.grammar import prune_tree, tree_masks
-
-                masks = tree_masks(matcher, list(tree.tokens), list(tree.parents))
-                if not masks.keep.all():
-                    node_ids, tokens, parents = prune_tree(list(tree.tokens), list(tree.parents), masks.keep)
-                    self.stats.num_pruned_nodes += tree.num_nodes - len(node_ids)
-                    tree = DraftTree(tokens.tolist(), parents.tolist()) if len(node_ids) > 1 else None
-                    rows = masks.bitmask[torch.from_numpy(node_ids)]
-                else:
-                    rows = masks.bitmask
-                trees[i] = tree
-                blocks.append(self._widen(rows))
-            else:
-                from prescient.grammar import allocate_bitmask
-
-                row = allocate_bitmask(1, matcher.tokenizer.vocab_size)
-                matcher.fill_bitmask(row, 0)
-                blocks.append(self._widen(row))
-            self.stats.num_masked_rows += blocks[-1].shape[0]
+            blocks.append(block)
+            if seq.request.grammar is not None:
+                self.stats.num_masked_rows += block.shape[0]
         bitmask = torch.cat(blocks) if blocks else torch.empty(0, self.num_words, dtype=torch.int32)
         # A row that allows nothing (the node after a stop token: its successors are cut at
         # commit) would turn into NaN probabilities; let it allow the stop tokens instead.
+        # (A request's own row, the tree's root, never gets here dead: _prepare_one refuses it.)
         dead = (bitmask == 0).all(dim=1)
         if dead.any():
             for token in self.stop_token_ids:
@@ -113,7 +98,38 @@ class GrammarStep:
         self.stats.mask_seconds += dt
         self.stats.mask_seconds_per_row.append(dt / max(1, bitmask.shape[0]))
         del self.stats.mask_seconds_per_row[:-4096]
-        return trees, PreparedMasks(bitmask)
+        return trees, PreparedMasks(bitmask), failures
+
+    def _prepare_one(self, request: Request, tree: DraftTree | None) -> tuple[DraftTree | None, torch.Tensor]:
+        """One request's pruned tree and mask rows [num_rows, num_words]. Raises RequestDeadEnd
+        when its grammar allows no token where its output stands."""
+        num_rows = tree.num_nodes if tree is not None else 1
+        if request.grammar is None:
+            return tree, torch.full((num_rows, self.num_words), -1, dtype=torch.int32)
+        matcher = request.grammar
+        if tree is not None:
+            from prescient.grammar import prune_tree, tree_masks
+
+            masks = tree_masks(matcher, list(tree.tokens), list(tree.parents))
+            if not masks.keep.all():
+                node_ids, tokens, parents = prune_tree(list(tree.tokens), list(tree.parents), masks.keep)
+                self.stats.num_pruned_nodes += tree.num_nodes - len(node_ids)
+                tree = DraftTree(tokens.tolist(), parents.tolist()) if len(node_ids) > 1 else None
+                rows = masks.bitmask[torch.from_numpy(node_ids)]
+            else:
+                rows = masks.bitmask
+        else:
+            from prescient.grammar import allocate_bitmask
+
+            rows = allocate_bitmask(1, matcher.tokenizer.vocab_size)
+            matcher.fill_bitmask(rows, 0)
+        rows = self._widen(rows)
+        if not rows[0].any():
+            # the grammar admits nothing here (e.g. an empty character class): sampling would
+            # have to pick a token the matcher then refuses; end this request, not the step
+            raise RequestDeadEnd(f"the grammar allows no token at output position {len(request.output_token_ids)} "
+                                 "(it can neither continue nor end there)")
+        return tree, rows
 
     def _widen(self, rows: torch.Tensor) -> torch.Tensor:
         """Grammar vocab -> model vocab width (tokens the tokenizer lacks are never allowed)."""
@@ -159,7 +175,8 @@ class GrammarStep:
             return len(tokens)
         for n, token in enumerate(tokens, 1):
             if not matcher.accept_token(token):
-                raise RuntimeError(f"grammar refused committed token {token} of request {request.request_id}")
+                raise RuntimeError(f"the grammar refused committed token {token} (output position "
+                                   f"{len(request.output_token_ids) + n - 1})")
             if matcher.is_terminated():
                 return n
         return len(tokens)

@@ -6,11 +6,19 @@
                                             small-M path, prefill chunks on the GEMM (forward_plan)
     tokens  = sampler / verifier            plain sampling, or tree verification
     outputs = commit(...)                   accept tokens, stops, detokenize, free KV, stamp times
+
+Every stage but the forward is per-request work with a fault boundary around each request: an
+exception while drafting, masking, penalising, sampling, verifying or committing for one request
+ends that request alone with an error output naming the stage (error_type "invalid_request" when
+the request itself cannot go on, e.g. its grammar admits no token), and the batch goes on. Only a
+forward failure, which no request owns, escapes `step` (AsyncEngine then fails that step's
+requests with a generic message).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -20,17 +28,21 @@ from prescient.runtime.forward_plan import run_forward
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.model import LlamaModel
-from prescient.runtime.penalties import apply_penalties
+from prescient.runtime.penalties import penalize_rows
 from prescient.runtime.constrain import GrammarStep, resolve_matcher
 from prescient.runtime.request import (SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, OverloadedError, Request,
-                                      RequestOutput)
+                                      RequestDeadEnd, RequestOutput)
 from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.sessions import SessionPins
 from prescient.runtime.speculation import Drafts, Speculation
+from prescient.runtime.step_cost import StepCostModel, step_shape
 from prescient.runtime.step_result import SeqResult, commit_tokens
 from prescient.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+log = logging.getLogger("prescient.engine")
 
 
 @dataclass(frozen=True)
@@ -64,8 +76,11 @@ class Engine:
         # so a running request alone always fits and never waits on itself.
         self.max_seq_len = min(self.max_model_len, self.kv_capacity)
         self.sessions = SessionPins(self.block_manager, config.session_ttl_s)
+        # the step cost model: the scheduler reads it to size steps by time, step() refits it
+        self.step_cost = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_seq_len,
-                                   reclaim=self.sessions.evict_oldest)
+                                   reclaim=self.sessions.evict_oldest, cost=self.step_cost,
+                                   num_layers=model.num_layers, layer_split=isinstance(model, LlamaModel))
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
@@ -76,6 +91,9 @@ class Engine:
         self.remote_prefill = None
         self._ids = itertools.count()
         self.num_steps = 0
+        self.in_step: list[str] = []  # the requests of the step running (or last run)
+        # the last step's wall time by phase (PhaseClock.PHASES), for /metrics' step breakdown
+        self.step_phases: dict[str, float] = {}
 
     # ---------------------------------------------------------------- requests
 
@@ -118,6 +136,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise ValueError(f"prompt contains token ids outside [0, {vocab})")
+        bad_bias = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias names token id {bad_bias[0]}, outside the vocabulary [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len} "
                              "(prompt + at least one generated token must fit)")
@@ -178,22 +199,133 @@ class Engine:
         failed = self._expire_waiting()
         if self.remote_prefill is not None:
             failed += self._take_handoffs()
+        clock = PhaseClock()
         sched = self.scheduler.schedule()
         if not sched.seqs:
             return failed
-        failed += self._resolve_grammars(sched.seqs)
-        drafts = (self.speculator.propose(sched.seqs) if self.speculator
-                  else Drafts([None] * len(sched.seqs), [0] * len(sched.seqs)))
-        trees, masks = self.grammar_step.prepare(sched.seqs, drafts.trees)
-        # decode/verify rows on the small-M path whatever shares the step (runtime/forward_plan.py)
-        logits = run_forward(self.model, self.kv_caches, sched.seqs, trees,
+        shape = step_shape(sched.seqs, self.model.num_layers)
+        clock.lap("schedule")
+        outputs = self._step(list(sched.seqs), clock)
+        self.step_cost.observe(shape, clock.total())  # what this step's streams waited
+        self.step_phases = clock.phases
+        return failed + outputs
+
+    def _step(self, seqs, clock: "PhaseClock") -> list[RequestOutput]:
+        failed: list[RequestOutput] = []
+        self.in_step = [seq.request.request_id for seq in seqs]  # whom a failed forward takes down
+        failed += self._resolve_grammars(seqs)
+        drafts = self._propose(seqs, failed)
+        clock.lap("draft")
+        trees, masks = self._prepare(seqs, drafts, failed)
+        clock.lap("mask")
+        if not seqs:
+            return failed
+        # decode/verify rows on the small-M path whatever shares the step (runtime/forward_plan.py);
+        # the one stage whose failure is everyone's (AsyncEngine answers it for all)
+        logits = run_forward(self.model, self.kv_caches, seqs, trees,
                              self.block_manager.block_size)  # [num_logits, vocab]
-        apply_penalties(logits, sched.seqs, trees)
-        self.grammar_step.apply(logits, masks)
-        results = (self.speculator.verify(sched.seqs, trees, logits, self.kv_caches) if self.speculator
-                   else self._sample(sched.seqs, logits))
+        clock.lap("forward")
         self.num_steps += 1
-        return failed + self._commit(sched.seqs, results, drafts.forced)
+        return failed + self._decide(seqs, trees, logits, masks, drafts.forced, clock=clock)
+
+    # Per-request fault boundaries. Everything between the scheduler and the commit is one
+    # request's work except the forward: an exception there ends that request alone (an error
+    # output naming the stage and the cause), and the rest of the batch goes on. Before the
+    # forward a failed request leaves the batch; after it, its logits rows are skipped.
+
+    def _propose(self, seqs, failed: list[RequestOutput]) -> Drafts:
+        if self.speculator is None:
+            return Drafts([None] * len(seqs), [0] * len(seqs))
+        try:
+            return self.speculator.propose(seqs)
+        except Exception:  # find whose: drafts one request at a time (only on this rare path)
+            log.warning("drafting failed for a batch; retrying per request", exc_info=True)
+        trees, forced = [], []
+        for seq in list(seqs):
+            try:
+                one = self.speculator.propose([seq])
+            except Exception as e:
+                seqs.remove(seq)
+                failed.append(self._fail_request(seq.request, _cause("drafting", e)))
+                continue
+            trees += one.trees
+            forced += one.forced
+        return Drafts(trees, forced)
+
+    def _prepare(self, seqs, drafts: Drafts, failed: list[RequestOutput]):
+        """Grammar-prune the trees and build the masks; a request whose grammar fails (or
+        admits no token) leaves the batch, with its draft."""
+        trees, masks, bad = self.grammar_step.prepare(seqs, drafts.trees)
+        if bad:
+            for i in sorted(bad, reverse=True):
+                failed.append(self._fail_request(seqs[i].request, _cause("masking", bad[i])))
+                del seqs[i], trees[i], drafts.forced[i]
+        return trees, masks
+
+    def _decide(self, seqs, trees, logits: torch.Tensor, masks, forced: list[int],
+                plan_drafts: bool = True, clock: "PhaseClock | None" = None) -> list[RequestOutput]:
+        """From the forward's logits to committed tokens: penalties and bias, the grammar mask,
+        sampling or verification, commit. seqs[i]'s rows are logits[spans[i]]."""
+        failed: list[RequestOutput] = []
+        spans, row = [], 0
+        for seq, tree in zip(seqs, trees):
+            n = (tree.num_nodes if tree is not None else 1) if seq.samples else 0
+            spans.append((row, row + n))
+            row += n
+        bad: dict[int, Exception] = {}
+        for i, (seq, (lo, hi)) in enumerate(zip(seqs, spans)):
+            if hi > lo:
+                try:
+                    penalize_rows(logits[lo:hi], seq.request, trees[i])
+                except Exception as e:
+                    bad[i] = e
+        self.grammar_step.apply(logits, masks)
+        results = self._choose(seqs, trees, logits, spans, bad)
+        if not plan_drafts:
+            for seq in seqs:
+                seq.request.spec_budget = 0
+        for i, e in bad.items():
+            failed.append(self._fail_request(seqs[i].request, _cause("sampling", e)))
+        keep = [i for i in range(len(seqs)) if i not in bad]
+        if clock is not None:
+            clock.lap("sample")
+        outputs = self._commit([seqs[i] for i in keep], [results[i] for i in keep], [forced[i] for i in keep])
+        if clock is not None:
+            clock.lap("commit")
+        return failed + outputs
+
+    def _choose(self, seqs, trees, logits, spans, bad: dict[int, Exception]) -> list[SeqResult | None]:
+        """Sampling / verification for the requests not in `bad`; one that raises joins `bad`."""
+        ok = [i for i in range(len(seqs)) if i not in bad]
+        if self.speculator is None:
+            results: list[SeqResult | None] = [None] * len(seqs)
+            for i in ok:
+                lo, hi = spans[i]
+                try:
+                    results[i] = self._sample_one(seqs[i], logits[lo:hi]) if hi > lo else None
+                except Exception as e:
+                    bad[i] = e
+            return results
+        rows = torch.cat([torch.arange(*spans[i]) for i in ok]) if ok else torch.zeros(0, dtype=torch.int64)
+        sub = [seqs[i] for i in ok]
+        try:
+            chosen = self.speculator.verify(sub, [trees[i] for i in ok],
+                                            logits if len(ok) == len(seqs) else logits[rows.to(logits.device)],
+                                            self.kv_caches)
+        except Exception:  # whose: verify one request at a time (its own rows), only on this path
+            log.warning("verification failed for a batch; retrying per request", exc_info=True)
+            chosen = []
+            for i in ok:
+                lo, hi = spans[i]
+                try:
+                    chosen += self.speculator.verify([seqs[i]], [trees[i]], logits[lo:hi], self.kv_caches)
+                except Exception as e:
+                    bad[i] = e
+                    chosen.append(None)
+        results = [None] * len(seqs)
+        for i, r in zip(ok, chosen):
+            results[i] = r
+        return results
 
     def _take_handoffs(self) -> list[RequestOutput]:
         """Prompts the prefill worker finished: their pages are in this cache; sample each first
@@ -206,31 +338,33 @@ class Engine:
         seqs = [ScheduledSeq(request, 0, 0) for request, _ in ready]  # prompts computed: each samples
         rows = {id(request): row for request, row in ready}
         outputs += self._resolve_grammars(seqs)
+        drafts = Drafts([None] * len(seqs), [0] * len(seqs))
+        trees, masks = self._prepare(seqs, drafts, outputs)
         if not seqs:
             return outputs
         logits = torch.cat([rows[id(seq.request)] for seq in seqs]).to(self.model.device)  # [n, vocab]
-        trees, masks = self.grammar_step.prepare(seqs, [None] * len(seqs))
-        apply_penalties(logits, seqs, trees)
-        self.grammar_step.apply(logits, masks)
-        results = (self.speculator.verify(seqs, trees, logits, self.kv_caches) if self.speculator
-                   else self._sample(seqs, logits))
-        for seq in seqs:  # drafts from the next step's plan, made over the whole batch
-            seq.request.spec_budget = 0
-        outs = self._commit(seqs, results, [0] * len(seqs))
+        # drafts from the next step's plan, made over the whole batch (not verify's for these alone)
+        outs = self._decide(seqs, trees, logits, masks, drafts.forced, plan_drafts=False)
         now = time.perf_counter()
         by_id = {seq.request.request_id: seq.request for seq in seqs}
         for out in outs:
-            timing = self.remote_prefill.first_token_committed(by_id[out.request_id], now)
-            out.ttft_split = None if timing is None else timing.as_dict()
+            if out.request_id in by_id and out.error is None:
+                timing = self.remote_prefill.first_token_committed(by_id[out.request_id], now)
+                out.ttft_split = None if timing is None else timing.as_dict()
         return outputs + outs
 
-    def _fail_request(self, request: Request, message: str) -> RequestOutput:
-        """End one request with an error output (its blocks released); the others go on."""
+    def _fail_request(self, request: Request, message: str | tuple[str, str | None]) -> RequestOutput:
+        """End one request with an error output (its blocks released); the others go on.
+        `message`: text, or (text, error_type) as `_cause` makes it."""
+        text, error_type = message if isinstance(message, tuple) else (message, None)
         self.requests.pop(request.request_id, None)
         request.finish_reason = "error"
         request.finished_time = time.perf_counter()
-        self._release(request)
-        return RequestOutput(request.request_id, [], "", True, "error", error=message,
+        try:
+            self._release(request)
+        except Exception:  # releasing must not take the step down; the blocks may leak, say so
+            log.error("releasing failed request %s failed", request.request_id, exc_info=True)
+        return RequestOutput(request.request_id, [], "", True, "error", error=text, error_type=error_type,
                              num_prompt_tokens=len(request.prompt_token_ids))
 
     def _expire_waiting(self) -> list[RequestOutput]:
@@ -260,29 +394,21 @@ class Engine:
                 resolve_matcher(request)
             except Exception as e:  # GrammarError, compile errors: this request only
                 seqs.remove(seq)
-                failed.append(self._fail_request(request, str(e)))
+                failed.append(self._fail_request(request, (str(e), "invalid_request")))
         return failed
 
-    def _sample(self, seqs, logits: torch.Tensor) -> list[SeqResult | None]:
-        """Plain decoding: one token per request whose step reached the end of its sequence."""
-        results: list[SeqResult | None] = []
-        row = 0
-        for seq in seqs:
-            if not seq.samples:
-                results.append(None)
-                continue
-            params = seq.request.params
-            row_logits = logits[row:row + 1]
-            if params.greedy:
-                token = int(row_logits.argmax(-1))
-            else:
-                probs = target_probs_from_logits(row_logits, params)
-                noise = exponential_noise(tuple(probs.shape), seq.request.generator).to(probs.device)
-                token = int(sample_from_probs(probs, noise))
-            results.append(SeqResult(tokens=[token], sources=[SOURCE_TARGET], num_accepted_draft=0,
-                                     logits=row_logits if params.logprobs is not None else None))
-            row += 1
-        return results
+    def _sample_one(self, seq, row_logits: torch.Tensor) -> SeqResult:
+        """Plain decoding: one token for a request whose step reached the end of its sequence.
+        row_logits: [1, vocab]."""
+        params = seq.request.params
+        if params.greedy:
+            token = int(row_logits.argmax(-1))
+        else:
+            probs = target_probs_from_logits(row_logits, params)
+            noise = exponential_noise(tuple(probs.shape), seq.request.generator).to(probs.device)
+            token = int(sample_from_probs(probs, noise))
+        return SeqResult(tokens=[token], sources=[SOURCE_TARGET], num_accepted_draft=0,
+                         logits=row_logits if params.logprobs is not None else None)
 
     def idle_work(self) -> bool:
         """Background work for a moment with no requests (the speculator's calibration, one
@@ -292,37 +418,46 @@ class Engine:
     def _commit(self, seqs, results: list[SeqResult | None], forced: list[int]) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
-        for i, (seq, result) in enumerate(zip(seqs, results)):
-            request = seq.request
-            n_accepted = result.num_accepted_draft if result else 0
-            request.num_computed_tokens += seq.num_new_tokens + n_accepted
-            out = None
-            if result is not None:
-                if forced[i]:
-                    # the first accepted drafts are the forced span; past it, grammar-branch drafts
-                    span = forced[i]
-                    result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT and j < span else s
-                                      for j, s in enumerate(result.sources)]
-                taken = self.grammar_step.advance(request, result.tokens)
-                if taken < len(result.tokens):
-                    # tokens after the grammar's stop (a stop drafted as forced, then the dead
-                    # row's bonus stop): plain decoding would have ended there
-                    result.tokens, result.sources = result.tokens[:taken], result.sources[:taken]
-                    result.logits = None if result.logits is None else result.logits[:taken]
-                self.grammar_step.append_forced_stop(request, result)
-                out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_seq_len, now)
-            self.scheduler.register_full_blocks(request)
-            if out is None:
+        for seq, result, span in zip(seqs, results, forced):
+            try:
+                out = self._commit_one(seq, result, span, now)
+            except Exception as e:  # its grammar refused a token, its detokenizer failed...: its alone
+                outputs.append(self._fail_request(seq.request, _cause("committing", e)))
                 continue
-            outputs.append(out)
-            if out.finished:
-                request.finished_time = now
-                self.requests.pop(request.request_id, None)
-                self._release(request)
-                continue
-            if self.speculator is not None:
-                self.speculator.on_committed(request, first=len(request.output_token_ids) == len(result.tokens))
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _commit_one(self, seq, result: SeqResult | None, forced: int, now: float) -> RequestOutput | None:
+        request = seq.request
+        n_accepted = result.num_accepted_draft if result else 0
+        if seq.completes:  # a chunk split by layers counts once its last layer has run
+            request.num_computed_tokens += seq.num_new_tokens + n_accepted
+        out = None
+        if result is not None:
+            if forced:
+                # the first accepted drafts are the forced span; past it, grammar-branch drafts
+                result.sources = [SOURCE_FORCED if s == SOURCE_DRAFT and j < forced else s
+                                  for j, s in enumerate(result.sources)]
+            taken = self.grammar_step.advance(request, result.tokens)
+            if taken < len(result.tokens):
+                # tokens after the grammar's stop (a stop drafted as forced, then the dead
+                # row's bonus stop): plain decoding would have ended there
+                result.tokens, result.sources = result.tokens[:taken], result.sources[:taken]
+                result.logits = None if result.logits is None else result.logits[:taken]
+            self.grammar_step.append_forced_stop(request, result)
+            out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_seq_len, now)
+        self.scheduler.register_full_blocks(request)
+        if out is None:
+            return None
+        if out.finished:
+            request.finished_time = now
+            self.requests.pop(request.request_id, None)
+            self._release(request)
+            return out
+        if self.speculator is not None:
+            self.speculator.on_committed(request, first=len(request.output_token_ids) == len(result.tokens))
+        return out
 
     # ---------------------------------------------------------------- convenience
 
@@ -350,6 +485,34 @@ class Engine:
             if not outs and self.remote_prefill is not None:
                 time.sleep(0.0005)  # waiting for the prefill worker's pages: leave it the core
         return [done[i] for i in ids]
+
+
+class PhaseClock:
+    """Laps of one step by phase: where a step's time went, so the next stall is found by
+    reading a table (/metrics: prescient_step_phase_seconds)."""
+
+    PHASES = ("schedule", "draft", "mask", "forward", "sample", "commit")
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
+
+    def total(self) -> float:
+        return self.last - self.start
+
+
+def _cause(stage: str, e: Exception) -> tuple[str, str | None]:
+    """A per-request failure's message and error type: the request's own dead end is an invalid
+    request (4xx); anything else is the server's fault (logged with its traceback)."""
+    if isinstance(e, RequestDeadEnd):
+        return str(e), "invalid_request"
+    log.error("a request failed while %s", stage, exc_info=e)
+    return f"the request failed while {stage}: {type(e).__name__}: {e}", None
 
 
 def overloaded_output(request_id: str, err: OverloadedError, num_prompt_tokens: int = 0) -> RequestOutput:

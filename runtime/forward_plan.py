@@ -13,7 +13,9 @@ step's total:
     forwards = [large (one forward, > BATCH_INVARIANT_M rows)] +
                [small, packed in order into forwards of <= BATCH_INVARIANT_M rows]
 
-and the logits come back in the sequences' order. A step of only decodes (the common case) is one
+and the logits come back in the sequences' order. A prefill chunk the scheduler split by layers
+(its `layers` set) runs alone through `model.forward_layers`, its hidden states kept on the
+request until its last layer has run (the same ops as one forward: the same bits). A step of only decodes (the common case) is one
 forward, as before; a prefill chunk beside decodes costs one extra forward's dispatch, and more
 than BATCH_INVARIANT_M decode/verify rows cost one weight pass per forward (the price of giving
 up the GEMM for them). A prompt's own chunking still decides its KV bits: the same chunks give
@@ -26,6 +28,12 @@ import torch
 
 from prescient.runtime.batch import ForwardBatch, build_forward_batch
 from prescient.runtime.linear import BATCH_INVARIANT_M
+from prescient.runtime.scheduler import ScheduledSeq
+
+
+def split(seq) -> bool:
+    """A chunk run by layers over several steps (ScheduledSeq.layers): a forward of its own."""
+    return getattr(seq, "layers", None) is not None
 
 
 def seq_rows(seq, tree) -> int:
@@ -42,13 +50,13 @@ def seq_logits(seq, tree) -> int:
 def plan(seqs: list, trees: list) -> list[list[int]]:
     """The sequences' indices grouped into forwards (module docstring): the large ones first,
     together, then the small ones in order, at most BATCH_INVARIANT_M rows a forward."""
-    large = [i for i, (s, t) in enumerate(zip(seqs, trees)) if seq_rows(s, t) > BATCH_INVARIANT_M]
-    groups = [large] if large else []
+    large = [i for i, (s, t) in enumerate(zip(seqs, trees)) if seq_rows(s, t) > BATCH_INVARIANT_M and not split(s)]
+    groups = [[i] for i, s in enumerate(seqs) if split(s)] + ([large] if large else [])
     cur: list[int] = []
     rows = 0
     for i, (s, t) in enumerate(zip(seqs, trees)):
         n = seq_rows(s, t)
-        if n > BATCH_INVARIANT_M:
+        if n > BATCH_INVARIANT_M or split(s):
             continue
         if cur and rows + n > BATCH_INVARIANT_M:
             groups.append(cur)
@@ -64,11 +72,16 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int) -> t
     """One step's target logits [num_logits, vocab], sequences in order (as one
     build_forward_batch forward would return them), computed in the planned forwards."""
     groups = plan(seqs, trees)
-    if len(groups) == 1:
+    if len(groups) == 1 and not split(seqs[groups[0][0]]):
         batch = build_forward_batch(seqs, trees, block_size, model.device)
         return model.forward(batch, kv_caches)
     parts: list[torch.Tensor | None] = [None] * len(seqs)  # per sequence: its logits rows
     for group in groups:
+        if split(seqs[group[0]]):
+            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size)
+            if logits is not None:
+                parts[group[0]] = logits
+            continue
         batch: ForwardBatch = build_forward_batch([seqs[i] for i in group], [trees[i] for i in group],
                                                   block_size, model.device)
         logits = model.forward(batch, kv_caches)  # [group's logits rows, vocab]
@@ -77,4 +90,26 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int) -> t
             n = seq_logits(seqs[i], trees[i])
             parts[i] = logits[row:row + n]
             row += n
-    return torch.cat([p for p in parts if p is not None])
+    kept = [p for p in parts if p is not None]
+    if not kept:  # only a chunk's middle layers ran: no logits this step
+        return torch.empty(0, model.config.vocab_size, dtype=torch.float32, device=model.device)
+    return torch.cat(kept)
+
+
+def _forward_split(model, kv_caches, seq, block_size: int) -> torch.Tensor | None:
+    """Layers [start, stop) of a chunk split by layers; its logits [1, vocab] when this step
+    runs its last layer and it samples, else None. The chunk's batch (built once, with the
+    logits row it will need) and hidden states wait on the request between steps."""
+    request = seq.request
+    start, stop = seq.layers
+    if start == 0:
+        whole = ScheduledSeq(request, seq.num_new_tokens, 0)  # as the chunk's last step will see it
+        batch, h = build_forward_batch([whole], [None], block_size, model.device), None
+    else:
+        batch, h = request.chunk_state
+    h = model.forward_layers(batch, kv_caches, h, start, stop)  # [chunk_tokens, hidden]
+    if not seq.completes:
+        request.chunk_state = (batch, h)
+        return None
+    request.chunk_state = None
+    return model.forward_head(batch, h) if seq.samples else None

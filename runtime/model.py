@@ -121,21 +121,47 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """-> logits [num_logits, vocab] float32 (float64 for a float64 model)."""
-        cfg = self.config
         if self._packed:
             torch.set_num_threads(1 if batch.num_tokens <= cpu_layer.MAX_T else self._torch_threads)
-        q_size = cfg.num_heads * cfg.head_dim
-        kv_size = cfg.num_kv_heads * cfg.head_dim
         h = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(batch.positions)
-        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
         # decode/verify-sized CPU steps: all layers in native calls, no per-op dispatch
         # (kernels/cpu_layer.py; PRESCIENT_FUSED_LAYERS=0 keeps the torch loop below)
         fused = (cpu_layer.fused_layers(self, kv_caches)
                  if 0 < batch.num_tokens <= cpu_layer.MAX_T and self.device.type == "cpu" else None)
         if fused is not None:
             h = fused.forward(h, batch, cos, sin)
-        for layer, kv in (() if fused is not None else zip(self.layers, kv_caches)):
+            h = fused.final_norm(h, batch.logits_indices, self.norm)
+            return self._logits(h)
+        h = self._layers(h, batch, kv_caches, cos, sin, 0, self.num_layers)
+        return self._logits(self._rms_norm(h[batch.logits_indices], self.norm))
+
+    @torch.inference_mode()
+    def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,
+                       stop: int) -> torch.Tensor:
+        """Part of a prefill forward: layers [start, stop) of the torch loop (the GEMM path;
+        never the fused small-M one), from the embeddings when `h` is None (start 0), else from
+        the hidden states [num_tokens, hidden] an earlier call returned. The same ops in the same
+        order as `forward`, so a chunk split over several steps gets forward's bits; its logits
+        then come from `forward_head`. Each layer writes its K/V as it runs."""
+        if self._packed:
+            torch.set_num_threads(self._torch_threads)
+        if h is None:
+            h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rope.tables(batch.positions)
+        return self._layers(h, batch, kv_caches, cos, sin, start, stop)
+
+    @torch.inference_mode()
+    def forward_head(self, batch: ForwardBatch, h: torch.Tensor) -> torch.Tensor:
+        """The logits [num_logits, vocab] of hidden states that went through every layer."""
+        return self._logits(self._rms_norm(h[batch.logits_indices], self.norm))
+
+    def _layers(self, h: torch.Tensor, batch: ForwardBatch, kv_caches, cos, sin, start: int, stop: int) -> torch.Tensor:
+        cfg = self.config
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        for layer, kv in zip(self.layers[start:stop], kv_caches[start:stop]):
             k_cache, v_cache = kv
             scales = getattr(kv, "scales", {})  # an int8 cache's (runtime/kv_layer.py)
             x = self._rms_norm(h, layer.attn_norm)
@@ -152,8 +178,9 @@ class LlamaModel:
             gate_up = layer.gate_up(x)  # [num_tokens, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        h = (fused.final_norm(h, batch.logits_indices, self.norm) if fused is not None
-             else self._rms_norm(h[batch.logits_indices], self.norm))
+        return h
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(h)
         return logits if logits.dtype == torch.float64 else logits.float()
 

@@ -1,5 +1,6 @@
-"""OpenAI presence / frequency penalties on the logits of this step's sampling rows.
+"""OpenAI presence / frequency penalties and logit_bias on the logits of this step's sampling rows.
 
+    logit[t] += logit_bias[t]
     logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0)
 
 where count[t] is how often token t occurs in the request's output so far (OpenAI's definition:
@@ -8,8 +9,13 @@ after its node, so its counts also include the draft tokens on the path from the
 node: the penalised distribution at every node is exactly the one plain decoding would use after
 the same tokens, and verification stays lossless.
 
+The bias is the same in every row (it depends on no context), so a draft tree's rows get it too
+and verification samples from the biased distribution plain decoding would. A bias of -100 (or
+less than the gap to the best token) bans a token in practice, as OpenAI says; the grammar mask,
+applied after, still has the last word: a biased token the grammar forbids stays forbidden.
+
 Penalties apply before the grammar mask and before temperature / top-k / top-p, as in OpenAI's
-and vLLM's samplers. Requests without penalties cost nothing here.
+and vLLM's samplers. Requests without penalties or bias cost nothing here.
 """
 
 from __future__ import annotations
@@ -27,14 +33,27 @@ def apply_penalties(
         if not seq.samples:
             continue
         num_rows = tree.num_nodes if tree is not None else 1
-        params = seq.request.params
-        if params.frequency_penalty or params.presence_penalty:
-            rows = logits[row:row + num_rows]
-            counts = _path_counts(seq.request.output_token_ids, tree, rows.shape[1], rows.device)
-            penalty = counts.to(rows.dtype) * params.frequency_penalty
-            penalty += (counts > 0).to(rows.dtype) * params.presence_penalty
-            rows.sub_(penalty)
+        penalize_rows(logits[row:row + num_rows], seq.request, tree)
         row += num_rows
+
+
+def penalize_rows(
+    rows: torch.Tensor,  # [num_rows, vocab]: one request's sampling rows (a tree's nodes, or one), in place
+    request,
+    tree,  # DraftTree | None
+) -> None:
+    """One request's part of `apply_penalties` (the engine calls it per request, so a failure
+    here is that request's alone)."""
+    params = request.params
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=rows.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=rows.dtype, device=rows.device)
+        rows[:, ids] += bias
+    if params.frequency_penalty or params.presence_penalty:
+        counts = _path_counts(request.output_token_ids, tree, rows.shape[1], rows.device)
+        penalty = counts.to(rows.dtype) * params.frequency_penalty
+        penalty += (counts > 0).to(rows.dtype) * params.presence_penalty
+        rows.sub_(penalty)
 
 
 def _path_counts(

@@ -103,7 +103,8 @@ class PrefillServer:
         for seq in sched.seqs:
             request: Request = seq.request
             samples = seq.samples
-            request.num_computed_tokens += seq.num_new_tokens
+            if seq.completes:  # (this worker runs no decodes, so its chunks are never split by layers)
+                request.num_computed_tokens += seq.num_new_tokens
             eng.scheduler.register_full_blocks(request)
             if not samples:
                 continue

@@ -61,6 +61,15 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_verify_steps: int = 0
+    # a prefill chunk split by layers over several steps (runtime/scheduler.py plans it and
+    # writes these two; runtime/forward_plan.py keeps the chunk's batch and hidden states until
+    # its last layer has run). chunk_layer 0: no chunk in flight.
+    chunk_tokens: int = 0
+    chunk_layer: int = 0
+    chunk_state: Any = None  # (ForwardBatch, hidden [chunk_tokens, hidden]) between steps
+    # latency bounds this request asked for that the server cannot meet even alone (the
+    # scheduler's predictions), reported with its final output
+    slo_notes: list[str] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -99,11 +108,20 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
-    error_type: str | None = None  # "overloaded": refused for load, worth retrying after retry_after_s
+    # "overloaded": refused for load, worth retrying after retry_after_s; "invalid_request": the
+    # request's own input cannot go on (RequestDeadEnd); None with an error: a server fault
+    error_type: str | None = None
     retry_after_s: float | None = None
     # a prefill/decode split's first output: where the time to first token went (seconds:
     # queue_s, prefill_s, transfer_s, first_decode_s; runtime/kv_handoff.HandoffTiming)
     ttft_split: dict | None = None
+    # on the final output: the request's latency bounds the server could not meet even alone
+    slo_notes: list[str] | None = None
+
+
+class RequestDeadEnd(ValueError):
+    """The request cannot go on through no fault of the server (its grammar allows no token
+    where its output stands): it ends with error_type "invalid_request", a 4xx to its client."""
 
 
 class OverloadedError(RuntimeError):

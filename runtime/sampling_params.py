@@ -17,6 +17,14 @@ from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# Stop strings are scanned on the engine thread after every step, so one request's list bounds
+# everyone's step time: OpenAI's 4, each at most 256 characters (longer stops are sentences).
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+# logit_bias as OpenAI: values in [-100, 100] (-100 bans a token, 100 forces it); at most one
+# entry per vocabulary token, and a bounded count so building the bias row stays cheap.
+LOGIT_BIAS_RANGE = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -39,15 +47,26 @@ class SamplingParams:
     # The request's own bound on its per-emission gaps (seconds; the server's `slo.itl_ms`):
     # the draft planner keeps a verify step's predicted time under it. None: no bound.
     max_itl_s: float | None = None
+    # The request's own bound on its time to first token (seconds; the server's `slo.ttft_ms`):
+    # the scheduler admits waiting prompts earliest deadline first. None: the scheduler's default.
+    max_ttft_s: float | None = None
     # Whose shared pool of recent outputs may draft for it and learns its output (the server:
     # a digest of the API key); None: no shared pool.
     tenant: str | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before the grammar mask
+    # and temperature (runtime/penalties.py), in every row of a draft tree so verification stays
+    # exact. Token ids are checked against the model's vocabulary at Engine.make_request.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(e) for e in self.logit_bias))
         if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool),
@@ -61,8 +80,23 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                      and SEED_MIN <= self.seed <= SEED_MAX),
                f"seed must be an integer in [-2**63, 2**63 - 1], got {self.seed!r}")
+        _check(len(self.stop) <= MAX_STOP_SEQUENCES,
+               f"stop has {len(self.stop)} sequences; at most {MAX_STOP_SEQUENCES} are allowed")
         for s in self.stop:
-            _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r}")
+            _check(isinstance(s, str) and s != "", f"stop must be non-empty strings, got {s!r:.40}")
+            _check(len(s) <= MAX_STOP_CHARS,
+                   f"stop sequences may be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+               f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+        for entry in self.logit_bias:
+            _check(isinstance(entry, tuple) and len(entry) == 2, f"logit_bias entries must be (token id, bias) pairs")
+            t, b = entry
+            _check(isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+                   f"logit_bias keys must be token ids >= 0, got {t!r}")
+            _check(isinstance(b, (int, float)) and not isinstance(b, bool)
+                   and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE,
+                   f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {t}")
+        _check(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias names a token twice")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and t >= 0, f"stop_token_ids must be token ids >= 0, got {t!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -73,6 +107,9 @@ class SamplingParams:
         _check(self.max_itl_s is None or (isinstance(self.max_itl_s, (int, float)) and not isinstance(self.max_itl_s, bool)
                                           and 0 < self.max_itl_s < float("inf")),
                f"max_itl_s must be a number > 0, got {self.max_itl_s!r}")
+        _check(self.max_ttft_s is None or (isinstance(self.max_ttft_s, (int, float)) and not isinstance(self.max_ttft_s, bool)
+                                           and 0 < self.max_ttft_s < float("inf")),
+               f"max_ttft_s must be a number > 0, got {self.max_ttft_s!r}")
         _check(self.tenant is None or isinstance(self.tenant, str), f"tenant must be a string, got {self.tenant!r}")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
+from prescient.runtime.linear import BATCH_INVARIANT_M
 from prescient.runtime.request import OverloadedError, Request, RequestStatus
+from prescient.runtime.step_cost import StepCostModel
 
 
 # Waiting requests that do not fit looked at per step before the scan stops: each look matches
@@ -37,12 +39,15 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int  # uncomputed tokens fed this step (chunk, or 1 when decoding)
     num_spec_slots: int  # extra KV slots reserved for draft-tree nodes (decode only)
+    # a chunk split by layers: the layers [start, stop) it runs this step; None: all of them
+    layers: tuple[int, int] | None = None
+    completes: bool = True  # whether its chunk's last layer runs this step
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the sequence, so its logits give a next token."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return self.completes and r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclass
@@ -57,11 +62,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_seq_len: int,
-                 reclaim=None):
+                 reclaim=None, cost: StepCostModel | None = None, num_layers: int = 1, layer_split: bool = False):
         """`max_seq_len`: the longest sequence (prompt + output) a request reaches, within both
         the context and the KV cache. `reclaim()` frees memory held outside running requests
-        (session pins); it returns False when it has nothing left to give."""
+        (session pins); it returns False when it has nothing left to give. `cost`: the step cost
+        model the time budget is read from (the engine refits it); None: token budgets only.
+        `layer_split`: whether the model can run a chunk's layers over several steps."""
         self.config = config
+        self.cost = cost
+        self.num_layers = num_layers
+        self.layer_split = layer_split and config.layer_split and num_layers > 1
         self.reclaim = reclaim or (lambda: False)
         self.blocks = block_manager
         self.max_seq_len = max_seq_len
@@ -116,6 +126,8 @@ class Scheduler:
         request.block_ids = []
         request.block_hashes = []
         request.num_computed_tokens = 0
+        request.chunk_tokens = request.chunk_layer = 0  # a chunk in flight starts over
+        request.chunk_state = None
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -124,14 +136,13 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
-        # Running requests, oldest first; preempt from the newest end when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_uncomputed, budget)
-            spec = min(request.spec_budget, budget - num_new) if num_new == request.num_uncomputed == 1 else 0
+        # Decoding requests, oldest first; preempt from the newest end when blocks run out.
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or request.num_uncomputed != 1 or budget <= 0:
+                continue
+            spec = min(request.spec_budget, budget - 1)
             spec = max(0, min(spec, self.max_seq_len - request.num_tokens - 1))
-            while not self._grow(request, num_new + spec):
+            while not self._grow(request, 1 + spec):
                 if spec:  # first give up the draft slots
                     spec = 0
                     continue
@@ -142,43 +153,86 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            seqs.append(ScheduledSeq(request, num_new, spec))
-            budget -= num_new + spec
-            i += 1
-        # Waiting requests in arrival order; one that does not fit now is passed over (bounded).
+            seqs.append(ScheduledSeq(request, 1, spec))
+            budget -= 1 + spec
+        # What the decodes leave of the step's time budget goes to prefill work.
+        plan = _PrefillPlan(self, seqs)
+        # Running requests in prefill (a chunk split by layers first: it holds its blocks and
+        # hidden states until done), then waiting ones. A chunk that cannot get its blocks waits
+        # a step: taking them from a decode scheduled above would free what it is about to use.
+        prefilling = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1]
+        prefilling.sort(key=lambda r: r.chunk_layer == 0)  # stable
+        for request in prefilling:
+            if budget <= 0:
+                break
+            size = plan.chunk(request, budget)
+            if size is None:
+                if plan.stopped:
+                    break
+                continue
+            num_new, layers, completes = size
+            if not self._grow(request, num_new):
+                continue
+            plan.commit(request, num_new, layers)
+            seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
+            budget -= num_new
+        # Waiting requests, earliest TTFT deadline first (arrival order when the bounds are
+        # equal); one that does not fit now is passed over (bounded).
         passed: list[Request] = []
         limit = self.config.max_overtakes
-        for request in list(self.waiting):
+        for request in self._by_deadline():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(passed) >= _MAX_PASSED:
                 break
             if any(p.num_overtaken >= limit for p in passed):
                 break  # a passed-over request's turn: nothing more until the running ones make room
-            num_new = self._admit(request, budget)
-            if num_new is None:
+            if not plan.has_room():
+                break
+            got = self._admit(request, lambda r: plan.chunk(r, budget))
+            if got is None:
+                if plan.stopped:
+                    break  # out of time, not of blocks: nobody is passed over
                 passed.append(request)
                 continue
+            num_new, layers, completes = got
             for p in passed:
                 p.num_overtaken += 1
-            if self.waiting[0] is request:
-                self.waiting.popleft()
-            else:
-                self.waiting.remove(request)
+            self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.perf_counter()
+                plan.note_ttft(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            seqs.append(ScheduledSeq(request, num_new, 0))
+            plan.commit(request, num_new, layers)
+            seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
             budget -= num_new
         return SchedulerOutput(seqs, preempted)
 
-    def _admit(self, request: Request, budget: int) -> int | None:
+    def _by_deadline(self) -> list[Request]:
+        """The waiting queue by TTFT deadline (arrival + the request's bound, else the default);
+        a preempted request (it has streamed tokens) keeps its place at the front."""
+        default = self.config.ttft_target_s
+
+        def deadline(r: Request) -> float:
+            if r.num_preemptions:
+                return float("-inf")
+            return r.arrival_time + (r.params.max_ttft_s if r.params.max_ttft_s is not None else default)
+
+        return sorted(self.waiting, key=deadline)  # stable: FIFO among equal deadlines
+
+    def _admit(self, request: Request, size) -> tuple[int, tuple[int, int] | None, bool] | None:
         """Take the blocks for a waiting request's next chunk (prefix-cache hits first, session
-        pins released if need be) -> the chunk's size; None, holding nothing, if it does not fit."""
+        pins released if need be) -> `size(request)`'s chunk; None, holding nothing, if it does
+        not fit (or `size` gives it no work this step)."""
         if request.num_computed_tokens == 0 and not request.block_ids:
             while True:
                 hit_ids, hit_hashes = self.blocks.match_prefix(request.all_token_ids)
-                # Blocks not yet held: check they plus the chunk fit before taking them.
-                num_new = min(request.num_tokens - len(hit_ids) * self.block_size, budget)
+                # Sized as if the hit were taken, then checked to fit before taking anything.
+                request.num_computed_tokens = len(hit_ids) * self.block_size
+                got = size(request)
+                request.num_computed_tokens = 0
+                if got is None:
+                    return None
+                num_new = got[0]
                 fresh = -(-(len(hit_ids) * self.block_size + num_new) // self.block_size) - len(hit_ids)
                 held = sum(1 for b in hit_ids if self.blocks.blocks[b].ref_count == 0)
                 if self.blocks.can_allocate(fresh + held):
@@ -192,9 +246,12 @@ class Scheduler:
             request.num_computed_tokens = len(hit_ids) * self.block_size
             if not request.num_preemptions:
                 request.num_cached_tokens = request.num_computed_tokens
-        num_new = min(request.num_uncomputed, budget)
-        if self._grow(request, num_new):
-            return num_new
+        else:
+            got = size(request)
+            if got is None:
+                return None
+        if self._grow(request, got[0]):
+            return got
         # Not reached after the check above; kept so a waiting request never sits on blocks.
         self.blocks.free_blocks(request.block_ids)
         request.block_ids, request.block_hashes, request.num_computed_tokens = [], [], 0
@@ -227,3 +284,136 @@ class Scheduler:
             self.blocks.free_blocks(request.block_ids)
         request.block_ids = []
         request.status = RequestStatus.FINISHED
+
+
+class _PrefillPlan:
+    """One step's prefill work within its time budget (docs/SCHEDULING.md):
+
+        bound  = min ITL bound over the decoding requests      (none decoding: no time limit)
+        slack  = margin * bound - predicted cost of the decodes
+        chunk  = whole prefill units of the prompt while their predicted cost fits the slack;
+                 the first prefill of a step always progresses: at least one unit, and if that
+                 unit alone breaks the slack (layer_split), as many of its layers as fit (>= 1)
+        a chunk split by layers continues at its next layer in the next step, before any other.
+
+    A chunk is whole units of `prefill_unit` tokens (the tail of <= BATCH_INVARIANT_M tokens
+    joins the chunk before it), or the whole rest when that is at most one unit plus the tail:
+    every chunk of more than BATCH_INVARIANT_M tokens runs on the GEMM path, whose rows do not
+    depend on the chunk's size, so the time budget decides how far a prompt advances, never
+    the bits of its KV."""
+
+    def __init__(self, scheduler: Scheduler, decodes: list[ScheduledSeq]):
+        self.s = scheduler
+        cfg = scheduler.config
+        self.cost = scheduler.cost
+        self.stopped = False  # out of time for this step
+        self.num_prefills = 0
+        bound = None
+        for seq in decodes:
+            r = seq.request
+            b = r.params.max_itl_s if r.params.max_itl_s is not None else cfg.itl_target_s
+            if b is not None:
+                bound = b if bound is None else min(bound, b)
+        for seq in decodes:
+            self.note_itl(seq.request)
+        if self.cost is None or bound is None or not decodes:
+            self.slack = float("inf")
+        else:
+            rows = sum(1 + seq.num_spec_slots for seq in decodes)
+            ctx = sum(seq.request.num_tokens for seq in decodes) / len(decodes)
+            self.slack = cfg.itl_margin * bound - self.cost.decode_seconds(rows, ctx)
+        self.bound = bound
+
+    def note_itl(self, request: Request) -> None:
+        """A request's own ITL bound below what one decode step costs here even alone."""
+        bound = request.params.max_itl_s
+        if bound is None or self.cost is None or any(n.startswith("itl_ms") for n in request.slo_notes):
+            return
+        alone = self.cost.decode_seconds(1, request.num_tokens)
+        if alone > bound:
+            request.slo_notes.append(f"itl_ms {bound * 1e3:g} is below one decode step here even alone "
+                                     f"(predicted {alone * 1e3:.0f} ms)")
+
+    def note_ttft(self, request: Request) -> None:
+        """A request's own TTFT bound below its prompt's predicted prefill alone."""
+        bound = request.params.max_ttft_s
+        if bound is None or self.cost is None:
+            return
+        rest = request.num_uncomputed
+        alone = self.cost.prefill_seconds(rest, request.num_computed_tokens + rest / 2) + \
+            self.cost.decode_seconds(1, request.num_tokens)
+        if alone > bound:
+            request.slo_notes.append(f"ttft_ms {bound * 1e3:g} is below this prompt's prefill here even alone "
+                                     f"(predicted {alone * 1e3:.0f} ms for {rest} tokens)")
+
+    def has_room(self) -> bool:
+        return not self.stopped and (self.num_prefills == 0 or self.slack > 0)
+
+    def _seconds(self, request: Request, tokens: int, frac: float = 1.0) -> float:
+        ctx = request.num_computed_tokens + tokens / 2
+        return self.cost.prefill_seconds(tokens, ctx, frac) if self.cost is not None else 0.0
+
+    def chunk(self, request: Request, token_budget: int) -> tuple[int, tuple[int, int] | None, bool] | None:
+        """(tokens, layers, completes) of `request`'s prefill work this step; None: none."""
+        if self.stopped:
+            return None
+        first = self.num_prefills == 0
+        if not first and self.slack <= 0:
+            self.stopped = True
+            return None
+        L = self.s.num_layers
+        if request.chunk_layer:  # a chunk in flight: its next layers
+            tokens = request.chunk_tokens
+            per_layer = self._seconds(request, tokens, 1.0 / L)
+            left = L - request.chunk_layer
+            n = left if per_layer <= 0 or self.slack == float("inf") else min(left, int(self.slack // per_layer))
+            if n <= 0:
+                if not first:
+                    self.stopped = True
+                    return None
+                n = 1
+            stop = request.chunk_layer + n
+            return tokens, (request.chunk_layer, stop), stop == L
+        rest = request.num_uncomputed
+        unit = self.s.config.prefill_unit
+        if rest <= BATCH_INVARIANT_M:  # a short rest: the small-M path, whole (it cannot be split)
+            if not first and self._seconds(request, rest) > self.slack:
+                self.stopped = True
+                return None
+            return (rest, None, True) if rest <= token_budget or first else None
+        # whole units from here; a tail of <= BATCH_INVARIANT_M tokens goes with the last unit
+        max_units = max(1, min(token_budget, rest) // unit) if first else min(token_budget, rest) // unit
+        k = 0
+        while k < max_units and self._seconds(request, _cut(rest, (k + 1) * unit)) <= self.slack:
+            k += 1
+        if k == 0:
+            if not first:
+                self.stopped = True
+                return None
+            tokens = _cut(rest, unit)
+            full = self._seconds(request, tokens)
+            if self.s.layer_split and full > self.slack and tokens > BATCH_INVARIANT_M:
+                per_layer = full / L
+                n = max(1, min(L, int(max(self.slack, 0.0) // per_layer))) if per_layer > 0 else L
+                if n < L:
+                    return tokens, (0, n), False
+            return tokens, None, True
+        return _cut(rest, k * unit), None, True
+
+    def commit(self, request: Request, tokens: int, layers: tuple[int, int] | None) -> None:
+        """Account for the work `chunk` gave (and note a chunk split by layers on the request)."""
+        self.num_prefills += 1
+        L = self.s.num_layers
+        if layers is None:
+            self.slack -= self._seconds(request, tokens)
+            request.chunk_tokens = request.chunk_layer = 0
+            return
+        start, stop = layers
+        self.slack -= self._seconds(request, tokens, (stop - start) / L)
+        request.chunk_tokens, request.chunk_layer = (0, 0) if stop == L else (tokens, stop)
+
+
+def _cut(rest: int, tokens: int) -> int:
+    """A chunk of `tokens` from `rest`, taking the rest whole when at most BATCH_INVARIANT_M
+    tokens would be left (a short last chunk would run on the other path)."""
+    return rest if rest - tokens <= BATCH_INVARIANT_M else tokens

@@ -75,6 +75,7 @@ def commit_tokens(request: Request, result: SeqResult, detok: IncrementalDetoken
         num_prompt_tokens=len(request.prompt_token_ids),
         num_cached_tokens=request.num_cached_tokens,
         num_output_tokens=len(request.output_token_ids),
+        slo_notes=list(request.slo_notes) if request.finish_reason is not None and request.slo_notes else None,
     )
 
 

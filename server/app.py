@@ -39,6 +39,7 @@ from prescient.server.openai_http import chat_completions, completions, get_mode
 from prescient.server.responses_http import create_response
 from prescient.server.responses_ws import responses_websocket
 from prescient.server.transport import h11_with_header_deadline
+from prescient.server.ws_transport import DenialAwareWebSocket
 
 log = logging.getLogger("prescient.server")
 _encode = msgspec.json.Encoder().encode
@@ -108,7 +109,7 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
 def uvicorn_config(app, host: str, port: int, config: ServerConfig) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=host, port=port, lifespan="on", log_level="warning", access_log=False,
-        ws="websockets-sansio",
+        ws=DenialAwareWebSocket,  # uvicorn's websockets-sansio, refused handshakes logged at info only
         http=h11_with_header_deadline(config.header_timeout_s),  # h11 + a deadline for headers
         # Frames over max_frame_bytes get an `error` event; past 4x that (at least 1 MiB) uvicorn
         # closes with 1009 before buffering more of it.
@@ -140,9 +141,12 @@ def bound_port(server) -> int:
 
 def listening_socket(host: str, port: int) -> socket.socket:
     """Bind before loading the model, so a port in use is reported at once (OSError naming it)
-    rather than after the load; uvicorn serves on this socket."""
+    rather than after the load; uvicorn serves on this socket. Created with IPPROTO_TCP, not 0:
+    asyncio sets TCP_NODELAY on accepted sockets only when the listener's protocol says TCP, and
+    without it Nagle's algorithm holds a small write until the client's delayed ACK (~40 ms on
+    every response after a connection's first, and on every WebSocket event)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -85,4 +85,8 @@ class Constraints:
             raise bad_request(str(err), param=param, code="invalid_grammar") from None
         if self._metrics is not None:
             self._metrics.grammar_compile.observe(time.perf_counter() - start)
-        return compiled.matcher()
+        matcher = compiled.matcher()
+        if matcher.allows_nothing():  # it compiles, but no output could ever match it
+            raise bad_request("the grammar allows no token at its start: no output can match it", param=param,
+                              code="invalid_grammar")
+        return matcher

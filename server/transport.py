@@ -5,12 +5,14 @@ so a client that connects and sends nothing, or half a request line, or headers 
 blank line that ends them, keeps its socket (and uvicorn's per-connection state) open forever.
 Here a connection must complete each request's headers within `header_timeout_s` of connecting,
 or of its previous response; otherwise it is closed. Once the headers are in, the application's
-deadlines take over (the body: access.py; a WebSocket's idle time: responses_ws.py).
+deadlines take over (the body: access.py; a WebSocket's idle time: responses_ws.py). Every
+accepted connection also gets TCP_NODELAY (`set_nodelay`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -23,6 +25,7 @@ class HeaderDeadlineH11(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        set_nodelay(transport)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -64,6 +67,18 @@ class HeaderDeadlineH11(H11Protocol):
         self._header_timer = None
         if self.cycle is self._armed_at and not self.transport.is_closing():
             self.transport.close()
+
+
+def set_nodelay(transport) -> None:
+    """TCP_NODELAY on an accepted connection whatever made its listening socket (asyncio sets it
+    only for listeners created with IPPROTO_TCP): streamed tokens are small writes, and Nagle +
+    delayed ACK would hold each for ~40 ms. The WebSocket protocol inherits the socket."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # the peer is already gone
+            pass
 
 
 def h11_with_header_deadline(header_timeout_s: float) -> type[HeaderDeadlineH11]:

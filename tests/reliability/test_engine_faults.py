@@ -47,11 +47,13 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_the_next(make_t
     try:
         status, body = _post(server, CHAT)
         assert done.is_set()
-        assert status >= 500 and "injected fault" in json.loads(body)["error"]["message"]
+        message = json.loads(body)["error"]["message"]
+        # a generic message: a forward's cause could name other clients' requests (it is logged)
+        assert status >= 500 and "engine error" in message and "injected fault" not in message
         # streamed: the stream ends with an error chunk, not a hang or a silent close
         done, _ = _break_next_forward(server.engine)
         status, body = _post(server, {**CHAT, "stream": True})
-        assert status == 200 and b"injected fault" in body and body.rstrip().endswith(b"data: [DONE]")
+        assert status == 200 and b"engine error" in body and body.rstrip().endswith(b"data: [DONE]")
         # the Responses WebSocket: an error event, and the connection lives on
         done, _ = _break_next_forward(server.engine)
         with connect(server.ws_url) as ws:

@@ -1,0 +1,136 @@
+"""What a step will cost, predicted from what steps have cost: the scheduler's time budget.
+
+A step's wall time (schedule to commit, what every running stream waits between deliveries) is
+modelled as two parts, each linear in a few features and refitted online by recursive least
+squares (with forgetting, so a machine that gets busier is followed within tens of steps):
+
+    decode(rows, ctx)          = d0 + d1 * rows + d2 * rows * ctx / 1000      every step
+    prefill(tokens, ctx, frac) = frac * (p0 * tokens + p1 * tokens * ctx / 1000)
+
+`rows` are the decode/verify rows (a draft tree's nodes), `ctx` their mean context; a prefill
+chunk of `tokens` at context `ctx` runs a fraction `frac` of the layers this step (a chunk may be
+split by layers over several steps: runtime/scheduler.py). Steps without prefill refit the decode
+part; steps with prefill refit the prefill part on what the decode part leaves. Predictions are
+clamped to be positive, and the priors are deliberately slow (a 2-core CPU's figures) so the
+first steps, before any fit, err towards smaller chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class RecursiveLeastSquares:
+    """theta minimising sum_t lambda^(T-t) (y_t - x_t . theta)^2, updated one sample at a time."""
+
+    def __init__(self, prior: list[float], prior_scale: float = 1.0, forgetting: float = 0.95):
+        self.theta = np.array(prior, dtype=np.float64)
+        # The prior's covariance in units of the observation noise's variance: (how far theta
+        # may be from the prior / how noisy one step's time is)^2. Step times vary by ~5-10 ms
+        # and the coefficients are ms-sized, so O(1): one step already moves theta most of the
+        # way along its features, as it should when the priors are another machine's.
+        self.P = np.eye(len(prior)) * prior_scale
+        self.forgetting = forgetting
+        self.num_samples = 0
+
+    def predict(self, x) -> float:
+        return float(np.dot(self.theta, x))
+
+    def update(self, x, y: float) -> None:
+        x = np.asarray(x, dtype=np.float64)
+        lam = self.forgetting
+        Px = self.P @ x
+        gain = Px / (lam + x @ Px)
+        self.theta = self.theta + gain * (y - x @ self.theta)
+        self.P = (self.P - np.outer(gain, Px)) / lam
+        # keep P bounded (a long run of identical features would blow it up through 1/lambda)
+        np.clip(self.P, -1e3, 1e3, out=self.P)
+        self.num_samples += 1
+
+
+@dataclass
+class StepShape:
+    """What a step carries, as the cost model reads it."""
+
+    decode_rows: int = 0  # decode / verify rows (tree nodes) and short chunks on the small-M path
+    decode_ctx: float = 0.0  # their mean context length
+    prefill_tokens: float = 0  # tokens of prefill chunks (the GEMM path), weighted by the layers they run
+    prefill_ctx: float = 0.0  # the chunks' mean context at their middle
+    prefill_layer_frac: float = 0.0  # the fraction of the model's layers those chunks run this step
+
+
+class StepCostModel:
+    """Predicted step seconds for a StepShape; `observe` refits from a measured step."""
+
+    # seconds; a 2-core AVX2 machine's order of magnitude (a decode row ~1 ms, a prompt token
+    # ~2 ms through every layer): slower than most machines, so early budgets are conservative
+    DECODE_PRIOR = [0.004, 0.001, 0.0002]
+    PREFILL_PRIOR = [0.002, 0.0004]
+
+    def __init__(self):
+        self.decode = RecursiveLeastSquares(self.DECODE_PRIOR, prior_scale=1.0)
+        self.prefill = RecursiveLeastSquares(self.PREFILL_PRIOR, prior_scale=0.25)
+
+    @staticmethod
+    def _decode_x(shape: StepShape) -> list[float]:
+        return [1.0, shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
+
+    @staticmethod
+    def _prefill_x(tokens: float, ctx: float, frac: float) -> list[float]:
+        return [frac * tokens, frac * tokens * ctx / 1000]
+
+    def decode_seconds(self, rows: int, ctx: float) -> float:
+        floor = self.DECODE_PRIOR[0] * 0.1
+        return max(floor, self.decode.predict(self._decode_x(StepShape(rows, ctx))))
+
+    def prefill_seconds(self, tokens: int, ctx: float, frac: float = 1.0) -> float:
+        """A chunk of `tokens` at mean context `ctx` through `frac` of the layers."""
+        if tokens <= 0 or frac <= 0:
+            return 0.0
+        per_token = max(self.PREFILL_PRIOR[0] * 0.02,
+                        self.prefill.predict(self._prefill_x(1.0, ctx, 1.0)))
+        return per_token * tokens * frac
+
+    def predict(self, shape: StepShape) -> float:
+        return (self.decode_seconds(shape.decode_rows, shape.decode_ctx)
+                + self.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx, shape.prefill_layer_frac))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if not np.isfinite(seconds) or seconds <= 0:
+            return
+        # one outlier (a page fault storm, a descheduled thread) moves the fit at most 3x: a
+        # machine that really got slower is followed within a few steps all the same
+        seconds = min(seconds, 3 * self.predict(shape) + 0.02)
+        if shape.prefill_tokens and shape.prefill_layer_frac > 0:
+            rest = seconds - self.decode_seconds(shape.decode_rows, shape.decode_ctx)
+            self.prefill.update(self._prefill_x(shape.prefill_tokens, shape.prefill_ctx, shape.prefill_layer_frac),
+                                max(rest, 0.0))
+        elif shape.decode_rows:
+            self.decode.update(self._decode_x(shape), seconds)
+
+
+def step_shape(seqs, num_layers: int, small_m: int = 64) -> StepShape:
+    """The StepShape of a scheduled step (ScheduledSeqs): decode rows with their draft slots
+    and chunks of at most `small_m` tokens on the small-M path, longer chunks by the fraction of
+    layers they run."""
+    shape = StepShape()
+    dctx = pctx = 0.0
+    for seq in seqs:
+        r = seq.request
+        rows = seq.num_new_tokens + seq.num_spec_slots
+        if seq.num_new_tokens <= small_m and seq.layers is None:
+            shape.decode_rows += rows
+            dctx += rows * (r.num_computed_tokens + rows)
+        else:
+            frac = 1.0 if seq.layers is None else (seq.layers[1] - seq.layers[0]) / num_layers
+            weight = seq.num_new_tokens * frac
+            shape.prefill_tokens += weight
+            pctx += weight * (r.num_computed_tokens + seq.num_new_tokens / 2)
+    if shape.decode_rows:
+        shape.decode_ctx = dctx / shape.decode_rows
+    if shape.prefill_tokens:
+        shape.prefill_ctx = pctx / shape.prefill_tokens
+        shape.prefill_layer_frac = 1.0
+    return shape
