@@ -95,7 +95,9 @@ def store_kv(
     )
 
 
-@triton.jit
+# n (copies this call) changes every step: unspecialized, or each value 1 / multiple of 16 /
+# other would compile its own variant in the middle of a timed run.
+@triton.jit(do_not_specialize=["n"])
 def _kv_copy_kernel(
     cache_ptr,  # [num_blocks, block_size, row] (row = num_kv_heads * head_dim), k or v
     scratch_ptr,  # [n, row], this call's staging rows

@@ -44,7 +44,10 @@ def _find_seq(cu_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# Triton specializes integer arguments on == 1 and on divisibility by 16. These change from
+# step to step (batch size, tokens this step, block-table width, mask words = tree size / 32),
+# so each would compile new variants mid-run; the kernel gains nothing from knowing them.
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "stride_mt"])
 def _tree_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]; split: [num_splits, num_tokens, num_heads, head_dim]
     max_ptr,  # [num_splits, num_tokens, num_heads] running max (log2 domain), split only
@@ -179,7 +182,8 @@ def _tree_attention_kernel(
         )
 
 
-@triton.jit
+# num_splits follows the batch's shape and num_tokens the step: unspecialized, as above.
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     acc_ptr,  # [num_splits, num_tokens, num_heads, head_dim]

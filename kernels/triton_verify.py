@@ -23,7 +23,9 @@ def _init_accepted(accepted_ptr, max_nodes, BLOCK_NODES: tl.constexpr):
     tl.debug_barrier()
 
 
-@triton.jit
+# max_nodes is the step's widest draft tree: unspecialized, so tree sizes that share a
+# BLOCK_NODES share one compiled variant instead of splitting on == 1 / multiple of 16.
+@triton.jit(do_not_specialize=["max_nodes"])
 def _greedy_verify_kernel(
     draft_ptr,  # [num_seqs, max_nodes] int64
     parents_ptr,  # [num_seqs, max_nodes] int64
@@ -90,7 +92,7 @@ def _load_chunk(target_row, residual_row, in_residual, offs, ok):
     return p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_nodes"])  # as _greedy_verify_kernel
 def _rejection_sample_kernel(
     draft_ptr,  # [num_seqs, max_nodes] int64
     parents_ptr,  # [num_seqs, max_nodes] int64

@@ -4,6 +4,7 @@
     prescient bench --quick --peers          # ... beside transformers and llama.cpp (longer)
     prescient bench --out DIR                # the full run (every prompt, rate sweep; much longer)
     prescient bench --quick --server http://127.0.0.1:8000   # load phases against `prescient serve`
+    prescient bench --load --quick --out DIR  # the load suite (load_bench.py): its own options after --load
 
 Writes DIR/report.json (stable field names, schema in schema.py), DIR/report.md and PNG plots.
 """
@@ -36,9 +37,18 @@ def _preset(field: str, scale: float = 1.0, unit: str = "") -> str:
     return f"(default: {quick})" if quick == full else f"(default: quick {quick}, full {full})"
 
 
+# Suites with their own command line, chosen by a flag in the subcommand's place (the first
+# argument), so no option of this parser is ever read as one of theirs: {flag: module, help}.
+SUITES = {"--load": ("prescient.latency_bench.load_bench",
+                     "the load suite: closed-loop clients with cold prompts and a long-prompt injector through "
+                     "prescient's server and llama.cpp's (`prescient bench --load --help` for its options)")}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prescient bench", description=__doc__.splitlines()[0],
                                 formatter_class=DefaultsHelpFormatter)
+    for flag, (_, text) in SUITES.items():
+        p.add_argument(flag, action="store_true", help=f"{text}; must be the first argument")
     p.add_argument("--quick", action="store_true", help="the <= 10 minute subset (no rate sweep); unset = the full run")
     p.add_argument("--out", default="bench_out", help="report folder")
     p.add_argument("--model", default=None, help="a .gguf file or HF folder (default: SmolLM2-135M-Instruct)")
@@ -151,7 +161,15 @@ def config_from_args(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    if argv[:1] and argv[0] in SUITES:
+        import importlib
+
+        return importlib.import_module(SUITES[argv[0]][0]).main(argv[1:]) or 0
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for flag in SUITES:
+        if getattr(args, flag.lstrip("-").replace("-", "_")):
+            parser.error(f"{flag} selects a suite with its own options: put it first (prescient bench {flag} ...)")
     cfg = config_from_args(args)
     from prescient.latency_bench.run import run_bench
 

@@ -1,4 +1,4 @@
-"""The agent benchmark's HTTP transport: chat completions streamed over SSE, through the openai SDK.
+"""The benchmarks' HTTP transport: chat completions streamed over SSE, through the openai SDK.
 
 One `Conversation` is one task's message history, re-sent whole each turn, as an agent framework
 does. Three ways of handling tools (`tool_format`):
@@ -12,6 +12,10 @@ does. Three ways of handling tools (`tool_format`):
     hermes   a server that cannot stream tool calls: no `tools`; the tools are rendered into the
              system message and calls / results into the history exactly as prescient's server
              renders them (server/tools.py), and calls parsed here from the text.
+
+`ChatHTTPTransport.stream` is the one streaming request underneath (messages as given, no tool
+handling): the load benchmark (load_driver.py) and `pd_bench --server` send through it too, so
+every HTTP figure of every benchmark comes from the same client code.
 
 Timing: arrival = just before the request is sent; an emission = a received chunk that shows the
 reader something (text or a tool-call delta), carrying `len(token_times)` tokens when the server
@@ -31,6 +35,20 @@ from prescient.server.tools import FunctionTool, render_tool_calls, render_tool_
 
 TOOL_FORMATS = ("native", "free", "hermes")
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+# body fields that are prescient's extensions, not the SDK's parameters (sent in `extra_body`)
+_EXTENSIONS = ("ignore_eos", "slo", "speculate")
+
+
+@dataclass
+class Reply:
+    """One streamed completion as it arrived: its timeline, text, tool-call deltas, finish reason."""
+
+    trace: RequestTrace
+    content: str
+    calls: dict[int, list]  # index -> [id, name, arguments text]
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -116,10 +134,30 @@ class ChatHTTPTransport:
             kwargs = {"tools": conv.tools, "tool_choice": tool_choice, "parallel_tool_calls": False}
         elif self.tool_format == "free":
             kwargs = {"tools": conv.tools, "tool_choice": "none"}
-        trace = RequestTrace(request_id, time.perf_counter())
+        reply = await self.stream(conv.messages, request_id, **kwargs)
+        trace, content, calls, finish = reply.trace, reply.content, reply.calls, reply.finish_reason
+        if self.tool_format == "native":
+            parsed = [(s[1], s[2]) for _, s in sorted(calls.items())]
+            ids = [s[0] or f"{request_id}-c{i}" for i, (_, s) in enumerate(sorted(calls.items()))]
+            head, stray, malformed = parse_hermes(content)
+            if stray or malformed:  # markup the server did not parse as a call
+                malformed = malformed + [json.dumps(c) for c in stray]
+                content = head
+            return Turn(trace, content, parsed, malformed, finish, ids)
+        head, parsed, malformed = parse_hermes(content)
+        return Turn(trace, head, parsed, malformed, finish, [f"{request_id}-c{i}" for i in range(len(parsed))])
+
+    async def stream(self, messages: list[dict], request_id: str, max_tokens: int | None = None,
+                     trace: RequestTrace | None = None, **kwargs) -> Reply:
+        """One streamed chat completion of `messages` as they are (`kwargs` go into the body: tools,
+        extensions). The trace is filled as chunks arrive, so a caller holding it (`trace=`) can
+        watch a stream in flight; its arrival is stamped here, just before the request is sent."""
+        trace = trace if trace is not None else RequestTrace(request_id, 0.0)
+        trace.arrival_time = time.perf_counter()
+        extra = {k: kwargs.pop(k) for k in list(kwargs) if k in _EXTENSIONS}
         stream = await self.client.chat.completions.create(
-            model=self.model, messages=conv.messages, stream=True, max_tokens=self.max_tokens,
-            temperature=self.temperature, **kwargs)
+            model=self.model, messages=messages, stream=True, max_tokens=max_tokens or self.max_tokens,
+            temperature=self.temperature, extra_body=extra or None, **kwargs)
         text: list[str] = []
         calls: dict[int, list] = {}  # index -> [id, name, arguments]
         finish = None
@@ -145,17 +183,7 @@ class ChatHTTPTransport:
                 times = getattr(chunk, "token_times", None)
                 trace.add_emission(now, len(times) if times else 1)
         trace.finished_time = time.perf_counter()
-        content = "".join(text)
-        if self.tool_format == "native":
-            parsed = [(s[1], s[2]) for _, s in sorted(calls.items())]
-            ids = [s[0] or f"{request_id}-c{i}" for i, (_, s) in enumerate(sorted(calls.items()))]
-            head, stray, malformed = parse_hermes(content)
-            if stray or malformed:  # markup the server did not parse as a call
-                malformed = malformed + [json.dumps(c) for c in stray]
-                content = head
-            return Turn(trace, content, parsed, malformed, finish, ids)
-        head, parsed, malformed = parse_hermes(content)
-        return Turn(trace, head, parsed, malformed, finish, [f"{request_id}-c{i}" for i in range(len(parsed))])
+        return Reply(trace, "".join(text), calls, finish)
 
     async def end(self, conv: Conversation) -> None:
         pass

@@ -3,7 +3,8 @@
 agent_ttft_cdf.png / agent_itl_cdf.png: per-turn TTFT and per-emission ITL CDFs per system (all
 phases). agent_turn_latency.png: TTFT p50 by turn index per system (turn 1 pays the cold prompt,
 later turns show prefix reuse). agent_goodput_vs_rate.png: goodput against open-loop arrival
-rate, when the run had open-loop phases.
+rate, when the run had open-loop phases. `cdf` / `cdf_panels` draw the load benchmark's CDFs too
+(load_report.py), so every benchmark's CDF is drawn the same way.
 """
 
 from __future__ import annotations
@@ -16,10 +17,30 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _cdf(ax, values, label) -> None:
+def cdf(ax, values, label) -> None:
+    """The empirical CDF of `values` (seconds) as a step curve in ms."""
     xs = sorted(values)
     if xs:
         ax.step([1e3 * x for x in xs], [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+
+
+def cdf_panels(panels: dict[str, dict[str, list]], path: Path, title: str, bound: float | None) -> None:
+    """One CDF panel per key of `panels` ({panel title: {curve label: seconds}}), side by side on
+    shared axes, the SLO bound dotted: the load benchmark's plots (a panel per concurrency)."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1, 4.5), sharey=True, squeeze=False)
+    for ax, (name, curves) in zip(axes[0], panels.items()):
+        for label, values in curves.items():
+            cdf(ax, values, label)
+        if bound:
+            ax.axvline(1e3 * bound, color="grey", ls=":", label="SLO bound")
+        ax.set_xscale("log")
+        ax.set(xlabel="ms", title=name)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("fraction")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_all(report: dict, out: Path) -> list[str]:
@@ -30,7 +51,7 @@ def plot_all(report: dict, out: Path) -> list[str]:
                                       slo.get("itl_emission_p99_s"))):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for system, s in samples.items():
-            _cdf(ax, s[key], system)
+            cdf(ax, s[key], system)
         if bound:
             ax.axvline(1e3 * bound, color="grey", ls=":", label="SLO bound")
         ax.set_xscale("log")

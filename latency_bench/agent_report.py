@@ -152,15 +152,19 @@ def build_report(cfg, blocks: list[dict], info: dict, not_run: dict, tmeta: dict
     }
 
 
-def write_report(report: dict, out: Path, plots: bool) -> None:
-    from prescient.latency_bench.agent_markdown import render
-
+def write_report(report: dict, out: Path, plots: bool, stem: str = "agent_report", render=None,
+                 plot_all=None) -> None:
+    """OUT/{stem}.json and .md and the PNGs: the writer of every server benchmark's report (the
+    load benchmark passes its own `render` and `plot_all`; the defaults are the agent report's)."""
+    if render is None:
+        from prescient.latency_bench.agent_markdown import render
     if plots:
         try:
-            from prescient.latency_bench.agent_plots import plot_all
+            if plot_all is None:
+                from prescient.latency_bench.agent_plots import plot_all
 
             report["plots"] = plot_all(report, out)
         except ImportError as e:
             report["notes"].append(f"no plots: {e}")
-    (out / "agent_report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "agent_report.md").write_text(render(report))
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(render(report))

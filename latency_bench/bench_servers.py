@@ -6,7 +6,8 @@ llama_cpp.server`, the `peers` extra; its web stack comes from llama-cpp-python'
 extra) on the same GGUF and polls `/v1/models` until it answers. Either raises `PeerMissing`
 with the reason (the report lists the system as not run). `cpu_seconds()` is user + system time
 of the server process and all its descendants (grammar compile workers included), from /proc:
-the figure a per-task cost is made of.
+the figure a per-task cost is made of. `model_tokenizer` is the tokenizer the servers load for a
+model, for clients that size prompts in tokens (the load benchmark's long prompt).
 """
 
 from __future__ import annotations
@@ -104,6 +105,16 @@ class PrescientServer(_Process):
             self.url = m.group(1)
         if "/metrics" in line:  # the banner's last line
             self._ready.set()
+
+
+def model_tokenizer(model: str | None):
+    """The tokenizer of `model` (None: the default GGUF) as `prescient serve` loads it: from the
+    converted-weights cache that a server's start has filled, so well under a second then."""
+    from prescient.build import EngineSpec
+    from prescient.runtime.weights_cache import load_model_files
+
+    spec = EngineSpec()
+    return load_model_files(model, spec.dtype, weights=spec.weights).tokenizer
 
 
 def llamacpp_version() -> str | None:

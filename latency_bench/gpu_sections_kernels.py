@@ -1,10 +1,21 @@
-"""gpu_check section 1: the kernel tests (`pytest tests/kernels`) on CUDA, compiled Triton kernels.
+"""gpu_check section 1: the GPU op tests (the Triton kernels' tests) on CUDA, kernels compiled.
+
+Only the test files that run the ops on the GPU (`GPU_TEST_FILES`, the op tests first): the
+CPU-only suites of tests/kernels (`CPU_ONLY_TEST_FILES`: the C kernels, the CPU benchmarks) and
+the CI-only tests (`CI_ONLY_TESTS`: subprocesses that never touch the GPU, such as the sm_90
+cross-compile) are CI's, and would only spend the lent machine's minutes.
+tests/kernels/test_kernels_dispatch.py checks that every test file there is in one list or the
+other.
 
 pytest runs in a subprocess with TRITON_INTERPRET unset and without `-x`, so one failing op does
-not hide the others. `OutcomeRecorder`, a pytest plugin loaded into that subprocess, appends each
-test's outcome to a JSON-lines file as it happens; the parent re-reads it while waiting, so the
-pass/fail counts reach the report even when the run is stopped at its time budget (or gpu_check
-itself is killed: the counts are checkpointed into the JSON every few seconds).
+not hide the others. The subprocess leads its own process group (its own session): at the
+deadline, or when gpu_check is interrupted, the whole group is killed (os.killpg), so a test's
+own children (a `python -c` helper, a compile worker) cannot outlive the run on the GPU; on
+Linux it is also sent SIGKILL should gpu_check die without cleaning up (PR_SET_PDEATHSIG).
+`OutcomeRecorder`, a pytest plugin loaded into that subprocess, appends each test's outcome to a
+JSON-lines file as it happens; the parent re-reads it while waiting, so the pass/fail counts
+reach the report even when the run is stopped at its time budget (or gpu_check itself is
+killed: the counts are checkpointed into the JSON every few seconds).
 
 This module is also imported inside the pytest subprocess (for the plugin): keep its top-level
 imports to the standard library.
@@ -15,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +40,46 @@ _PROBE = "gpu_check-probe:"
 # Outcome names as pytest's own summary line spells them.
 _OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
 _POLL_S = 3.0
+
+# tests/kernels files whose tests run the ops on the GPU (the `device` / `backend` fixtures of
+# tests/kernels/conftest.py), in the order they run: the Triton op tests first.
+GPU_TEST_FILES = ("test_kernels_ops.py", "test_kernels_reference.py", "test_kernels_dispatch.py")
+# CPU-only: the C kernels, int8 KV (a CPU-only cache format), the CPU reference benchmarks, and
+# gpu_check's own smoke test (it would only run gpu_check again). CI runs them.
+CPU_ONLY_TEST_FILES = ("test_attention_invariance.py", "test_cpu_attention.py", "test_cpu_layer.py",
+                       "test_cpu_linear.py", "test_gpu_check_smoke.py", "test_kernels_bench.py", "test_kv_int8.py",
+                       "test_qgemv_k.py", "test_quant_linear.py")
+# Tests inside GPU_TEST_FILES that only CI needs, each a subprocess that never touches the GPU:
+# lowering every kernel to an sm_90 cubin without one (tens of seconds; the compiled runs here
+# prove more), the specialization keys of the kernels' launches (the same on any machine), and
+# the CPU path of an interpreter without triton.
+CI_ONLY_TESTS = tuple(f"tests/kernels/test_kernels_dispatch.py::{name}" for name in (
+    "test_every_kernel_compiles_for_sm90", "test_shape_integers_do_not_split_compiled_variants",
+    "test_ops_import_and_run_without_triton"))
+
+# The pytest subprocess starts with these lines: on Linux, the kernel sends it SIGKILL when its
+# parent (gpu_check) dies, so even a SIGKILLed gpu_check leaves no pytest holding the GPU. The
+# parent's pid, passed in, catches a parent that died before prctl ran.
+_DIE_WITH_PARENT = (
+    "import os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    import ctypes\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "    if os.getppid() != int(sys.argv.pop(1)):\n"
+    "        os._exit(1)\n"
+    "else:\n"
+    "    sys.argv.pop(1)\n"
+)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`'s whole process group (it leads one: start_new_session), then reap it.
+    No-op for a group already gone: a pid is not reused while a group of that id has members."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
 
 
 class OutcomeRecorder:
@@ -108,37 +160,34 @@ def run(ctx, repo: Path, alias: str | None, extra_args: list[str] | None = None)
     # alias's prescient before pytest starts (a package, once imported, keeps its __path__).
     cwd = alias or str(repo)
     # pyproject's addopts carries --benchmark-disable, an unknown option (a usage error before
-    # any test runs) where pytest-benchmark is missing; override addopts, drop the bench file.
+    # any test runs) where pytest-benchmark is missing; override addopts.
     has_bench = importlib.util.find_spec("pytest_benchmark") is not None
     addopts = "-p no:cacheprovider" + (" --benchmark-disable" if has_bench else "")
     kernels = repo / "tests" / "kernels"
-    pytest_args = [str(kernels), "--rootdir", str(repo), "-q", "-o", f"addopts={addopts}",
-                   # gpu_check's own smoke test: it would only run gpu_check again
-                   "--ignore", str(kernels / "test_gpu_check_smoke.py")]
-    notes = []
-    if not has_bench:
-        pytest_args += ["--ignore", str(kernels / "test_kernels_bench.py")]
-        notes.append("pytest-benchmark missing: test_kernels_bench.py ignored")
+    pytest_args = [*(str(kernels / name) for name in GPU_TEST_FILES), "--rootdir", str(repo), "-q",
+                   "-o", f"addopts={addopts}", *(a for nodeid in CI_ONLY_TESTS for a in ("--deselect", nodeid))]
+    notes = [f"CPU-only suites left to CI: {', '.join(CPU_ONLY_TEST_FILES)}; deselected: {', '.join(CI_ONLY_TESTS)}"]
     pytest_args += extra_args or []
     # The conftests set TRITON_INTERPRET=1 only without CUDA; the run reports what the test
     # process ended up with, since an interpreted run would "pass" without ever compiling a
     # kernel for the GPU.
     probe = ("import os, torch; print('\\n%s interpret=%s cuda=%s' % "
              f"({_PROBE!r}, os.environ.get('TRITON_INTERPRET'), torch.cuda.is_available())); ")
-    boot = ("import sys; " + ("import prescient; " if alias else "")
+    boot = (_DIE_WITH_PARENT + ("import prescient; " if alias else "")
             + "import pytest; from prescient.latency_bench.gpu_sections_kernels import OutcomeRecorder; "
             + "rc = pytest.main(sys.argv[2:], plugins=[OutcomeRecorder(sys.argv[1])]); " + probe + "sys.exit(rc)")
 
     with tempfile.TemporaryDirectory(prefix="gpu_check-pytest-") as tmp:
         outcomes_path, log_path = Path(tmp) / "outcomes.jsonl", Path(tmp) / "output.txt"
-        cmd = [sys.executable, "-c", boot, str(outcomes_path), *pytest_args]
+        cmd = [sys.executable, "-c", boot, str(os.getpid()), str(outcomes_path), *pytest_args]
         base = {"command": cmd, "cwd": cwd, "notes": notes, "time_allowed_s": _round(ctx.time_left())}
         t0 = time.monotonic()
         timed_out = False
         with open(log_path, "w") as log:
-            # Same process group as gpu_check: a time limit that kills the whole group (GNU
-            # timeout does) takes pytest with it instead of leaving it on the GPU.
-            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            # Its own session and process group, killed whole below: killing pytest alone would
+            # leave its children (subprocesses some tests start) running on the GPU.
+            proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
             try:
                 while True:
                     try:
@@ -151,10 +200,9 @@ def run(ctx, repo: Path, alias: str | None, extra_args: list[str] | None = None)
                         ctx.checkpoint({**base, **read_outcomes(outcomes_path),
                                         "seconds": round(time.monotonic() - t0, 1)})
             finally:
-                # The deadline, or gpu_check itself interrupted (SIGTERM): pytest goes too.
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                # The deadline, or gpu_check itself interrupted (SIGTERM): pytest's whole group
+                # goes; after a normal exit, whatever its tests left running in the group.
+                kill_group(proc)
         out = log_path.read_text(errors="replace")
         result = {**base, **read_outcomes(outcomes_path)}
     seconds = round(time.monotonic() - t0, 1)

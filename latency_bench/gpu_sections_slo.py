@@ -3,14 +3,17 @@
 Each agent runs multi-turn sessions against one in-process engine: a prompt (a system prefix all
 agents share plus its own user text), `turn_tokens` generated, then a tool result of
 `tool_tokens` appended after `tool_latency_s`, and the next turn continues the conversation
-under the agent's session id (so its KV is reused), for `turns` turns. Token ids are random: the
-models are random-weight (the SmolLM2-135M architecture, or the real 135M model when its GGUF is
-installed, and an 8B-shaped Llama); greedy and sampled decoding each run once after a short
-warm-up round (Triton compiles each new shape on first use). Every figure is runtime/slo.py's over
-RequestTrace objects stamped on this thread after each engine step: TTFT p50/p99 and the
-per-emission ITL p99 (the reader's gap), with the share of requests meeting both seed bounds.
-The section reports; it does not fail on a missed SLO (that is a performance finding, not an
-error).
+under the agent's session id (so its KV is reused), for `turns` turns. Token ids are random. The
+models: the real SmolLM2-135M (the default model's GGUF) and an 8B-shaped random-weight Llama.
+When the real model cannot be loaded its rows fail with the loader's reason, and the section ends
+as an error: random weights are never measured under the real model's name. Each model runs
+`RUNS`: greedy and sampled decoding without speculation, and greedy with n-gram speculation (its
+verify-cost table measured on the model before the run), each after a short warm-up round
+(Triton compiles each new shape on first use). Every figure is runtime/slo.py's over
+RequestTrace objects stamped on this thread after each engine step: TTFT p50/p99, the
+per-emission ITL p99 (the reader's gap) beside the largest gap of the run (ITL max: one stall
+a p99 over thousands of gaps hides), and the share of requests meeting both seed bounds. The
+section reports; it does not fail on a missed SLO (that is a performance finding, not an error).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from prescient.latency_bench.gpu_sections_common import failure, fmt, sync, table
 
 SEED_TTFT_S, SEED_ITL_S = 0.200, 0.025
+# (sampling, speculation) per model, in order; runs sharing a speculation mode share an engine.
+RUNS = (("greedy", "off"), ("t=0.8", "off"), ("greedy", "ngram"))
 
 
 def llama_8b_config(name: str = "Llama-8B-shaped (random init)"):
@@ -33,13 +38,15 @@ def llama_8b_config(name: str = "Llama-8B-shaped (random init)"):
                        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, name=name)
 
 
-def _engine(model, kv_cache_bytes: int, max_num_seqs: int):
+def _engine(model, kv_cache_bytes: int, max_num_seqs: int, speculate: str = "off"):
+    """An engine through the one builder; with speculation, its verify-cost table measured now
+    (before any timed run: measuring in idle moments would land inside the run)."""
     from prescient.build import EngineSpec, LoadedModel, build_engine
     from prescient.runtime.config import CacheConfig, SchedulerConfig
     from prescient.runtime.engine import EngineConfig
 
     dtype = str(model.dtype).replace("torch.", "")
-    spec = EngineSpec(dtype=dtype, device=str(model.device), speculate="off", progress=False)
+    spec = EngineSpec(dtype=dtype, device=str(model.device), speculate=speculate, calibrate="now", progress=False)
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_bytes),
                           scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
     return build_engine(spec, LoadedModel(model, None, (), None), config=config)
@@ -105,59 +112,86 @@ def _summary(traces: list, slo) -> dict:
 
 def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 32, turns: int = 3,
         prefix_len: int = 384, user_len: int = 64, turn_tokens: int = 64, tool_tokens: int = 48,
-        tool_latency_s: float = 0.02, kv_cache_bytes: int = 8 << 30, seed: int = 0) -> dict:
-    """`models`: (name, () -> LlamaModel) pairs, built one at a time (an 8B model is 16 GB)."""
+        tool_latency_s: float = 0.02, kv_cache_bytes: int = 8 << 30, seed: int = 0,
+        runs: tuple[tuple[str, str], ...] = RUNS) -> dict:
+    """`models`: (name, () -> LlamaModel) pairs, built one at a time (an 8B model is 16 GB).
+    `runs`: (sampling, speculation) pairs, sampling "greedy" or "t=0.8", speculation "off" or
+    "ngram"."""
     import torch
 
     from prescient.runtime.sampling_params import SamplingParams
     from prescient.runtime.slo import SLOConfig
+    from prescient.speculative.speculator import SpecStats
 
     slo = SLOConfig(name="seed", ttft_s=SEED_TTFT_S, itl_emission_p99_s=SEED_ITL_S, tpot_s=None, e2e_s=None)
     samplings = {"greedy": dict(temperature=0.0), "t=0.8": dict(temperature=0.8, top_p=0.95, seed=seed)}
     rows, errors = [], {}
     result = {"agents": agents, "turns": turns, "turn_tokens": turn_tokens, "slo": slo.to_dict(),
-              "dtype": str(dtype).replace("torch.", ""), "rows": rows, "errors": errors, "measured_error": None}
-    runs_left = len(models) * len(samplings)
+              "dtype": str(dtype).replace("torch.", ""), "runs": [list(r) for r in runs], "rows": rows,
+              "errors": errors, "measured_error": None}
+    runs_left = len(models) * len(runs)
     for name, build in models:
         if ctx.expired():
-            rows.append({"model": name, "status": "skipped: time limit"})
-            runs_left -= len(samplings)
+            rows += [{"model": name, "sampling": sp, "speculation": mode, "status": "skipped: time limit"}
+                     for sp, mode in runs]
+            runs_left -= len(runs)
             continue
         model = engine = None
+        done = 0
         try:
             t0 = time.perf_counter()
             model = build()
             sync(device)
             build_s = time.perf_counter() - t0
-            engine = _engine(model, kv_cache_bytes, max(agents, 8))
+            weights = model.weights_description() if hasattr(model, "weights_description") else None
             vocab = model.config.vocab_size
-            for sampling, kw in samplings.items():
+            engine_mode = None
+            for sampling, mode in runs:
                 runs_left -= 1
+                done += 1
                 if ctx.expired():
-                    rows.append({"model": name, "sampling": sampling, "status": "skipped: time limit"})
+                    rows.append({"model": name, "sampling": sampling, "speculation": mode,
+                                 "status": "skipped: time limit"})
                     continue
-                params = SamplingParams(max_tokens=turn_tokens, ignore_eos=True, **kw)
+                if mode != engine_mode:
+                    engine = None  # the previous mode's KV goes before the next engine's is allocated
+                    gc.collect()
+                    t0 = time.perf_counter()
+                    engine = _engine(model, kv_cache_bytes, max(agents, 8), mode)
+                    engine_s, engine_mode = time.perf_counter() - t0, mode
+                params = SamplingParams(max_tokens=turn_tokens, ignore_eos=True, **samplings[sampling])
                 common = dict(agents=agents, prefix_len=prefix_len, user_len=user_len, tool_tokens=tool_tokens,
                               params=params, vocab=vocab, tool_latency_s=tool_latency_s)
                 t0 = time.perf_counter()
-                run_agents(engine, device, turns=2, turn_tokens=turn_tokens, seed=seed + 1, tag=f"warm-{sampling}",
-                           **common)
+                # bounded by the section's deadline too: a slow model must not overrun it here
+                run_agents(engine, device, turns=2, turn_tokens=turn_tokens, seed=seed + 1,
+                           tag=f"warm-{sampling}-{mode}", deadline=time.perf_counter() + ctx.time_left(), **common)
                 warm_s = time.perf_counter() - t0
+                if engine.speculator is not None:
+                    engine.speculator.stats = SpecStats()  # count the measured run only
                 # this run's share of what is left, so a slow first run cannot starve the others
                 deadline = time.perf_counter() + max((ctx.time_left() - 5.0) / (runs_left + 1), 1.0)
                 t0 = time.perf_counter()
                 traces = run_agents(engine, device, turns=turns, turn_tokens=turn_tokens, seed=seed,
-                                    tag=f"slo-{sampling}", deadline=deadline, **common)
+                                    tag=f"slo-{sampling}-{mode}", deadline=deadline, **common)
                 s = _summary(traces, slo)
-                rows.append({"model": name, "sampling": sampling, "status": "ok", "model_build_s": build_s,
+                stats = engine.speculator.stats if engine.speculator is not None else None
+                rows.append({"model": name, "weights": weights, "sampling": sampling, "speculation": mode,
+                             "status": "ok", "model_build_s": build_s, "engine_build_s": engine_s,
                              "warmup_s": warm_s, "run_s": time.perf_counter() - t0, **s,
+                             "acceptance_rate": stats.acceptance_rate if stats else None,
+                             "mean_accepted_length": stats.mean_accepted_length if stats else None,
                              "meets_seed_slo": (s["ttft_s"]["p99"] is not None and s["ttft_s"]["p99"] <= SEED_TTFT_S
                                                 and s["itl_emission_s"]["p99"] is not None
                                                 and s["itl_emission_s"]["p99"] <= SEED_ITL_S)})
                 ctx.checkpoint(result)
         except Exception as e:
             errors[name] = failure(e)
-            rows.append({"model": name, "status": "failed", "error": errors[name]["error"]})
+            # this model's runs not measured: the failing one and those after it
+            rows += [{"model": name, "sampling": sp, "speculation": mode, "status": "failed",
+                      "error": errors[name]["error"]} for sp, mode in runs[max(done - 1, 0):]]
+            runs_left -= len(runs) - done
+            ctx.checkpoint(result)
         finally:
             model = engine = None  # frees the weights and KV before the next model
             gc.collect()
@@ -166,9 +200,13 @@ def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 3
     return result
 
 
+class ModelLoadError(RuntimeError):
+    """The real model could not be loaded (its rows fail; nothing else stands in for it)."""
+
+
 def default_models(device, dtype, smoke: bool) -> list[tuple[str, object]]:
-    """The 135M model (real weights when the default GGUF is installed, else its architecture with
-    random weights) and the 8B-shaped Llama; --cpu-smoke: the tiny config only."""
+    """The real 135M model (the default GGUF; its rows fail, naming why, when it cannot load) and
+    the 8B-shaped random Llama; --cpu-smoke: the tiny config only."""
     from prescient.latency_bench import gpu_sections_decode as decode
     from prescient.runtime.model import LlamaModel
 
@@ -180,13 +218,16 @@ def default_models(device, dtype, smoke: bool) -> list[tuple[str, object]]:
         return [("tiny (random init)", random_model(decode.tiny_config()))]
 
     def smollm():
-        try:
-            from prescient.build import EngineSpec, load_model
+        from prescient.build import EngineSpec, load_model
 
+        try:
             return load_model(EngineSpec(dtype=str(dtype).replace("torch.", ""), device=str(device),
                                          speculate="off", progress=False)).model
-        except Exception:  # no GGUF on this machine: the same architecture, random weights
-            return random_model(decode.smollm2_135m_config())()
+        except Exception as e:
+            # Random weights in its place would be reported under its name: fail its rows instead
+            # (the decode section already measures the random-init 135M architecture).
+            raise ModelLoadError(f"the real SmolLM2-135M did not load ({type(e).__name__}: {e}); "
+                                 "no random weights were substituted") from e
 
     return [("SmolLM2-135M", smollm), ("Llama-8B-shaped (random init)", random_model(llama_8b_config()))]
 
@@ -195,17 +236,23 @@ def render(d: dict) -> list[str]:
     rows = d.get("rows") or []
     if not rows:
         return []
-    out = [f"{d['agents']} agents x {d['turns']} turns of {d['turn_tokens']} tokens, {d['dtype']}, speculation "
-           f"off; seed SLO: TTFT <= {SEED_TTFT_S * 1e3:.0f} ms, per-emission ITL p99 <= {SEED_ITL_S * 1e3:.0f} ms.", ""]
+    out = [f"{d['agents']} agents x {d['turns']} turns of {d['turn_tokens']} tokens, {d['dtype']}; seed SLO: "
+           f"TTFT <= {SEED_TTFT_S * 1e3:.0f} ms, per-emission ITL p99 <= {SEED_ITL_S * 1e3:.0f} ms. ITL max: the "
+           "largest gap between two emissions in the run.", ""]
+    ms = lambda x: fmt(x * 1e3 if x is not None else None)  # noqa: E731
     body = []
     for r in rows:
         if r.get("status") != "ok":
-            body.append([r["model"], r.get("sampling", "-"), r["status"], "", "", "", "", ""])
+            body.append([r["model"], r.get("sampling", "-"), r.get("speculation", "-"), f"**{r['status']}**",
+                         *[""] * 7])
             continue
-        ms = lambda x: fmt(x * 1e3 if x is not None else None)  # noqa: E731
-        body.append([r["model"], r["sampling"], r["requests"], ms(r["ttft_s"]["p50"]), ms(r["ttft_s"]["p99"]),
-                     ms(r["itl_emission_s"]["p99"]), fmt(r["slo_attainment"], 2),
-                     "yes" if r["meets_seed_slo"] else "**no**"])
-    out.append(table(["model", "sampling", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL/emission p99 ms",
-                      "attainment", "meets seed SLO"], body))
+        itl = r["itl_emission_s"]
+        body.append([r["model"], r["sampling"], r["speculation"], r["requests"], ms(r["ttft_s"]["p50"]),
+                     ms(r["ttft_s"]["p99"]), ms(itl["p99"]), ms(itl["max"]), fmt(r.get("mean_accepted_length"), 2),
+                     fmt(r["slo_attainment"], 2), "yes" if r["meets_seed_slo"] else "**no**"])
+    out.append(table(["model", "sampling", "speculation", "requests", "TTFT p50 ms", "TTFT p99 ms",
+                      "ITL/emission p99 ms", "ITL max ms", "mean accepted len", "attainment", "meets seed SLO"],
+                     body))
+    for name, err in (d.get("errors") or {}).items():
+        out += ["", f"{name} failed: {err['error']}"]
     return out

@@ -1,6 +1,7 @@
 """Decode ITL while a long prompt is prefilled: a prefill/decode split against co-located engines.
 
     python -m prescient.latency_bench.pd_bench [--long-tokens 1500] [--decodes 2] [--reps 3]
+    python -m prescient.latency_bench.pd_bench --server      # the same through `prescient serve` (pd_server.py)
 
 Three setups in this process, runs interleaved (the order rotates each rep):
 - colocated-1t: one engine on one thread; the long prompt's chunks share its steps with the decodes;
@@ -14,6 +15,7 @@ TTFT, and for the split its parts (prefill, transfer, first decode). The KV cach
 resident first, as `serve` makes them. Engine-level: the engine's own
 emission stamps, the ones /metrics judges (the server adds the same HTTP cost to every setup).
 The decodes' tokens must be equal across setups (greedy: the split changes no output).
+Percentiles are runtime/slo.py's (linear interpolation), as every other benchmark's.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import statistics
 import sys
 import time
 
-import torch
+from prescient.runtime.slo import percentile
+
+ENGINE_DECODE_TOKENS = 160
+# through the server the decodes are stopped after the long prompt's first token: room to outlast it
+SERVER_DECODE_TOKENS = 1024
 
 
 def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+    p = percentile(xs, 100 * q)
+    return float("nan") if p is None else p
 
 
 def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens: int) -> dict:
@@ -63,22 +69,46 @@ def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dataclasses import replace
-
-    from prescient.build import EngineSpec, build_engine, load_model
-    from prescient.runtime.tp_worker import _set_threads
-    from prescient.latency_bench.workloads import load_workloads
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
     p.add_argument("--weights", default="native")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--long-tokens", type=int, default=1500)
     p.add_argument("--decodes", type=int, default=2)
-    p.add_argument("--decode-tokens", type=int, default=160)
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help=f"max_tokens of each decode (default: {ENGINE_DECODE_TOKENS}, --server {SERVER_DECODE_TOKENS})")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--server", action="store_true", help="through `prescient serve` over HTTP: co-located vs "
+                   "--pd-split, each with the long prompt's TTFT alone (pd_server.py)")
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    if args.server:
+        from prescient.latency_bench.pd_server import run_server_mode
+
+        args.decode_tokens = args.decode_tokens or SERVER_DECODE_TOKENS
+        return _emit(run_server_mode(args), args.out)
+    args.decode_tokens = args.decode_tokens or ENGINE_DECODE_TOKENS
+    return _engine_mode(args)
+
+
+def _emit(report: dict, out_path: str | None) -> int:
+    out = json.dumps(report, indent=1)
+    print(out)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(out + "\n")
+    return 0
+
+
+def _engine_mode(args) -> int:
+    from dataclasses import replace
+
+    import torch
+
+    from prescient.build import EngineSpec, build_engine, load_model
+    from prescient.latency_bench.workloads import filler_text, load_workloads
+    from prescient.runtime.tp_worker import _set_threads
+
     spec = EngineSpec(model=args.model, dtype=args.dtype, weights=args.weights, speculate="off", calibrate="off",
                       kv_cache_gb=0.5, progress=False, enable_prefix_caching=False)
     full = torch.get_num_threads()
@@ -90,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = loaded.tokenizer
     workloads, _ = load_workloads()
     chats = [tok.apply_chat_template(list(w.messages)) for w in workloads[:args.decodes]]
-    text = " ".join(m["content"] for w in workloads for m in w.messages if isinstance(m.get("content"), str))
-    filler = tok.encode(text)
+    filler = tok.encode(filler_text(workloads))
     long_ids = (filler * (args.long_tokens // max(1, len(filler)) + 1))[:args.long_tokens]
     setups = {"colocated-1t": (colocated, 1), "split": (split, 1), "colocated-2t": (colocated, full)}
     runs: dict[str, list[dict]] = {name: [] for name in setups}
@@ -124,13 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     sp = report["setups"]["split"].get("long_ttft_split_ms", {})
     if sp.get("transfer"):
         report["transfer_us_per_token"] = round(1e3 * sp["transfer"] / len(long_ids), 2)
-    out = json.dumps(report, indent=1)
-    print(out)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(out + "\n")
     split.remote_prefill.close()
-    return 0
+    return _emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Benchmark workloads: the shared chat / tool_call / long_edit prompts and the agent loop script.
+"""Benchmark workloads: the shared chat / tool_call / long_edit prompts, the agent loop script,
+and the cold (fresh-prefix) and long prompts the load benchmarks send.
 
 The prompts ship with the package as `workloads.jsonl` next to this file (package data), the
 default of every benchmark; `--workloads FILE` reads another. The report records which file was
@@ -103,6 +104,37 @@ def select(workloads: list[Workload], per_kind: int | None, max_tokens_cap: int 
             cap = min(w.max_tokens, max_tokens_cap) if max_tokens_cap else w.max_tokens
             out.append(Workload(w.index, w.kind, w.messages, cap))
     return out
+
+
+# ---------------------------------------------------------------- cold and long prompts
+
+
+def with_fresh_prefix(messages, nonce: str) -> list[dict]:
+    """`messages` with `[nonce] ` opening the first message: a prompt no prefix cache holds (the
+    chat template's few opening tokens aside), so its prefill is cold on any server."""
+    out = [dict(m) for m in messages]
+    out[0]["content"] = f"[{nonce}] {out[0]['content']}"
+    return out
+
+
+def filler_text(workloads: list[Workload]) -> str:
+    """Every workload's text, joined: the material a long prompt is cut from."""
+    return " ".join(m["content"] for w in workloads for m in w.messages if isinstance(m.get("content"), str))
+
+
+def long_prompt(workloads: list[Workload], num_tokens: int, tokenizer=None) -> list[dict]:
+    """A chat of about `num_tokens` prompt tokens (chat template included): a request to summarize
+    the workloads' text repeated to length. Cut by `tokenizer` (an object with `encode`, `decode`
+    and `apply_chat_template`, as the servers' own) when given, else by ~4 characters a token."""
+    head = "Summarize the following notes in one sentence.\n\n"
+    text = filler_text(workloads)
+    if tokenizer is None:
+        body = (text * (4 * num_tokens // max(1, len(text)) + 1))[:max(0, 4 * num_tokens - len(head))]
+        return [{"role": "user", "content": head + body}]
+    overhead = len(tokenizer.apply_chat_template([{"role": "user", "content": head}]))
+    ids = tokenizer.encode(text)
+    ids = (ids * ((num_tokens - overhead) // max(1, len(ids)) + 1))[:max(0, num_tokens - overhead)]
+    return [{"role": "user", "content": head + tokenizer.decode(ids)}]
 
 
 # ---------------------------------------------------------------- simulated tools

@@ -126,9 +126,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--ws-idle-timeout-s", type=float, default=SERVER.ws_idle_timeout_s,
                        help="a WebSocket with no frame and no response running for this long is closed (1001)")
     serve.add_argument("--slo-ttft-ms", type=float, default=SERVER.slo_ttft_ms,
-                       help="TTFT bound of the SLO that /metrics judges requests against")
+                       help="TTFT bound of the SLO that /metrics judges requests against; also the default "
+                       "deadline by which the scheduler orders waiting prompts")
     serve.add_argument("--slo-itl-ms", type=float, default=SERVER.slo_itl_ms,
-                       help="bound on the p99 of a request's per-emission inter-token gaps (same SLO)")
+                       help="bound on the p99 of a request's per-emission inter-token gaps (same SLO); also the "
+                       "scheduler's step-time bound: prefill work beside running streams is sized to keep "
+                       "each step within 80%% of it (docs/SCHEDULING.md)")
     serve.add_argument("--no-shared-pool", action="store_true",
                        help="n-gram drafts only from the request and its session, not from the recent outputs "
                        "of all sessions of the same API key")
@@ -151,7 +154,10 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
                       session_ttl_s=args.session_ttl_s, max_waiting=args.max_waiting,
                       max_queue_wait_s=args.max_queue_wait_s,
                       calibrate=args.calibrate, weights_cache=not args.no_weights_cache, progress=not args.quiet,
-                      tp=args.tp, pd_split=args.pd_split)
+                      tp=args.tp, pd_split=args.pd_split,
+                      # serve's SLO is also the scheduler's step-time bound (generate has none)
+                      itl_target_ms=getattr(args, "slo_itl_ms", SPEC.itl_target_ms),
+                      ttft_target_ms=getattr(args, "slo_ttft_ms", None) or SPEC.ttft_target_ms)
 
 
 def _agents_flag(bench_argv: list[str]) -> bool:
@@ -221,17 +227,21 @@ def _generate(spec: EngineSpec, prompt: str, max_tokens: int, temperature: float
     engine = build_engine(spec)
     ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     request = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=temperature))
+    error = None
     while engine.has_unfinished_requests():
         outs = engine.step()
         for out in outs:
-            if out.request_id == request.request_id and out.new_text:
+            if out.request_id != request.request_id:
+                continue
+            if out.new_text:
                 sys.stdout.write(out.new_text)
                 sys.stdout.flush()
+            error = out.error or error
         if not outs:
             time.sleep(0.0005)  # --pd-split: the prompt is with the prefill worker
     sys.stdout.write("\n")
     if request.finish_reason == "error":
-        print("prescient: error: generation failed", file=sys.stderr)
+        print(f"prescient: error: generation failed: {error or 'no reason given'}", file=sys.stderr)
         return 1
     return 0
 

@@ -134,7 +134,7 @@ class SchedulerConfig:
     # first (their `max_ttft_s`, else `ttft_target_s`). None: no time budget (tokens only).
     itl_target_s: float | None = 0.1
     ttft_target_s: float = 1.0
-    itl_margin: float = 0.85
+    itl_margin: float = 0.8
     # A prompt is cut into chunks of whole `prefill_unit`s (a last piece of at most 64 tokens
     # joins the chunk before it): every chunk then runs on the GEMM path, whose rows do not depend
     # on how the prompt was cut, so output is the same however load sized the chunks.

@@ -38,10 +38,21 @@ delivered at least one token and meets every objective that is on:
 - "tpot": TPOT <= `tpot_s` (the average reading speed; met trivially with one token)
 - "e2e": E2E <= `e2e_s`
 
+Outcomes (`OUTCOMES`, each judged request's `RequestMetrics.outcome`). A request that finished
+is "met" or "missed" by the rules above. A request the server accepted and then did not serve is
+a miss whatever its latencies were (`MISS_OUTCOMES`, `SLOTracker.on_finish(..., outcome=...)`):
+"refused" (overloaded: the queue filled after it was accepted), "expired" (it waited past the
+queue-wait limit without starting), "timed_out" (past the request time limit), "failed" (an
+engine error, a shutdown). Counting those as misses is what keeps attainment and goodput honest
+under overload: shedding load must not raise attainment. `APART_OUTCOMES` are not judged at all
+(`SLOTracker.discard`): "cancelled" (the client aborted or disconnected: its latency is not the
+server's to answer for), "invalid" (refused for its own input: a 4xx), "rejected" (refused at
+admission, before it was accepted; a 429 the client retries).
+
 Attainment = SLO-meeting requests / judged requests. Goodput = SLO-meeting requests per second
 of the measured span (DistServe's definition): a report's span is first arrival to last finish
 (or the busy time it names); live, the span is the last `window_s` seconds (or the time since the
-tracker started, if shorter), counting the requests that finished in it.
+tracker started, if shorter), counting the requests that finished (or missed) in it.
 """
 
 from __future__ import annotations
@@ -50,13 +61,18 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 CLOCK: Callable[[], float] = time.perf_counter
 
 # The objectives a request is judged on, in `RequestMetrics.slo_met` and the reports' keys.
 OBJECTIVES = ("ttft", "itl_emission", "tpot", "e2e")
+# How a request ended (the module docstring): judged ones first, the misses the server caused,
+# then the ones not judged.
+MISS_OUTCOMES = ("refused", "expired", "timed_out", "failed")
+APART_OUTCOMES = ("cancelled", "invalid", "rejected")
+OUTCOMES = ("met", "missed", *MISS_OUTCOMES, *APART_OUTCOMES)
 
 
 @dataclass(frozen=True)
@@ -223,6 +239,7 @@ class RequestMetrics:
     itl_emission_p99_s: float | None  # the p99 of this request's per-emission gaps (the ITL objective)
     slo_met: dict  # objective -> bool, for the objectives the SLO has on
     met_all: bool
+    outcome: str = "met"  # "met", "missed", or one of MISS_OUTCOMES (then met_all is False)
 
     @property
     def decode_tok_s(self) -> float | None:
@@ -260,6 +277,7 @@ def request_metrics(trace: RequestTrace, slo: SLOConfig) -> RequestMetrics:
         itl_emission_s=itl_emission, itl_token_s=itl_token, decode_tokens_per_emission=per_emission,
         mean_accepted_len=sum(per_emission) / len(per_emission) if per_emission else None,
         itl_emission_p99_s=itl_p99, slo_met=met, met_all=bool(times) and all(met.values()),
+        outcome="met" if times and all(met.values()) else "missed",
     )
 
 
@@ -384,26 +402,35 @@ class SLOTracker:
             return self.on_finish(out.request_id, stamp)
         return None
 
-    def on_finish(self, request_id: str, t: float | None = None) -> RequestMetrics | None:
+    def on_finish(self, request_id: str, t: float | None = None, outcome: str | None = None) -> RequestMetrics | None:
+        """Judge the request, finished at `t`; None if it is not followed (never arrived, or
+        already judged / discarded). `outcome` one of MISS_OUTCOMES: the server accepted it and
+        did not serve it, a miss whatever its latencies (its per-objective verdicts stay as
+        measured: a timed-out request may have had its first token in time)."""
+        if outcome is not None and outcome not in MISS_OUTCOMES:
+            raise ValueError(f"outcome must be one of {MISS_OUTCOMES} (or None), got {outcome!r}")
         with self._lock:
             trace = self._live.pop(request_id, None)
             if trace is None:
                 return None
             trace.finished_time = self.clock() if t is None else t
-            return self._add(trace)
+            return self._add(trace, outcome)
 
-    def discard(self, request_id: str) -> None:
-        """Stop following a request without judging it (its caller stopped reading it)."""
+    def discard(self, request_id: str) -> bool:
+        """Stop following a request without judging it (its caller stopped reading it, or it
+        was refused for its own input); whether it was followed until now."""
         with self._lock:
-            self._live.pop(request_id, None)
+            return self._live.pop(request_id, None) is not None
 
     def add_trace(self, trace: RequestTrace) -> RequestMetrics:
         """A finished trace built elsewhere (e.g. `RequestTrace.from_request`)."""
         with self._lock:
             return self._add(trace)
 
-    def _add(self, trace: RequestTrace) -> RequestMetrics:
+    def _add(self, trace: RequestTrace, outcome: str | None = None) -> RequestMetrics:
         m = request_metrics(trace, self.slo)
+        if outcome is not None:
+            m = replace(m, met_all=False, outcome=outcome)
         if self.keep_traces:
             self._finished.append((trace, m))
         self._outcomes.append(Outcome(trace.finished_time, m.met_all, m.slo_met))
@@ -416,6 +443,11 @@ class SLOTracker:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether the request is followed (arrived, not yet judged or discarded)."""
+        with self._lock:
+            return request_id in self._live
 
     def _window(self, window_s: float) -> tuple[float, float]:
         """(since, duration) of the last `window_s` seconds, cut to the tracker's lifetime."""

@@ -25,13 +25,15 @@ import numpy as np
 class RecursiveLeastSquares:
     """theta minimising sum_t lambda^(T-t) (y_t - x_t . theta)^2, updated one sample at a time."""
 
-    def __init__(self, prior: list[float], prior_scale: float = 1.0, forgetting: float = 0.95):
+    def __init__(self, prior: list[float], prior_scale: float | list[float] = 1.0, forgetting: float = 0.95):
         self.theta = np.array(prior, dtype=np.float64)
         # The prior's covariance in units of the observation noise's variance: (how far theta
         # may be from the prior / how noisy one step's time is)^2. Step times vary by ~5-10 ms
         # and the coefficients are ms-sized, so O(1): one step already moves theta most of the
         # way along its features, as it should when the priors are another machine's.
-        self.P = np.eye(len(prior)) * prior_scale
+        # Per coefficient: a context term gets a tight prior, since within one prompt context and
+        # token count grow together and the fit would otherwise trade one against the other.
+        self.P = np.diag(np.broadcast_to(np.asarray(prior_scale, dtype=np.float64), (len(prior),)).copy())
         self.forgetting = forgetting
         self.num_samples = 0
 
@@ -43,8 +45,11 @@ class RecursiveLeastSquares:
         lam = self.forgetting
         Px = self.P @ x
         gain = Px / (lam + x @ Px)
-        self.theta = self.theta + gain * (y - x @ self.theta)
-        self.P = (self.P - np.outer(gain, Px)) / lam
+        theta = self.theta + gain * (y - x @ self.theta)
+        P = (self.P - np.outer(gain, Px)) / lam
+        if not (np.isfinite(theta).all() and np.isfinite(P).all()):
+            return  # a degenerate update (it would poison every later prediction): skip it
+        self.theta, self.P = theta, P
         # keep P bounded (a long run of identical features would blow it up through 1/lambda)
         np.clip(self.P, -1e3, 1e3, out=self.P)
         self.num_samples += 1
@@ -70,8 +75,8 @@ class StepCostModel:
     PREFILL_PRIOR = [0.002, 0.0004]
 
     def __init__(self):
-        self.decode = RecursiveLeastSquares(self.DECODE_PRIOR, prior_scale=1.0)
-        self.prefill = RecursiveLeastSquares(self.PREFILL_PRIOR, prior_scale=0.25)
+        self.decode = RecursiveLeastSquares(self.DECODE_PRIOR, prior_scale=[1.0, 0.25, 0.01])
+        self.prefill = RecursiveLeastSquares(self.PREFILL_PRIOR, prior_scale=[0.25, 0.005])
 
     @staticmethod
     def _decode_x(shape: StepShape) -> list[float]:

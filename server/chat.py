@@ -5,7 +5,14 @@ Plain messages are `{"role": "system"|"user"|"assistant", "content": str}`. Assi
 and tool results are written into the content in the hermes format of server/tools.py (tool
 results become a user turn), since the default template knows no tool roles. Leading system /
 developer messages, the request's `instructions` and the tools block merge into one system
-message.
+message. A tool result must answer a call made earlier in the conversation (chat: its
+`tool_call_id` names an earlier assistant `tool_calls[].id`; Responses: its `call_id` an earlier
+`function_call` item's, or a call of the response it continues), as OpenAI requires: a result for
+an unknown call is a 400 naming the field, not a turn the model reads without its call.
+
+Before the template renders, the conversation's message count and total characters are checked
+(server/limits.py): a template costs ~13 us a message, so one far over the context would
+otherwise cost seconds before the length check after rendering refused it.
 
 `ChatRenderer.render(..., prefix=)` keeps an agent conversation's tokens stable: when the new
 prompt's text extends the text of the previous turn (prompt + the model's raw output), the
@@ -19,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prescient.server.errors import bad_request
+from prescient.server.limits import check_messages
 from prescient.server.protocol import ChatMessage, InputItem
 from prescient.server.tools import render_tool_call, render_tool_results
 
@@ -63,6 +71,9 @@ class ChatRenderer:
         full = ([{"role": "system", "content": system_text}] if system_text else []) + messages
         if not full:
             raise bad_request("the conversation is empty", param="messages", code="empty_input")
+        # what the template cannot shrink, checked before it walks every message
+        check_messages(len(full), param)
+        self.check_length(sum(len(m["content"]) for m in full), max_model_len, param)
         try:
             text = self.tokenizer.hf.apply_chat_template(full, tokenize=False,
                                                          add_generation_prompt=add_generation_prompt)
@@ -141,31 +152,57 @@ class _Builder:
         return self.messages
 
 
+def _answers(call_id: str | None, calls: set[str], param: str, what: str) -> None:
+    """400 unless `call_id` names a call made earlier in the conversation."""
+    if call_id is None:
+        raise bad_request(f"a {what} needs the id of the tool call it answers", param=param,
+                          code="missing_required_parameter")
+    if call_id not in calls:
+        raise bad_request(f"{param} {call_id!r:.80} matches no tool call made earlier in the conversation",
+                          param=param, code="invalid_tool_call_id")
+
+
 def messages_from_chat(messages: list[ChatMessage]) -> list[dict]:
+    check_messages(len(messages), "messages")
     b = _Builder()
+    calls: set[str] = set()  # ids of the assistant tool calls so far
     for i, m in enumerate(messages):
         param = f"messages[{i}]"
         role = "system" if m.role in _SYSTEM_ROLES else m.role
         if role == "tool":
+            _answers(m.tool_call_id, calls, f"{param}.tool_call_id", "tool message")
             b.add_result(_text(m.content, f"{param}.content"))
         elif role in ("system", "user"):
             b.add(role, _text(m.content, f"{param}.content"))
         elif role == "assistant":
-            text = _text(m.content, f"{param}.content")
-            if text or not m.tool_calls:
+            if m.audio is not None:
+                raise bad_request("assistant audio is not supported (text only)", param=f"{param}.audio",
+                                  code="unsupported_parameter")
+            text = _text(m.content, f"{param}.content") or m.refusal or ""
+            legacy = [m.function_call] if m.function_call is not None else []  # the pre-tools shape
+            if text or not (m.tool_calls or legacy):
                 b.add("assistant", text)
             for call in m.tool_calls or []:
+                if call.id is not None:
+                    calls.add(call.id)
                 b.add_call(call.function.name, call.function.arguments)
+            for fn in legacy:
+                b.add_call(fn.name, fn.arguments)
         else:
             raise bad_request(f"unknown role {m.role!r}", param=f"{param}.role", code="invalid_role")
     return b.done()
 
 
-def messages_from_items(items: str | list[InputItem] | None, param: str = "input") -> list[dict]:
+def messages_from_items(items: str | list[InputItem] | None, param: str = "input",
+                        calls: set[str] | None = None) -> list[dict]:
+    """`calls`: the call ids of the conversation so far (a previous response's); this input's
+    `function_call` items' ids are added to it."""
+    calls = set() if calls is None else calls
     if items is None:
         return []
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
+    check_messages(len(items), param)
     b = _Builder()
     for i, item in enumerate(items):
         p = f"{param}[{i}]"
@@ -178,8 +215,11 @@ def messages_from_items(items: str | list[InputItem] | None, param: str = "input
         elif kind == "function_call":
             if not item.name:
                 raise bad_request("a function_call item needs a name", param=f"{p}.name")
+            if item.call_id is not None:
+                calls.add(item.call_id)
             b.add_call(item.name, item.arguments or "{}")
         elif kind == "function_call_output":
+            _answers(item.call_id, calls, f"{p}.call_id", "function_call_output item")
             if item.output is None:
                 raise bad_request("a function_call_output item needs an output", param=f"{p}.output")
             b.add_result(item.output if isinstance(item.output, str) else _text(item.output, f"{p}.output"))

@@ -3,7 +3,10 @@
 The context holds the one `AsyncEngine` the server talks to and the per-server helpers built
 around it: the chat renderer, the grammar constraints, the response store for
 `previous_response_id`, and the metrics (requests judged against the config's `slo_*`). It also
-turns a request's sampling fields into `SamplingParams` and checks the requested model name.
+turns a request's sampling fields into `SamplingParams` (with OpenAI's `logit_bias`, token-id
+strings to biases) and checks the requested model name. Work that grows with a request's size
+runs on its thread pools, never on the event loop: rendering and tokenizing, and decoding a body
+or frame over `OFF_LOOP_BYTES` (server/limits.py) with its message conversion (`parse`).
 
 A request's tenant, whose shared pool of recent outputs drafts for it, is its API key: with
 `--api-key` a digest of the key it presented (today every authorized client holds the one key),
@@ -14,20 +17,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-from prescient.runtime.sampling_params import SamplingParams
+from prescient.runtime.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from prescient.runtime.slo import SLOConfig
 from prescient.server.chat import ChatRenderer, Rendered
 from prescient.server.constraints import Constraints
 from prescient.server.errors import APIError, bad_request
+from prescient.server.limits import OFF_LOOP_BYTES
 from prescient.server.metrics import ServerMetrics
 from prescient.server.protocol import SamplingFields
 from prescient.server.sessions import RESPONSE_SCOPES, Client, ResponseStore
 
 MODEL_ALIAS = "default"
+_TOKEN_ID = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key (negative ids are refused by SamplingParams)
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,9 @@ class ServerContext:
         # per million characters, and on the loop every stream and /health would wait for it.
         # (The tokenizer releases the GIL while it works.)
         self._text_pool = ThreadPoolExecutor(2, thread_name_prefix="prescient-tokenize")
+        # Big bodies are decoded on a pool of their own, so a flood of them cannot queue in front
+        # of the ordinary requests' rendering.
+        self._parse_pool = ThreadPoolExecutor(2, thread_name_prefix="prescient-parse")
 
     async def render(self, system: list[str], messages: list[dict], *, param: str, **kwargs) -> Rendered:
         """ChatRenderer.render off the event loop; a text that cannot fit the context is refused
@@ -140,8 +149,17 @@ class ServerContext:
     async def _off_loop(self, fn):
         return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn)
 
+    async def parse(self, size: int, fn, limit: int = OFF_LOOP_BYTES):
+        """`fn()` (decode a body of `size` bytes, convert its messages): on the event loop for a
+        small body, where a thread hop would cost more than it saves; over `limit` on a worker
+        thread (msgspec takes ~0.1-0.5 s for 6 MB, the message conversion as long again)."""
+        if size <= limit:
+            return fn()
+        return await asyncio.get_running_loop().run_in_executor(self._parse_pool, fn)
+
     def close(self) -> None:
         self._text_pool.shutdown(wait=False, cancel_futures=True)
+        self._parse_pool.shutdown(wait=False, cancel_futures=True)
         self.constraints.close()
 
     def check_model(self, model: str | None) -> None:
@@ -178,7 +196,9 @@ class ServerContext:
                 frequency_penalty=fields.frequency_penalty or 0.0,
                 speculate=fields.speculate is not False,
                 max_itl_s=None if fields.slo is None or fields.slo.itl_ms is None else fields.slo.itl_ms / 1e3,
+                max_ttft_s=None if fields.slo is None or fields.slo.ttft_ms is None else fields.slo.ttft_ms / 1e3,
                 tenant=self.tenant(client),
+                logit_bias=_logit_bias(fields.logit_bias),
             )
         except ValueError as err:  # SamplingParams names the field first
             message = str(err)
@@ -186,3 +206,21 @@ class ServerContext:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` object -> (token id, bias) pairs; keys must be decimal token ids.
+    Ranges (ids >= 0, biases in [-100, 100]) are SamplingParams' to check, the vocabulary the
+    engine's."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # before walking a huge object
+        raise bad_request(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+                          param="logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise bad_request(f"logit_bias keys must be token ids (decimal integers), got {key!r:.40}",
+                              param="logit_bias", code="invalid_value")
+        out.append((int(key), float(value)))
+    return tuple(out)

@@ -15,10 +15,16 @@ filled meanwhile or the request waited too long to start.
 
 Leaving the loop early (a cancel, a disconnect, an exception) aborts the engine request, which
 frees its KV within one engine step. So does `time_limit_s` (`--request-time-limit-s`), counted
-from `start()`: past it the request is aborted and finishes with reason "error".
+from the request's `arrival_time` (its HTTP body's last byte, its WebSocket frame's receipt; by
+default `start()`), so rendering, tokenizing and a grammar compile count: past it the request is
+aborted and finishes with reason "error", error_type "time_limit"; one already past it at
+`start()` is refused there, unsubmitted. `finish_error` turns a failed finish into the error
+a client is told: a 400 the openai SDK does not retry for the time limit and for a request that
+failed for its own input (the engine's error_type "invalid_request", e.g. a grammar that admits
+no token), a 500 for an engine failure.
 
 Token timing: each delta carries the tokens whose text it completes, with their engine times
-in seconds since submission and their source (target / draft / forced). A token whose text is
+in seconds since the request's arrival and their source (target / draft / forced). A token whose text is
 not yet visible (an unfinished UTF-8 character, a tool-call header) rides with the next delta;
 what is left at the end (the stop token) rides with `Finished`. For /metrics, each engine
 output that carried tokens is one emission at its engine stamp (server/metrics.py, whose latency
@@ -100,6 +106,7 @@ class Finished:
     error: str | None
     tokens: Tokens
     usage: Usage
+    error_type: str | None = None  # with reason "error": "time_limit", "invalid_request", None (the engine's)
 
 
 Event = TextDelta | CallStart | CallDelta | CallEnd | Finished
@@ -109,11 +116,30 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
+TIME_LIMIT_CODE = "request_time_limit_exceeded"
+
+
+def time_limit_error(limit_s: float) -> APIError:
+    # 400, not 408 / 5xx: the openai SDK retries those, and a retry would run past the limit again
+    return bad_request(f"the request ran past the server's limit of {limit_s:g} s per request and was stopped",
+                       code=TIME_LIMIT_CODE)
+
+
+def finish_error(done: Finished) -> APIError:
+    """The error a client is told for a generation that finished with reason "error"."""
+    message = done.error or f"generation ended: {done.reason}"
+    if done.error_type == "time_limit":
+        return bad_request(message, code=TIME_LIMIT_CODE)
+    if done.error_type == "invalid_request":  # the request's own doing (its grammar admits no token)
+        return bad_request(message, code="invalid_request")
+    return APIError(500, message, code="server_error")
+
+
 class Generation:
     def __init__(self, aengine, prompt_ids: list[int] | tuple[int, ...], params: SamplingParams, *,
                  request_id: str | None = None, session_id: str | None = None, grammar=None,
                  parse_calls: bool = False, metrics=None, prompt_param: str = "prompt",
-                 time_limit_s: float | None = None):
+                 time_limit_s: float | None = None, arrival_time: float | None = None):
         self.aengine = aengine
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -123,11 +149,12 @@ class Generation:
         self.metrics = metrics
         self.prompt_param = prompt_param
         self.time_limit_s = time_limit_s
+        self.arrival_time = arrival_time  # perf_counter; None: start()
         self._timer: asyncio.TimerHandle | None = None
         self._parser = ToolCallStreamParser() if parse_calls else None
         self._queue: asyncio.Queue | None = None
         self._pending = Tokens()
-        self.t_submit = 0.0
+        self.t_submit = 0.0  # the request's arrival: token times, TTFT and the time limit count from it
         self.ttft: float | None = None
         self.output_ids: list[int] = []
         self.num_cached_tokens = 0
@@ -136,20 +163,28 @@ class Generation:
         self.finished: Finished | None = None
 
     def start(self) -> None:
-        self.t_submit = time.perf_counter()
+        now = time.perf_counter()
+        self.t_submit = now if self.arrival_time is None else min(self.arrival_time, now)
+        remaining = None if self.time_limit_s is None else self.t_submit + self.time_limit_s - now
+        if remaining is not None and remaining <= 0:  # spent before it reached the engine (a slow compile)
+            self._refused("timed_out")
+            raise time_limit_error(self.time_limit_s)
         try:
             self._queue = self.aengine.submit(self.prompt_ids, self.params, self.request_id, self.session_id,
-                                              self.grammar)
+                                              self.grammar, arrival_time=self.t_submit)
         except ValueError as err:
+            self._refused("invalid")
             message = str(err)
-            param = "max_tokens" if "max_tokens" in message else self.prompt_param if "prompt" in message else None
+            param = ("logit_bias" if message.startswith("logit_bias") else "max_tokens" if "max_tokens" in message
+                     else self.prompt_param if "prompt" in message else None)
             raise bad_request(message, param=param) from None
         except OverloadedError as err:
+            self._refused("rejected")  # never accepted: counted apart, not judged
             raise overloaded(str(err), err.retry_after_s) from None
         if self.metrics is not None:
             self.metrics.on_submit(self.request_id, self.t_submit, len(self.prompt_ids))
-        if self.time_limit_s is not None:  # one timer, not a timeout on every output's wait
-            self._timer = asyncio.get_running_loop().call_later(self.time_limit_s, self._expire)
+        if remaining is not None:  # one timer, not a timeout on every output's wait
+            self._timer = asyncio.get_running_loop().call_later(remaining, self._expire)
 
     def _expire(self) -> None:
         """Past the time limit: abort the engine request (it reports nothing after an abort), so
@@ -157,9 +192,9 @@ class Generation:
         if self.finished is not None:
             return
         self.aengine.abort(self.request_id)
-        self._queue.put_nowait(RequestOutput(
-            self.request_id, [], "", True, "error",
-            error=f"the request ran past the server's limit of {self.time_limit_s:g} s per request and was stopped"))
+        self._queue.put_nowait(RequestOutput(self.request_id, [], "", True, "error",
+                                             error=time_limit_error(self.time_limit_s).message,
+                                             error_type="time_limit"))
 
     async def events(self):
         if self._queue is None:
@@ -179,8 +214,15 @@ class Generation:
 
     # ---------------------------------------------------------------- per engine output
 
+    def _refused(self, kind: str) -> None:
+        """A request refused at start, for /metrics' outcomes (judged from its arrival stamp)."""
+        if self.metrics is not None:
+            self.metrics.observe_refusal(self.request_id, kind, arrival_time=self.t_submit)
+
     def _on_output(self, out: RequestOutput) -> list[Event]:
         if out.error_type == "overloaded":  # never started: a refusal, not a finish (events() ends)
+            if self.metrics is not None:  # accepted, then refused: a miss ("expired" if it waited out the queue)
+                self.metrics.observe_refusal(self.request_id, "refused")
             raise overloaded(out.error or "the server is overloaded", out.retry_after_s or 1.0)
         self._take_tokens(out)
         events: list[Event] = []
@@ -196,7 +238,8 @@ class Generation:
                 reason = "error"
             usage = Usage(out.num_prompt_tokens or len(self.prompt_ids), out.num_cached_tokens,
                           out.num_output_tokens or len(self.output_ids))
-            self.finished = Finished(reason, error, self._claim(), usage)
+            self.finished = Finished(reason, error, self._claim(), usage,
+                                     out.error_type if reason == "error" else None)
             self._observe_finish(out.token_times[-1] if out.token_times else None)
             events.append(self.finished)
         return events
@@ -249,7 +292,8 @@ class Generation:
         if self.metrics is None or self.finished is None:
             return
         u = self.finished.usage
-        self.metrics.observe_finish(self.request_id, self.finished.reason, stamp, u.prompt_tokens, u.cached_tokens)
+        self.metrics.observe_finish(self.request_id, self.finished.reason, stamp, u.prompt_tokens, u.cached_tokens,
+                                    error_type=self.finished.error_type)
 
     def usage_so_far(self) -> Usage:
         """For a generation stopped early (its engine request aborted, so no final output)."""

@@ -5,10 +5,17 @@ Both generation endpoints answer as JSON or, with `stream: true`, as SSE chunks 
 can be refused is refused before the first byte of the answer: malformed or mistyped bodies, an
 unknown model (404), a prompt over the context or the KV cache or `max_tokens` over what fits,
 a refused schema or tool list, one over the server's limits (server/limits.py), a body the client
-stopped sending (499, logged at debug level), a full engine queue (429 + Retry-After). An engine
-failure mid-stream ends the stream with an `{"error": ...}` chunk, which the SDK raises as an
-APIError; so does a generation stopped at `--request-time-limit-s`, and a request that waited
-too long to start (429 when not streamed; streamed, an error chunk with code "overloaded").
+stopped sending (499, logged at debug level), a full engine queue (429 + Retry-After), an OpenAI
+field prescient cannot honour (400 "unsupported_parameter", server/fields.py). A failed
+generation is answered by `finish_error` (server/generation.py): not streamed, a 400 for a
+request stopped at `--request-time-limit-s` (code "request_time_limit_exceeded") or failed by its
+own input (code "invalid_request"), a 500 for an engine failure; streamed, an `{"error": ...}`
+chunk with the same code, which the SDK raises as an APIError. A request that waited too long to
+start is a 429 (streamed, an error chunk with code "overloaded").
+
+The time limit and the reported timings count from the request's arrival, the moment its
+body's last byte was read (`read_body`). Bodies over `OFF_LOOP_BYTES` are decoded, audited and
+their messages converted on a worker thread (ServerContext.parse).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import asyncio
 import logging
 import time
 from contextlib import aclosing
+from functools import partial
 
 import msgspec
 from starlette.requests import ClientDisconnect, Request
@@ -28,8 +36,9 @@ from prescient.server.chat import messages_from_chat, split_system
 from prescient.server.constraints import format_spec, pick_spec
 from prescient.server.context import ServerContext
 from prescient.server.errors import APIError, bad_request
+from prescient.server.fields import CHAT, refuse_unsupported
 from prescient.server.generation import (CallDelta, CallStart, Finished, Generation, TextDelta, check_max_tokens,
-                                         new_id)
+                                         finish_error, new_id)
 from prescient.server.limits import check_schemas
 from prescient.server.metrics import CONTENT_TYPE
 from prescient.server.protocol import ChatCompletionRequest, CompletionRequest, decode
@@ -41,7 +50,9 @@ _encode = msgspec.json.Encoder().encode
 _CHUNK, _TEXT = "chat.completion.chunk", "text_completion"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int) -> tuple[bytes, float]:
+    """The body, and its arrival (perf_counter when its last byte was read): where the request's
+    time limit and timings start."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {declared} bytes; the limit is {limit}", code="request_too_large")
@@ -56,7 +67,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         log.debug("client disconnected while sending its body to %s", request.url.path)
         raise APIError(499, "the client disconnected before its request body arrived",
                        code="client_disconnected") from None
-    return bytes(body)
+    return bytes(body), time.perf_counter()
 
 
 async def unless_disconnected(request: Request, work) -> Response:
@@ -88,9 +99,17 @@ def _finish_reason(gen: Generation, reason: str) -> str:
 
 # ---------------------------------------------------------------- chat completions
 
+def _parse_chat(body: bytes) -> tuple[ChatCompletionRequest, list[dict]]:
+    """Decode, refuse what cannot be honoured, bound and convert the messages."""
+    req = decode(body, ChatCompletionRequest)
+    refuse_unsupported(req, CHAT)
+    return req, messages_from_chat(req.messages)
+
+
 async def chat_completions(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    req = decode(await read_body(request, ctx.config.max_body_bytes), ChatCompletionRequest)
+    body, arrival = await read_body(request, ctx.config.max_body_bytes)
+    req, messages = await ctx.parse(len(body), partial(_parse_chat, body))
     ctx.check_model(req.model)
     tools = []
     for i, t in enumerate(req.tools or []):
@@ -99,7 +118,7 @@ async def chat_completions(request: Request) -> Response:
         tools.append(FunctionTool(t.function.name, t.function.description, t.function.parameters))
     check_schemas(tools, req.response_format, "response_format", ctx.config.max_tools, ctx.config.max_schema_bytes)
     setup = tool_setup(tools, req.tool_choice, req.parallel_tool_calls)
-    system, rest = split_system(messages_from_chat(req.messages))
+    system, rest = split_system(messages)
     prompt = await ctx.render(system + [setup.system_text()], rest, param="messages")
     spec = pick_spec(format_spec(req.response_format, "response_format"), setup.grammar, "response_format")
     max_tokens = check_max_tokens(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
@@ -110,7 +129,8 @@ async def chat_completions(request: Request) -> Response:
                           logprobs=(req.top_logprobs or 0) if req.logprobs else None, client=Client.of(request.headers))
     matcher = await ctx.constraints.matcher(spec, "response_format" if req.response_format else "tools")
     gen = Generation(ctx.aengine, prompt.token_ids, params, grammar=matcher, parse_calls=setup.parse_calls,
-                     metrics=ctx.metrics, prompt_param="messages", time_limit_s=ctx.config.request_time_limit_s)
+                     metrics=ctx.metrics, prompt_param="messages", time_limit_s=ctx.config.request_time_limit_s,
+                     arrival_time=arrival)
     gen.start()
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
@@ -127,7 +147,7 @@ async def _chat_json(ctx: ServerContext, gen: Generation, rid: str, created: int
                 entries.extend(ev.tokens.logprobs)
     done = gen.finished
     if done.reason == "error":
-        raise APIError(500, done.error or "generation failed", code="server_error")
+        raise finish_error(done)
     calls = [w.ToolCallOut(cid, w.FunctionOut(c.name, c.arguments)) for cid, c in gen.complete_calls]
     message = w.MessageOut(gen.content if (gen.content or not calls) else None, tool_calls=calls or None)
     choice = w.Choice(0, message, _finish_reason(gen, done.reason),
@@ -158,7 +178,7 @@ async def _chat_chunks(ctx: ServerContext, gen: Generation, rid: str, created: i
                 yield chunk(w.Delta(tool_calls=[call]), tokens=ev.tokens)
             elif isinstance(ev, Finished):
                 if ev.reason == "error":
-                    yield _error_chunk(ev.error)
+                    yield _error_chunk(finish_error(ev))
                     return
                 yield chunk(w.Delta(), _finish_reason(gen, ev.reason), tokens=ev.tokens if len(ev.tokens) else None)
                 if include_usage:
@@ -171,7 +191,8 @@ async def _chat_chunks(ctx: ServerContext, gen: Generation, rid: str, created: i
 
 async def completions(request: Request) -> Response:
     ctx: ServerContext = request.app.state.ctx
-    req = decode(await read_body(request, ctx.config.max_body_bytes), CompletionRequest)
+    body, arrival = await read_body(request, ctx.config.max_body_bytes)
+    req = await ctx.parse(len(body), partial(decode, body, CompletionRequest))
     ctx.check_model(req.model)
     if req.echo:
         raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
@@ -188,7 +209,7 @@ async def completions(request: Request) -> Response:
     params = ctx.sampling(req, max_tokens, stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                           client=Client.of(request.headers))
     gen = Generation(ctx.aengine, prompt_ids, params, metrics=ctx.metrics, prompt_param="prompt",
-                     time_limit_s=ctx.config.request_time_limit_s)
+                     time_limit_s=ctx.config.request_time_limit_s, arrival_time=arrival)
     gen.start()
     rid, created = new_id("cmpl"), int(time.time())
     if req.stream:
@@ -206,7 +227,7 @@ async def _completion_json(ctx: ServerContext, gen: Generation, rid: str, create
                 entries.extend(ev.tokens.logprobs)
     done = gen.finished
     if done.reason == "error":
-        raise APIError(500, done.error or "generation failed", code="server_error")
+        raise finish_error(done)
     lp = w.completion_logprobs(entries, ctx.token_text, 0) if logprobs else None
     choice = w.CompletionChoice(0, gen.content, "length" if done.reason == "length" else "stop", lp)
     body = w.Completion(rid, created, ctx.model_name, [choice], _TEXT, usage=w.usage(done.usage))
@@ -228,7 +249,7 @@ async def _completion_chunks(ctx: ServerContext, gen: Generation, rid: str, crea
                             token_sources=ev.tokens.sources)
             elif isinstance(ev, Finished):
                 if ev.reason == "error":
-                    yield _error_chunk(ev.error)
+                    yield _error_chunk(finish_error(ev))
                     return
                 yield chunk([w.CompletionChoice(0, "", "length" if ev.reason == "length" else "stop")])
                 if include_usage:
@@ -247,9 +268,9 @@ async def _refusable(chunks):
             yield sse.data(_encode(err.body())) + sse.DONE
 
 
-def _error_chunk(message: str | None) -> bytes:
-    """An engine failure mid-stream: an error chunk (the SDK raises it), then the end."""
-    return sse.data(_encode(APIError(500, message or "generation failed", code="server_error").body())) + sse.DONE
+def _error_chunk(err: APIError) -> bytes:
+    """A failed generation mid-stream: an error chunk (the SDK raises it), then the end."""
+    return sse.data(_encode(err.body())) + sse.DONE
 
 
 # ---------------------------------------------------------------- models, health, metrics

@@ -2,20 +2,22 @@
 
 Decoding a body with `decode(data, Type)` checks types and ranges in one pass and fails with a
 message naming the field (`Expected `float` <= 2.0 - at `$.temperature``), which handlers return
-as a 400 / `error` event. Unknown fields are ignored, as OpenAI clients send fields we do not
-use (`user`, `store`, `reasoning`...); fields we know but cannot honor are refused by the
-handlers by name. Fields marked "extension" are prescient's, not OpenAI's.
+as a 400 / `error` event. Fields a Struct does not declare are dropped: OpenAI fields that
+cannot change the output (`user`, `service_tier`, `prompt_cache_key`...) and fields in no
+OpenAI schema. Every OpenAI field that could change the output is declared, and those prescient
+cannot honour are refused by name when set (server/fields.py); docs/CONTRACTS.md ("Request
+fields") has the table. Fields marked "extension" are prescient's, not OpenAI's.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct
 
 from prescient.server.errors import from_decode_error
-from prescient.server.limits import deep_field, depth_error, too_deep
+from prescient.server.limits import check_values, deep_field, depth_error, too_deep
 
 Temperature = Annotated[float, Meta(ge=0, le=2)]  # 0 = greedy
 TopP = Annotated[float, Meta(gt=0, le=1)]
@@ -59,13 +61,17 @@ class ToolCallIn(Struct, kw_only=True):
 class ChatMessage(Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = None  # ignored: the chat template has no place for it (docs/CONTRACTS.md)
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant turn's refusal text: its content when it has none
+    function_call: ToolCallFunction | None = None  # legacy assistant call: rendered as a tool call
+    audio: Any = None  # refused: no audio output to refer to
 
 
 class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # ignored: padding only, the content is the same
 
 
 class RequestSLO(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -73,6 +79,8 @@ class RequestSLO(Struct, kw_only=True, forbid_unknown_fields=True):
     deliveries; the draft planner keeps its verify steps within it."""
 
     itl_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
+    # bounds the time to its first token: waiting prompts start earliest deadline first
+    ttft_ms: Annotated[float, Meta(gt=0, le=3_600_000)] | None = None
 
 
 class SamplingFields(Struct, kw_only=True):
@@ -85,6 +93,9 @@ class SamplingFields(Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # token id (a decimal string) -> bias in [-100, 100], added to the logits (ServerContext.sampling);
+    # an extension on the Responses API, which has no logit_bias
+    logit_bias: dict[str, float] | None = None
     speculate: bool | None = None  # extension: false decodes this request without speculation
     slo: RequestSLO | None = None  # extension
 
@@ -105,6 +116,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     ignore_eos: bool = False  # extension
+    # OpenAI fields prescient cannot honour: refused when set (server/fields.py)
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -147,7 +166,7 @@ class ResponsesTool(Struct, kw_only=True):
 
 class TextConfig(Struct, kw_only=True):
     format: dict[str, Any] | None = None
-    verbosity: str | None = None
+    verbosity: str | None = None  # refused unless "medium" (server/fields.py)
 
 
 class ResponseCreateParams(SamplingFields, kw_only=True):
@@ -168,6 +187,14 @@ class ResponseCreateParams(SamplingFields, kw_only=True):
     metadata: dict[str, str] | None = None
     store: bool | None = None  # False: not kept for previous_response_id (and no KV pin)
     top_logprobs: TopLogprobs | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" honoured; see server/fields.py
+    # "auto" accepted: a conversation that fits is not truncated, one that does not is refused saying so
+    truncation: Literal["auto", "disabled"] | None = None
+    # OpenAI fields prescient cannot honour: refused when set (server/fields.py)
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    reasoning: dict[str, Any] | None = None
 
 
 class ResponseCreateEvent(ResponseCreateParams, tag="response.create", tag_field="type", kw_only=True):
@@ -185,7 +212,9 @@ T = TypeVar("T")
 
 def decode(data: bytes | str, type: type[T]) -> T:
     """Decode JSON into a wire type; raises APIError(400) naming the offending field, also for
-    JSON nested deeper than `MAX_JSON_DEPTH` (server/limits.py)."""
+    JSON nested deeper than `MAX_JSON_DEPTH` or holding more than `MAX_JSON_VALUES` values
+    (server/limits.py; the latter checked before msgspec builds them)."""
+    check_values(data)
     try:
         value = msgspec.json.decode(data, type=type)
     except msgspec.MsgspecError as err:

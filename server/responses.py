@@ -19,6 +19,14 @@ A finished response is stored under its id (server/sessions.py) unless `store` i
 the sender, its API key and WebSocket connection); the conversation's `session_id` (its first
 response's id) goes to the engine with every turn, which pins the conversation's KV between turns.
 
+Before anything is rendered, `prepare` refuses the OpenAI fields prescient cannot honour
+(server/fields.py) and client strings the events would echo past their caps (`stream_id`,
+`metadata`: server/limits.py); `tool_choice` is echoed in its normalized form. A response that
+fails is `response.failed` with the code `finish_error` gives (server/generation.py):
+"request_time_limit_exceeded" past `--request-time-limit-s` (counted from `arrival_time`: the
+HTTP body's last byte or the WebSocket frame's receipt), "invalid_request" for a request failed
+by its own input, "server_error" for an engine failure.
+
 `generate: false` warms a conversation: its prompt (without the assistant prefix) is prefilled
 into the KV cache and stored, and the response completes with no output.
 """
@@ -27,15 +35,17 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
+from functools import partial
 
 from prescient.server import responses_wire as w
 from prescient.server.chat import Rendered, messages_from_items, split_system
 from prescient.server.constraints import format_spec, pick_spec
-from prescient.server.errors import bad_request
+from prescient.server.errors import APIError, bad_request
+from prescient.server.fields import INCLUDE_LOGPROBS, RESPONSES, check_include, refuse_unsupported
 from prescient.server.generation import (CallDelta, CallEnd, CallStart, Finished, Generation, TextDelta, Tokens,
-                                         check_max_tokens, new_id)
+                                         check_max_tokens, finish_error, new_id)
 from prescient.server.protocol import ResponseCreateParams
-from prescient.server.limits import check_schemas
+from prescient.server.limits import OFF_LOOP_MESSAGES, check_echoed, check_schemas
 from prescient.server.sessions import Client, Conversation
 from prescient.server.tools import FunctionTool, tool_setup
 
@@ -52,16 +62,30 @@ def _tools(params: ResponseCreateParams) -> list[FunctionTool]:
     return out
 
 
+def _echo_choice(tool_choice):
+    """`tool_choice` as the response object echoes it: a named function as OpenAI's
+    `{"type": "function", "name"}`, not the client's whole object (extra keys and all)."""
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function", tool_choice)
+        return {"type": "function", "name": fn.get("name") if isinstance(fn, dict) else None}
+    return tool_choice
+
+
 class ResponseRun:
-    def __init__(self, ctx, params: ResponseCreateParams, client: Client = Client()):
+    def __init__(self, ctx, params: ResponseCreateParams, client: Client = Client(),
+                 arrival_time: float | None = None):
         self.ctx = ctx
         self.params = params
         self.client = client
+        self.arrival_time = arrival_time  # perf_counter: the body's last byte / the frame's receipt
         self.id = new_id("resp")
         self.stream_id = params.stream_id
         self.generate = params.generate is not False
         self.gen: Generation | None = None
         self._messages: list[dict] = []
+        self._call_ids: set[str] = set()
         self._rendered: Rendered | None = None
         self._session_id: str | None = None
         self._message: w.OutputMessage | None = None  # the open text item
@@ -72,7 +96,7 @@ class ResponseRun:
             previous_response_id=params.previous_response_id,
             temperature=1.0 if params.temperature is None else params.temperature,
             top_p=1.0 if params.top_p is None else params.top_p,
-            tool_choice=params.tool_choice if params.tool_choice is not None else "auto",
+            tool_choice=_echo_choice(params.tool_choice),
             tools=[{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                     "strict": t.strict} for t in params.tools or []],
             parallel_tool_calls=params.parallel_tool_calls is not False,
@@ -83,6 +107,9 @@ class ResponseRun:
 
     async def prepare(self) -> None:
         ctx, p = self.ctx, self.params
+        check_echoed(p.stream_id, p.metadata)
+        refuse_unsupported(p, RESPONSES)
+        check_include(p.include)
         ctx.check_model(p.model)
         previous = None
         if p.previous_response_id is not None:
@@ -94,27 +121,40 @@ class ResponseRun:
         fmt = p.text.format if p.text else None
         check_schemas(tools, fmt, "text.format", ctx.config.max_tools, ctx.config.max_schema_bytes)
         setup = tool_setup(tools, p.tool_choice, p.parallel_tool_calls)
-        new = messages_from_items(p.input)
+        self._call_ids = set(previous.call_ids) if previous else set()  # what function_call_output may answer
+        items = len(p.input) if isinstance(p.input, list) else 0
+        new = await ctx.parse(items, partial(messages_from_items, p.input, calls=self._call_ids),
+                              limit=OFF_LOOP_MESSAGES)
         if not new and previous is None:
             raise bad_request("input is required", param="input", code="empty_input")
         self._messages = (list(previous.messages) if previous else []) + new
         system, rest = split_system(self._messages)
-        self._rendered = await ctx.render([p.instructions or ""] + system + [setup.system_text()], rest,
-                                          param="input", add_generation_prompt=self.generate,
-                                          prefix=previous.rendered if previous else None)
+        try:
+            self._rendered = await ctx.render([p.instructions or ""] + system + [setup.system_text()], rest,
+                                              param="input", add_generation_prompt=self.generate,
+                                              prefix=previous.rendered if previous else None)
+            prompt_ids = self._rendered.token_ids
+            max_tokens = (check_max_tokens(len(prompt_ids), p.max_output_tokens, ctx.config.default_max_tokens,
+                                           ctx.max_model_len, "max_output_tokens", kv_tokens=ctx.kv_tokens)
+                          if self.generate else check_max_tokens(len(prompt_ids), None, 1, ctx.max_model_len,
+                                                                 "max_output_tokens", kv_tokens=ctx.kv_tokens))
+        except APIError as err:
+            if err.code == "context_length_exceeded" and p.truncation == "auto":  # asked for, not silently skipped
+                err = APIError(err.status, f"{err.message}; truncation 'auto' (dropping the oldest input items) is "
+                               "not supported, so the conversation must fit", param=err.param, code=err.code)
+            raise err from None
         spec = pick_spec(format_spec(fmt, "text.format"), setup.grammar, "text.format")
-        prompt_ids = self._rendered.token_ids
-        max_tokens = (check_max_tokens(len(prompt_ids), p.max_output_tokens, ctx.config.default_max_tokens,
-                                       ctx.max_model_len, "max_output_tokens", kv_tokens=ctx.kv_tokens)
-                      if self.generate else check_max_tokens(len(prompt_ids), None, 1, ctx.max_model_len,
-                                                             "max_output_tokens", kv_tokens=ctx.kv_tokens))
-        sampling = ctx.sampling(p, max_tokens, logprobs=p.top_logprobs)
+        logprobs = p.top_logprobs
+        if logprobs is None and INCLUDE_LOGPROBS in (p.include or ()):
+            logprobs = 0  # the chosen tokens' logprobs, no alternatives
+        sampling = ctx.sampling(p, max_tokens, logprobs=logprobs)
         matcher = await ctx.constraints.matcher(spec, "text.format" if fmt else "tools") if self.generate else None
         if p.store is not False:
             self._session_id = previous.session_id if previous else self.id
         self.gen = Generation(ctx.aengine, prompt_ids, sampling, request_id=self.id, session_id=self._session_id,
                               grammar=matcher, parse_calls=setup.parse_calls and self.generate, metrics=ctx.metrics,
-                              prompt_param="input", time_limit_s=ctx.config.request_time_limit_s)
+                              prompt_param="input", time_limit_s=ctx.config.request_time_limit_s,
+                              arrival_time=self.arrival_time)
         self.gen.start()
 
     # ---------------------------------------------------------------- events
@@ -140,9 +180,11 @@ class ResponseRun:
         if isinstance(ev, TextDelta):
             events = self._open_message() if self._message is None else []
             msg = self._message
+            logprobs = self._logprobs(ev.tokens)
             msg.content[0].text += ev.text
+            msg.content[0].logprobs.extend(logprobs)  # the final object has them too (not only the deltas)
             return events + [self._ev(w.OutputTextDelta, item_id=msg.id, output_index=self._index(msg),
-                                      delta=ev.text, **_timing(ev.tokens), logprobs=self._logprobs(ev.tokens))]
+                                      delta=ev.text, **_timing(ev.tokens), logprobs=logprobs)]
         if isinstance(ev, CallStart):
             events = self._close_message("completed")
             item = w.FunctionCallItem(id=new_id("fc"), call_id=ev.call_id, name=ev.name, arguments="",
@@ -234,7 +276,8 @@ class ResponseRun:
             events.append(self._ev(w.ResponseIncomplete, response=r, **extra))
         else:
             r.status = "failed"
-            r.error = w.ResponseError("server_error", done.error or f"generation ended: {done.reason}")
+            err = finish_error(done)
+            r.error = w.ResponseError(err.code, err.message)
             events.append(self._ev(w.ResponseFailed, response=r, **extra))
         if ok and self._session_id is not None:
             self._store()
@@ -247,7 +290,8 @@ class ResponseRun:
             ids, text = self.ctx.renderer.model_output(self.gen.output_ids)
             messages.append({"role": "assistant", "content": text})
             rendered = Rendered(rendered.text + text, rendered.token_ids + tuple(ids))
-        self.ctx.store.put(Conversation(self.id, self._session_id, tuple(messages), rendered), self.client)
+        call_ids = frozenset(self._call_ids | {cid for cid, _ in self.gen.calls})
+        self.ctx.store.put(Conversation(self.id, self._session_id, tuple(messages), rendered, call_ids), self.client)
 
 
 def _timing(tokens: Tokens) -> dict:

@@ -21,6 +21,12 @@ Cancel stops generation within one engine step (the abort reaches the engine thr
 next step) and ends the response with `response.incomplete`, `response.status: "cancelled"`.
 A disconnect cancels every response of the connection and frees their KV the same way. A
 connection with no frame and no response running for `ws_idle_timeout_s` is closed (1001).
+
+A `response.create` whose `stream_id` or `metadata` is over its cap (server/limits.py) is
+refused with an `error` event naming the field, which does not echo the refused `stream_id`. A
+frame over `OFF_LOOP_BYTES` is decoded on a worker thread, while this connection waits for it
+before reading its next frame (so frames are still handled in order). A response's arrival,
+which its time limit and timings count from, is its frame's receipt.
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import msgspec
 from starlette.websockets import WebSocket
 
 from prescient.server import responses_wire as w
 from prescient.server.errors import APIError, bad_request
+from prescient.server.limits import check_echoed
 from prescient.server.protocol import ClientEvent, ResponseCancelEvent, decode
 from prescient.server.responses import ResponseRun
 from prescient.server.sessions import Client
@@ -113,9 +122,10 @@ class ResponsesConnection:
                 message = await self._next_message()
                 if message is None or message["type"] == "websocket.disconnect":
                     break
+                arrival = time.perf_counter()
                 frame = message.get("text")
                 try:
-                    self.on_frame(frame if frame is not None else message.get("bytes") or b"")
+                    await self.on_frame(frame if frame is not None else message.get("bytes") or b"", arrival)
                 except Exception as err:  # a bug must not take the socket and its other responses down
                     log.exception("unhandled error on a WebSocket frame")
                     self.send_error(_internal(err))
@@ -172,13 +182,13 @@ class ResponsesConnection:
 
     # ---------------------------------------------------------------- client frames
 
-    def on_frame(self, frame: str | bytes) -> None:
+    async def on_frame(self, frame: str | bytes, arrival: float | None = None) -> None:
         if len(frame) > self.config.max_frame_bytes:
             self.send_error(APIError(413, f"frame of {len(frame)} bytes exceeds the limit of "
                                      f"{self.config.max_frame_bytes}", code="frame_too_large"))
             return
         try:
-            event = decode(frame, ClientEvent)
+            event = await self.ctx.parse(len(frame), partial(decode, frame, ClientEvent))
         except APIError as err:
             if err.param == "type" and "Invalid value" in err.message:
                 err = bad_request(f"unknown event type; expected 'response.create' or 'response.cancel' "
@@ -188,11 +198,16 @@ class ResponsesConnection:
         if isinstance(event, ResponseCancelEvent):
             self.cancel(event.response_id)
             return
+        try:
+            check_echoed(event.stream_id, event.metadata)
+        except APIError as err:  # without the stream_id: it may be the refused string
+            self.send_error(err)
+            return
         if len(self.active) >= self.config.max_responses_per_connection:
             self.send_error(APIError(429, f"{len(self.active)} responses are already in flight on this "
                                      "connection", code="too_many_responses"), event.stream_id)
             return
-        active = _Active(ResponseRun(self.ctx, event, self.client))
+        active = _Active(ResponseRun(self.ctx, event, self.client, arrival))
         self.active[active.run.id] = active
         active.task = asyncio.create_task(self._run(active))
 

@@ -3,7 +3,8 @@
 A stored `Conversation` is everything the next turn needs: the plain messages so far (without the
 system message, which each request rebuilds from its own `instructions` and tools, as OpenAI does)
 and the rendered text + token ids the model saw, including its raw output, which the next prompt
-extends token for token (server/chat.py). `session_id` is the id of the conversation's first
+extends token for token (server/chat.py), and the ids of the tool calls made in it, which the
+next turn's `function_call_output` items must answer. `session_id` is the id of the conversation's first
 response and is passed to the engine on every turn, so the engine pins the conversation's KV
 blocks between turns (runtime/sessions.py) while the client runs its tools.
 
@@ -63,6 +64,7 @@ class Conversation:
     session_id: str
     messages: tuple[dict, ...]
     rendered: Rendered
+    call_ids: frozenset[str] = frozenset()  # the conversation's tool calls (function_call call_ids)
 
 
 def _nbytes(conversation: Conversation, ids: array) -> int:
@@ -70,7 +72,7 @@ def _nbytes(conversation: Conversation, ids: array) -> int:
     n = 256 + sys.getsizeof(conversation.rendered.text) + ids.itemsize * len(ids)
     for message in conversation.messages:
         n += 64 + sum(sys.getsizeof(v) for v in message.values() if isinstance(v, str))
-    return n
+    return n + sum(64 + sys.getsizeof(c) for c in conversation.call_ids)
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,14 @@ class _Entry:
     messages: tuple[dict, ...]
     text: str
     ids: array  # the rendered token ids, int32
+    call_ids: frozenset[str]
     nbytes: int
     expires: float
     owner: tuple | None
 
     def conversation(self) -> Conversation:
-        return Conversation(self.response_id, self.session_id, self.messages, Rendered(self.text, tuple(self.ids)))
+        return Conversation(self.response_id, self.session_id, self.messages, Rendered(self.text, tuple(self.ids)),
+                            self.call_ids)
 
 
 class ResponseStore:
@@ -116,7 +120,8 @@ class ResponseStore:
     def put(self, conversation: Conversation, client: Client = Client()) -> None:
         ids = array("i", conversation.rendered.token_ids)
         entry = _Entry(conversation.response_id, conversation.session_id, conversation.messages,
-                       conversation.rendered.text, ids, _nbytes(conversation, ids), self.clock() + self.ttl_s,
+                       conversation.rendered.text, ids, conversation.call_ids, _nbytes(conversation, ids),
+                       self.clock() + self.ttl_s,
                        self._owner(client))
         self._drop(entry.response_id)
         self._entries[entry.response_id] = entry

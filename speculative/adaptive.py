@@ -189,15 +189,18 @@ class AdaptiveSpeculation:
                 stats.steps_without_drafts = 0
         return budgets
 
-    def observe(self, request_id: str, outcome: VerifyOutcome) -> None:
-        """Fold one verify step's result into the request's estimate (steps without drafts
-        carry no information and are ignored)."""
-        if outcome.num_draft_tokens == 0:
+    def observe(self, request_id: str, outcome: VerifyOutcome, forced: int = 0) -> None:
+        """Fold one verify step's result into the request's estimate. The tree's first `forced`
+        nodes were a grammar-forced span, accepted by construction: they say nothing about the
+        drafts this plan budgets, so only the drafts below the span count. Steps without such
+        drafts (or whose span was cut short, leaving them unjudged) are ignored."""
+        if outcome.num_draft_tokens - forced <= 0 or outcome.num_accepted < forced:
             return
         stats, decay = self._get(request_id), self.config.ema_decay
-        judged = outcome.num_accepted + (1 if outcome.next_role == RECOVERED else 0)
+        accepted = outcome.num_accepted - forced
+        judged = accepted + (1 if outcome.next_role == RECOVERED else 0)
         stats.judged = decay * stats.judged + (1 - decay) * judged
-        stats.accepted = decay * stats.accepted + (1 - decay) * outcome.num_accepted
+        stats.accepted = decay * stats.accepted + (1 - decay) * accepted
 
     def forget(self, request_id: str) -> None:
         self._stats.pop(request_id, None)

@@ -17,7 +17,12 @@ reported as `draft` whichever source proposed them.
 
 A constrained request's tree comes from its grammar where it forces a span
 (speculative/grammar_drafts.py), else from the proposer; runtime/constrain.py then prunes it to
-its grammar-valid nodes and masks it.
+its grammar-valid nodes and masks it. The forced span (`Drafts.forced`, the tree's first nodes)
+is not a guess: the grammar allows nothing else, so the masked target accepts it by
+construction. `propose` remembers each request's span until `verify`, which counts its tokens
+apart (`SpecStats.num_forced_tokens_accepted`) and tells the adaptive planner only about the
+other drafts: counted as drafts they would inflate the acceptance rate and the planner's
+estimates on tool-call traffic, where most of a reply may be forced.
 
 Every request that samples this step goes through `verify.verify` (a plain decode is a 1-node
 tree), so greedy and seeded sampling behave identically with and without speculation. After
@@ -53,15 +58,20 @@ log = logging.getLogger("prescient.speculative")
 
 @dataclass
 class SpecStats:
+    """Speculation counters. "Draft" tokens are guesses (the proposer's, the grammar's narrow
+    choices); a grammar-forced span is not one and is counted apart (`num_forced_*`)."""
+
     num_steps: int = 0  # verify steps that carried at least one draft token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0  # accepted + bonus/recovered, over steps with drafts
-    accepted_by_position: list[int] = field(default_factory=list)  # index d: accepted at depth d+1
+    num_draft_tokens: int = 0  # forced span tokens excluded
+    num_accepted_tokens: int = 0  # forced span tokens excluded
+    num_emitted_tokens: int = 0  # accepted drafts + bonus/recovered, over steps with drafts
+    # index d: drafts accepted / offered at draft depth d+1, counted below the forced span
+    accepted_by_position: list[int] = field(default_factory=list)
     offered_by_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     num_forced_tokens_proposed: int = 0  # grammar-forced span tokens drafted
+    num_forced_tokens_accepted: int = 0  # ... and accepted (all of them: the mask allows nothing else)
     num_grammar_branch_tokens: int = 0  # draft nodes on the grammar's narrow choices (draft_paths)
     num_span_tail_tokens: int = 0  # proposer draft nodes grafted after a forced span
 
@@ -96,10 +106,16 @@ class Speculator:
         self._proposed_at: float | None = None  # end of propose(): verify's start - this = the forward
         self._step_cost = 1.0  # relative cost of the last forward (for requests' ITL gaps)
         self._last_stamp: dict[str, float] = {}  # request -> its last delivery's engine time
+        # request -> its tree's forced span length, set by propose, read by verify (the engine
+        # may verify a sub-batch, or one request at a time after a failure: keyed by id, not by
+        # position); every propose resets its requests' entries, release drops them
+        self._forced: dict[str, int] = {}
 
     def propose(self, seqs) -> Drafts:
         trees = self._proposer_trees(seqs)
         forced = [0] * len(seqs)
+        for seq in seqs:
+            self._forced.pop(seq.request.request_id, None)
         for i, seq in enumerate(seqs):
             r = seq.request
             if not (seq.samples and r.grammar is not None and r.params.speculate):
@@ -107,6 +123,8 @@ class Speculator:
             shaped = grammar_tree(seq, r.eos_token_ids, self.propose_after)
             if shaped is not None:
                 trees[i], forced[i], tail = shaped
+                if forced[i]:
+                    self._forced[r.request_id] = forced[i]
                 self.stats.num_forced_tokens_proposed += forced[i]
                 self.stats.num_span_tail_tokens += tail
                 if not tail:
@@ -167,7 +185,7 @@ class Speculator:
             src, dst = outcome.kv_moves(prefix_len)
             src_slots += [self._slot(request, p) for p in src]
             dst_slots += [self._slot(request, p) for p in dst]
-            self._record(request, tree, outcome)
+            self._record(request, tree, outcome, self._forced.get(request.request_id, 0))
             results[i] = SeqResult(
                 tokens=outcome.tokens,
                 sources=[SOURCE_DRAFT] * outcome.num_accepted + [SOURCE_TARGET],
@@ -252,6 +270,7 @@ class Speculator:
         self.proposer.on_request_finished(request.request_id)
         self.adaptive.forget(request.request_id)
         self._last_stamp.pop(request.request_id, None)
+        self._forced.pop(request.request_id, None)
         learn = getattr(self.proposer, "learn_output", None)
         if learn is not None and request.params.tenant is not None and request.output_token_ids:
             learn(request.params.tenant, request.prompt_token_ids, request.output_token_ids)
@@ -259,28 +278,39 @@ class Speculator:
     def _slot(self, request: Request, position: int) -> int:
         return slot_of(request.block_ids, position, self.block_size)
 
-    def _record(self, request: Request, tree: DraftTree, outcome: VerifyOutcome) -> None:
-        self.adaptive.observe(request.request_id, outcome)
-        if outcome.num_draft_tokens == 0:
+    def _record(self, request: Request, tree: DraftTree, outcome: VerifyOutcome, forced: int = 0) -> None:
+        """Fold one verify outcome into the stats, the request's counters and the planner.
+        `forced`: the tree's first `forced` nodes were the grammar's forced span (a chain from
+        the root), counted apart from the drafts below it."""
+        forced = max(0, min(forced, outcome.num_draft_tokens))  # a pruned tree keeps its span whole
+        self.stats.num_forced_tokens_accepted += min(forced, outcome.num_accepted)
+        self.adaptive.observe(request.request_id, outcome, forced)
+        num_drafts = outcome.num_draft_tokens - forced
+        if num_drafts == 0 or outcome.num_accepted < forced:
+            # no drafts, or the span was cut short and the drafts below it went unjudged (the
+            # mask allows nothing else on the span, so this is a safeguard, not a case)
             return
+        accepted = outcome.num_accepted - forced  # depths below are counted from the span's end
         s = self.stats
         s.num_steps += 1
-        s.num_draft_tokens += outcome.num_draft_tokens
-        s.num_accepted_tokens += outcome.num_accepted
-        s.num_emitted_tokens += outcome.num_accepted + 1
-        depth_counts = [0] * (tree.max_depth + 1)
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += accepted
+        s.num_emitted_tokens += accepted + 1
+        max_depth = tree.max_depth - forced
+        depth_counts = [0] * (max_depth + 1)
         for d in tree.depth[1:]:
-            depth_counts[d] += 1
-        while len(s.offered_by_position) < tree.max_depth:
+            if d > forced:
+                depth_counts[d - forced] += 1
+        while len(s.offered_by_position) < max_depth:
             s.offered_by_position.append(0)
             s.accepted_by_position.append(0)
-        for d in range(1, tree.max_depth + 1):
+        for d in range(1, max_depth + 1):
             s.offered_by_position[d - 1] += 1 if depth_counts[d] else 0
-        for d in range(outcome.num_accepted):
+        for d in range(accepted):
             s.accepted_by_position[d] += 1
         request.num_verify_steps += 1
-        request.num_draft_tokens += outcome.num_draft_tokens
-        request.num_accepted_tokens += outcome.num_accepted
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += accepted
 
 
 def make_speculator(model, block_size: int, method: str, draft_model_path: str | None = None,

@@ -8,7 +8,11 @@
 - The driver, with small fake sections through the registry (`main(argv, sections=...)`): the
   JSON after every section, error / fail / skipped statuses, exit status, time limits, SIGTERM.
 - The pieces of the real sections that CPU runs would not reach: pytest outcome counts with
-  failing tests, and the decode section's divergence measure.
+  failing tests, pytest's process group killed whole at the deadline, the decode section's
+  divergence measure, the SLO section's failure (not substitution) when the real model does not
+  load and its ITL max column.
+- What makes the check fit a lent machine: the default time limit and budgets.
+- `--kv-dtype int8` refused on CUDA (prescient/build.py), with CUDA detection faked.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ def test_cpu_smoke_runs_from_a_plain_checkout(tmp_path):
     assert tests["status"] == "ok", tests
     assert "6 passed" in tests["summary"]
     assert tests["counts"]["passed"] == 6 and tests["counts"]["failed"] == 0 and tests["collected"] == 6
+    # the GPU op test files only, ops first; the CPU-only suites and the sm_90 cross-compile not
+    kernel_dir = str(REPO / "tests" / "kernels")
+    files = [Path(a).name for a in tests["command"] if a.startswith(kernel_dir)]
+    assert files == ["test_kernels_ops.py", "test_kernels_reference.py", "test_kernels_dispatch.py"], files
+    assert "tests/kernels/test_kernels_dispatch.py::test_every_kernel_compiles_for_sm90" in tests["command"]
     assert tests["measured_error"] == 0 and tests["tolerance"] == 0
 
     attention = sections["tree_attention"]
@@ -83,6 +92,15 @@ def test_cpu_smoke_runs_from_a_plain_checkout(tmp_path):
         assert row["status"] == "ok" and row["decoded_tokens"] == 23 and row["decode_tokens_per_s"] > 0
     assert decode["greedy_outputs_match"]["identical"]  # speculation never changes greedy output
     assert decode["measured_error"] == 0.0
+
+    slo = sections["slo"]
+    assert slo["status"] == "ok", slo
+    assert {(r["sampling"], r["speculation"]): r["status"] for r in slo["rows"]} == {
+        ("greedy", "off"): "ok", ("t=0.8", "off"): "ok", ("greedy", "ngram"): "ok"}
+    for row in slo["rows"]:
+        itl = row["itl_emission_s"]
+        assert itl["max"] is not None and itl["max"] >= itl["p99"]
+    assert "| ITL/emission p99 ms | ITL max ms |" in out
 
 
 def test_alias_reaches_child_processes(tmp_path):
@@ -411,3 +429,146 @@ def test_decode_divergence_gap(tmp_path):
     assert decode.divergence_gap(model, prompt, plain, plain[:d] + [outside] + plain[d + 1:], kv,
                                  device)["logit_gap"] == math.inf
     assert decode.divergence_gap(model, prompt, plain, plain[:-1], kv, device)["logit_gap"] == math.inf
+
+
+class _UntilFile(_Ctx):
+    """A deadline that comes once `path` exists (the fake test has started its child), or after
+    `cap` seconds, so a broken run cannot hang the test."""
+
+    def __init__(self, path: Path, cap: float = 120.0):
+        super().__init__(cap)
+        self.path = path
+
+    def time_left(self):
+        return 0.0 if self.path.exists() else super().time_left()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
+def test_kernel_tests_kill_pytest_and_its_children_at_the_deadline(tmp_path, monkeypatch):
+    from prescient.latency_bench import gpu_sections_kernels
+
+    pids_file = tmp_path / "pids"
+    monkeypatch.setenv("ZZ_PIDS", str(pids_file))
+    (tmp_path / "test_zz_hang.py").write_text(textwrap.dedent("""
+        import os, subprocess, sys, time
+
+        def test_zz_hangs_with_a_child():
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            path = os.environ["ZZ_PIDS"]
+            with open(path + ".tmp", "w") as f:
+                f.write(f"{os.getpid()} {child.pid} {os.getpgrp()}")
+            os.replace(path + ".tmp", path)
+            time.sleep(300)
+    """))
+    t0 = time.monotonic()
+    result = gpu_sections_kernels.run(_UntilFile(pids_file), REPO, None,
+                                      [str(tmp_path / "test_zz_hang.py"), "-k", "zz_"])
+    pytest_pid, child_pid, group = map(int, pids_file.read_text().split())
+    try:
+        assert time.monotonic() - t0 < 100
+        assert "timeout" in result["errors"], result
+        # pytest led a process group of its own, not gpu_check's ...
+        assert group == pytest_pid and group != os.getpgrp()
+        # ... and the whole group went: pytest and the child its test started
+        deadline = time.monotonic() + 10
+        while (_alive(pytest_pid) or _alive(child_pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pytest_pid)
+        assert not _alive(child_pid), "the test's child outlived pytest"
+    finally:
+        if _alive(child_pid):  # the old behaviour: clean up what the fake test started
+            os.kill(child_pid, signal.SIGKILL)
+
+
+def test_default_time_limit_leaves_room_for_a_rerun():
+    args = gpu_check._parse_args([])
+    # 15 minutes of device time, with start-up, must hold a first run and a rerun
+    assert args.time_limit <= 300
+    sections = gpu_check.default_sections(args, cuda=True, alias=None)
+    budgets = {s.name: s.budget_s for s in sections}
+    assert budgets == gpu_check.DEFAULT_BUDGETS_S | {"kernel_tests": args.pytest_timeout}
+    assert sum(budgets.values()) <= args.time_limit
+    assert sum(s.min_s for s in sections) < args.time_limit / 2
+
+
+def test_slo_fails_when_the_real_model_does_not_load(check, monkeypatch, capsys):
+    from prescient import build
+    from prescient.latency_bench import gpu_sections_decode as decode
+    from prescient.latency_bench import gpu_sections_slo as slo
+
+    def no_model(spec):
+        raise FileNotFoundError("no GGUF on this machine")
+
+    def substituted(*args, **kwargs):
+        raise AssertionError("random weights substituted for the real model")
+
+    monkeypatch.setattr(build, "load_model", no_model)
+    monkeypatch.setattr(decode, "random_weights", substituted)
+    cpu = torch.device("cpu")
+    name, smollm = slo.default_models(cpu, torch.float32, smoke=False)[0]
+    assert name == "SmolLM2-135M"
+    with pytest.raises(slo.ModelLoadError, match="no GGUF on this machine"):
+        smollm()
+
+    section = gpu_check.Section("slo", "SLO", lambda ctx: slo.run(ctx, cpu, torch.float32, [(name, smollm)], agents=2,
+                                                               turns=1, prefix_len=8, user_len=4, turn_tokens=4,
+                                                               tool_tokens=4, kv_cache_bytes=1 << 20),
+                                render=slo.render)
+    code, report = check([section])
+    assert code == 1
+    record = report["sections"]["slo"]
+    assert record["status"] == "error"
+    assert "no GGUF on this machine" in record["error"] and "no random weights" in record["error"]
+    assert [(r["sampling"], r["speculation"], r["status"]) for r in record["rows"]] == [
+        (sampling, mode, "failed") for sampling, mode in slo.RUNS]
+    assert report["summary"]["error"] == ["slo"]
+    out = capsys.readouterr().out
+    assert "**error**: SmolLM2-135M: ModelLoadError: the real SmolLM2-135M did not load" in out
+    assert "slo did not pass" in out
+
+
+def test_slo_table_shows_the_max_gap_beside_p99_and_an_ngram_row():
+    from prescient.latency_bench import gpu_sections_slo as slo
+
+    assert ("greedy", "ngram") in slo.RUNS and ("greedy", "off") in slo.RUNS
+    row = {"model": "m", "sampling": "greedy", "speculation": "ngram", "status": "ok", "requests": 3,
+           "ttft_s": {"p50": 0.010, "p99": 0.020}, "itl_emission_s": {"p99": 0.020, "max": 0.500},
+           "mean_accepted_length": 1.5, "slo_attainment": 1.0, "meets_seed_slo": True}
+    lines = "\n".join(slo.render({"agents": 2, "turns": 1, "turn_tokens": 4, "dtype": "float32", "rows": [row]}))
+    assert ("| model | sampling | speculation | requests | TTFT p50 ms | TTFT p99 ms | ITL/emission p99 ms | "
+            "ITL max ms |") in lines
+    assert "| m | greedy | ngram | 3 | 10.0 | 20.0 | 20.0 | 500.0 | 1.50 | 1.00 | yes |" in lines
+
+
+def test_kv_int8_is_refused_on_cuda(monkeypatch):
+    import types
+
+    from prescient import build
+    from prescient.runtime.config import CacheConfig
+    from prescient.runtime.engine import EngineConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine, as far as the spec sees
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match="--kv-dtype int8 is not supported on CUDA"):
+            build.EngineSpec(device=device, kv_dtype="int8")
+    build.EngineSpec(device="cuda")  # the compute dtype's KV is fine there
+    build.EngineSpec(device="cpu", kv_dtype="int8")  # and int8 on the CPU, which has its kernels
+    # an EngineConfig handed to build_engine directly (as the gpu_check sections do)
+    model = types.SimpleNamespace(dtype=torch.float32, weights_mode=None, device=torch.device("cuda"), config=None)
+    config = EngineConfig(dtype="float32", cache=CacheConfig(kv_dtype="int8"))
+    with pytest.raises(ValueError, match="--kv-dtype int8 is not supported on CUDA"):
+        build.build_engine(build.EngineSpec(dtype="float32", speculate="off"),
+                           build.LoadedModel(model, None, (), None), config=config)

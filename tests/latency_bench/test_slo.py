@@ -198,3 +198,22 @@ def test_bad_config_and_empty_requests():
         SLOConfig(ttft_s=0)
     m = request_metrics(RequestTrace("z", 0.0, finished_time=1.0), GPU_INTERACTIVE)
     assert m.ttft_s is None and not m.met_all and m.tpot_s is None
+
+
+def test_a_request_the_server_did_not_serve_is_a_miss():
+    """on_finish(outcome=...): judged a miss whatever its latencies; discard: not judged."""
+    clock = FakeClock(0.0)
+    tr = SLOTracker(CPU_INTERACTIVE, clock=clock, keep_traces=False)
+    for rid in ("served", "timed_out", "shed", "left"):
+        tr.on_arrival(rid)
+    clock.advance(0.05)
+    tr.on_emission("timed_out", 1)  # a first token in time, then past the time limit
+    assert tr.on_output(out("served", 1, finished=True)).outcome == "met"
+    m = tr.on_finish("timed_out", outcome="timed_out")
+    assert not m.met_all and m.outcome == "timed_out" and m.slo_met["ttft"]  # measured, not faked
+    assert tr.on_finish("shed", outcome="refused").outcome == "refused"
+    assert tr.discard("left") and not tr.discard("left")
+    live = tr.live(window_s=60.0)
+    assert live["num_requests"] == 3 and live["num_met"] == 1 and live["slo_attainment"] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        tr.on_finish("x", outcome="cancelled")  # not a miss: discard it

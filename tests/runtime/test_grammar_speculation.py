@@ -98,3 +98,34 @@ def test_proposer_drafts_past_a_forced_span(tiny):
         spec = generate(tiny, (1,), True, grammar, prompt, params)
         assert spec[:3] == plain[:3]
         assert spec[3].speculator.stats.num_span_tail_tokens > 0
+
+
+def test_forced_tokens_are_not_accepted_drafts(tiny):
+    """A forced span is accepted by construction: counted apart (num_forced_tokens_accepted),
+    never in the acceptance rate or the planner's estimate, which judge the drafts alone."""
+    json_key = ("json_schema", '{"type": "object", "properties": {"a": {"type": "string"}}, '
+                               '"required": ["a"], "additionalProperties": false}')
+    prompt = [4, 5, 7, 9, 3, 9, 10, 12, 9, 15, 16, 17, 9, 8, 12, 4]  # holds {"a": "xyz"}: tails to copy
+    for grammar, has_drafts in ((("regex", "axyz"), False), (json_key, True)):
+        e = engine(tiny, (1,), True)
+        planner = e.speculator.adaptive = AdaptiveSpeculation(AdaptiveConfig(
+            max_draft_tokens=8, prior_acceptance=0.5, verify_cost={1: 1.0, 64: 1.0}))
+        planner.forget = lambda request_id: None  # keep the estimate past the request's end
+        request = e.add_request(prompt, SamplingParams(temperature=0, max_tokens=12),
+                                grammar=compiler((1,)).compile(GrammarSpec(*grammar)).matcher())
+        while e.has_unfinished_requests():
+            e.step()
+        stats, sources = e.speculator.stats, request.token_sources
+        assert stats.num_accepted_tokens == request.num_accepted_tokens == sources.count("draft"), grammar
+        assert stats.num_forced_tokens_accepted == sources.count("forced") > 0
+        assert stats.num_draft_tokens == request.num_draft_tokens
+        if has_drafts:  # the n-gram tail after the forced key: judged on its own
+            assert 0 < stats.num_draft_tokens and stats.num_accepted_tokens < stats.num_draft_tokens
+            assert stats.acceptance_rate == stats.num_accepted_tokens / stats.num_draft_tokens < 1.0
+            # an EMA stays within its inputs: the prior's 1.0 and each step's accepted drafts (a
+            # forced span of several tokens counted in would push it past them)
+            assert planner.mean_accepted(request.request_id) <= max(1.0, stats.num_accepted_tokens)
+        else:  # only forced spans: no draft was offered, and the planner learnt nothing
+            assert stats.num_draft_tokens == stats.num_accepted_tokens == stats.acceptance_rate == 0
+            assert stats.num_steps == 0 and stats.mean_accepted_length == 0
+            assert planner.acceptance_rate(request.request_id) == 0.5

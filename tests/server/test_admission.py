@@ -138,6 +138,11 @@ def test_request_not_started_in_time_is_a_429_and_the_server_goes_on(make_tiny_s
         assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error"], events
         assert events[-1]["status"] == 429 and events[-1]["error"]["retry_after"] == 2.0
     parked.join(30)
+    # each was accepted and then shed: a miss in attainment, not a request nobody judged
+    _, raw = request(server, "GET", "/metrics")
+    lines = raw.decode().splitlines()
+    assert 'prescient_request_outcomes_total{outcome="expired"} 3.0' in lines, raw
+    assert "prescient_slo_requests_met_total 0.0" in lines and "prescient_slo_attainment_ratio 0.0" in lines
     still_serving(server)
 
 

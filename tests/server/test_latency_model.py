@@ -39,7 +39,7 @@ class StandInEngine:
     def __init__(self):
         self.queues: dict[str, asyncio.Queue] = {}
 
-    def submit(self, prompt_ids, params, request_id, session_id, grammar):
+    def submit(self, prompt_ids, params, request_id, session_id, grammar, arrival_time=None):
         self.queues[request_id] = asyncio.Queue()
         return self.queues[request_id]
 
@@ -133,3 +133,22 @@ def test_metrics_and_reports_compute_the_same_latencies():
         assert load[key] == pytest.approx(summary[key]), key
     assert load["slo_attainment"] == summary["slo_attainment"]
     assert load["slo_attainment_by_slo"] == summary["slo_attainment_by_slo"]
+
+
+def test_metrics_break_each_step_down_by_phase(make_tiny_server):
+    """/metrics says where step time goes (schedule, draft, mask, forward, sample, commit)."""
+    import http.client
+    import json as _json
+
+    server = make_tiny_server()
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=_json.dumps(
+        {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}),
+        headers={"content-type": "application/json"})
+    assert conn.getresponse().read()
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    for phase in ("schedule", "draft", "mask", "forward", "sample", "commit"):
+        line = next(l for l in text.splitlines() if l.startswith(f'prescient_step_phase_seconds_count{{phase="{phase}"}}'))
+        assert float(line.split()[-1]) >= 1, line

@@ -81,7 +81,7 @@ class Replay:
     def __init__(self, steps: list[str], finish_reason: str):
         self.steps, self.finish_reason = steps, finish_reason
 
-    def submit(self, prompt, params, request_id, session_id=None, grammar=None) -> asyncio.Queue:
+    def submit(self, prompt, params, request_id, session_id=None, grammar=None, arrival_time=None) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue()
         at = 0
         for i, step in enumerate(self.steps):

@@ -127,6 +127,22 @@ def test_steps_without_drafts_are_ignored_and_forget_resets():
     assert controller.acceptance_rate("r") == 0.5
 
 
+def test_forced_span_is_not_judged_as_drafts():
+    """A grammar-forced span is accepted by construction: the estimate judges the drafts below it."""
+    controller = AdaptiveSpeculation()
+    for _ in range(5):
+        controller.observe("span", outcome(4, 4), forced=4)  # only the span: no information
+    assert controller.acceptance_rate("span") == 0.5
+    for _ in range(5):
+        controller.observe("tail", outcome(6, 4), forced=4)  # span accepted, both drafts below rejected
+    same = AdaptiveSpeculation()
+    for _ in range(5):
+        same.observe("tail", outcome(2, 0))  # what the drafts alone say
+    assert controller.acceptance_rate("tail") == pytest.approx(same.acceptance_rate("tail"))
+    assert controller.acceptance_rate("tail") < 0.2  # counting the span in, it would near 4 / 5
+    assert controller.mean_accepted("tail") == pytest.approx(same.mean_accepted("tail"))
+
+
 @pytest.mark.parametrize(
     "overrides", [dict(max_draft_tokens=-1), dict(ema_decay=1.0), dict(prior_acceptance=1.5), dict(probe_interval=0)]
 )

@@ -1,0 +1,152 @@
+"""The load benchmark end to end in seconds: `prescient bench --load` against a tiny live server (in a
+thread, standing in for `prescient serve`) with the long-prompt injector on, the peer reported as not
+run, and a report whose numbers agree with each other; and pd_bench's through-the-server rep on the
+same server. Never the machine's speed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import pytest
+
+from prescient.latency_bench import load_bench
+from prescient.latency_bench.agent_http import ChatHTTPTransport
+from prescient.latency_bench.pd_server import prefill_gaps, run_once, summarize
+from prescient.latency_bench.workloads import load_workloads, long_prompt
+from prescient.runtime.slo import RequestTrace
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir):
+    from prescient.build import EngineSpec, build_engine
+    from prescient.runtime.config import CacheConfig, SchedulerConfig
+    from prescient.runtime.engine import EngineConfig
+    from prescient.server.context import ServerConfig
+    from tests.server.live import LiveServer
+
+    config = EngineConfig(dtype="float32", cache=CacheConfig(num_blocks=1024),
+                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048))
+    spec = EngineSpec(model=str(tiny_chat_model_dir), dtype="float32", speculate="off", progress=False)
+    live = LiveServer(build_engine(spec, config=config), ServerConfig(model_name="tiny"))
+    yield live
+    live.stop()
+
+
+def short_workloads(path):
+    """One short prompt per kind (8 tokens out): the test checks the report, not the workloads' figures."""
+    rows = [{"workload": kind, "max_tokens": 8, "messages": [{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": text}]}
+            for kind, text in (("chat", "What is a hash table?"), ("tool_call", "Weather in Paris?"),
+                               ("long_edit", "Return [1, 2, 3] with every item increased by 1."))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+class _InThread:
+    """The live server where load_bench expects a `PrescientServer` (url, name, cpu_seconds, stop)."""
+
+    def __init__(self, live):
+        self.url, self.name = live.url, "tiny LiveServer"
+
+    def cpu_seconds(self) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        pass  # the module fixture owns it
+
+
+def test_bench_load_runs_the_clients_and_the_injector_into_a_consistent_report(server, tiny_chat_model_dir,
+                                                                               tmp_path, monkeypatch):
+    from prescient.cli import main
+
+    monkeypatch.setattr(load_bench, "PrescientServer", lambda *a, **k: _InThread(server))
+    monkeypatch.setattr(load_bench, "model_tokenizer", lambda model: server.engine.tokenizer)
+    out = tmp_path / "out"
+    # the tiny model is a Hugging Face folder: llama.cpp cannot load it, so the peer is not run, named,
+    # whether or not llama-cpp-python is installed here
+    assert main(["bench", "--load", "--quick", "--model", str(tiny_chat_model_dir), "--workloads",
+                 str(short_workloads(tmp_path / "w.jsonl")), "--concurrency", "1,3", "--duration", "1.6",
+                 "--inject-period", "0.6", "--long-tokens", "200", "--drain", "30", "--out", str(out),
+                 "--no-progress"]) == 0
+
+    report = json.loads((out / "load_report.json").read_text())
+    assert set(report["not_run"]) == {"llamacpp"} and report["not_run"]["llamacpp"]
+    assert list(report["systems"]) == ["prescient"]
+    assert report["long_prompt"]["sized_by"] == "tokenizer" and 150 <= report["long_prompt"]["tokens"] <= 250
+    assert [(r["system"], r["clients"]) for r in report["phases"]] == [("prescient", 1), ("prescient", 3)]
+    for r in report["phases"]:
+        assert r["num_failed"] == 0 and r["num_unfinished"] == 0 and r["errors"] == []
+        assert r["num_requests"] == r["num_finished"] + r["num_failed"] + r["num_unfinished"] >= r["clients"]
+        assert 0 <= r["num_met_slo"] <= r["num_requests"]
+        assert r["slo_attainment"] == pytest.approx(r["num_met_slo"] / r["num_requests"])
+        assert all(r["slo_met_by_objective"][k] >= r["num_met_slo"] for k in ("ttft", "itl_emission"))
+        assert sum(k["num_finished"] for k in r["by_kind"].values()) == r["num_finished"]
+        assert r["ttft_s"]["count"] == r["num_finished"]
+        itl = r["itl_emission_s"]
+        assert itl["count"] > 0 and itl["max"] >= itl["p99"] >= itl["p50"] > 0
+        assert r["ttft_s"]["max"] >= r["ttft_s"]["p99"] >= r["ttft_s"]["p50"] > 0
+        assert 0 <= r["goodput_per_min"] <= r["throughput_per_min"]
+        # sent at 0.3, 0.9 and 1.5 s into a 1.6 s phase, each answered, each a TTFT apart
+        long = r["long"]
+        assert long["num_sent"] == long["num_finished"] == long["ttft_s"]["count"] == 3
+        assert sorted(x["sent_at_s"] for x in long["runs"]) == pytest.approx([0.3, 0.9, 1.5], abs=0.25)
+        samples = report["samples"]["prescient"][str(r["clients"])]
+        assert len(samples["itl_emission_s"]) == itl["count"] and len(samples["ttft_s"]) == r["num_finished"]
+    assert {t["clients"] for t in report["targets"]} == {1}  # N = 8 was not run: no verdict for it
+    md = (out / "load_report.md").read_text()
+    assert "| system | N | requests in SLO |" in md and "llamacpp**: not run" in md
+    assert report["plots"] == ["load_itl_cdf.png", "load_ttft_cdf.png"]
+    assert all((out / p).stat().st_size > 0 for p in report["plots"])
+    state = server.wait_until(lambda s: s["requests"] == 0)
+    assert state["requests"] == 0 and state["running"] == 0  # every stream ended on the server too
+
+
+def test_load_flags_make_the_config_and_every_flag_states_its_default():
+    cfg = load_bench.config_from_args(load_bench._parser().parse_args(
+        ["--quick", "--no-peers", "--concurrency", "2,4", "--inject-period", "0", "--duration", "5"]))
+    assert cfg.systems == ("prescient",) and cfg.concurrencies == (2, 4) and cfg.duration_s == 5
+    assert cfg.inject_period_s is None and cfg.quick
+    full = load_bench.config_from_args(load_bench._parser().parse_args([]))
+    assert full.concurrencies == (1, 4, 8, 16) and full.systems == load_bench.SYSTEMS
+    parser = load_bench._parser()
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            text = parser._get_formatter()._expand_help(action)
+            assert "default" in text or action.default is False, action.option_strings
+    from prescient.latency_bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit):  # a suite flag anywhere but first is refused, not half-read
+        bench_main(["--quick", "--load"])
+
+
+def test_pd_server_rep_measures_the_decodes_gaps_while_the_long_prompt_waits(server):
+    workloads, _ = load_workloads()
+    chats = [list(w.messages) for w in workloads[:2]]
+    long_messages = long_prompt(workloads, 200, server.engine.tokenizer)
+
+    async def go():
+        transport = ChatHTTPTransport(server.url, "hermes", 64)
+        try:
+            return await run_once(transport, chats, long_messages, 64, "t")
+        finally:
+            await transport.aclose()
+
+    r = asyncio.run(go())
+    assert r["ttft_s"] > 0 and r["alone_ttft_s"] > 0 and all(g > 0 for g in r["gaps_s"])
+    s = summarize([r, r])
+    assert s["gaps"] == 2 * len(r["gaps_s"])
+    if s["gaps"]:
+        assert s["itl_max_ms"] >= s["itl_p99_ms"] >= s["itl_p50_ms"]
+    assert s["long_ttft_ratio"] == pytest.approx(r["ttft_s"] / r["alone_ttft_s"], rel=1e-2)
+    state = server.wait_until(lambda st: st["requests"] == 0)
+    assert state["requests"] == 0  # the stopped decodes were ended by the server
+
+
+def test_prefill_gaps_are_the_gaps_overlapping_the_long_prompts_wait():
+    trace = RequestTrace("d", 0.0)
+    for t in (1.0, 2.0, 3.0, 4.5, 6.0):
+        trace.add_emission(t, 1)
+    # waiting from 2.5 to 4.0: the gap 2.0-3.0 (overlaps its start) and 3.0-4.5 (its end), not 1.0-2.0 or 4.5-6.0
+    assert prefill_gaps([trace], 2.5, 4.0) == pytest.approx([1.0, 1.5])
