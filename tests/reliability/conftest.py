@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.server.conftest import make_tiny_server, smol_tokenizer_dir, tiny_model_dir  # noqa: F401 (fixtures)
+from tests.server.conftest import make_tiny_server, smol_tokenizer_dir, tiny, tiny_model_dir  # noqa: F401 (fixtures)
 
 
 class Canary:

