@@ -168,6 +168,7 @@ def test_tool_choice_is_echoed_normalized(tiny):
             return await until_terminal(ws)
 
     events = run(go())
+    assert events[0]["type"] == "response.created", events
     assert events[0]["response"]["tool_choice"] == {"type": "function", "name": "f"}
     assert all(len(json.dumps(e)) < 5_000 for e in events)
 
