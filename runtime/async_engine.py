@@ -157,7 +157,6 @@ class AsyncEngine:
                 continue
             t0 = time.perf_counter()
             steps = self.engine.num_steps
-            self.engine.in_step = []
             try:
                 outputs = self.engine.step()
             except Exception:  # keep serving: fail the in-flight requests, not the process

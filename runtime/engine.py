@@ -195,6 +195,7 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        self.in_step = []
         self.sessions.expire()
         failed = self._expire_waiting()
         if self.remote_prefill is not None:
@@ -246,7 +247,7 @@ class Engine:
                 one = self.speculator.propose([seq])
             except Exception as e:
                 seqs.remove(seq)
-                failed.append(self._fail_request(seq.request, _cause("drafting", e)))
+                failed.append(self._fail_request(seq.request, *_cause("drafting", e)))
                 continue
             trees += one.trees
             forced += one.forced
@@ -258,7 +259,7 @@ class Engine:
         trees, masks, bad = self.grammar_step.prepare(seqs, drafts.trees)
         if bad:
             for i in sorted(bad, reverse=True):
-                failed.append(self._fail_request(seqs[i].request, _cause("masking", bad[i])))
+                failed.append(self._fail_request(seqs[i].request, *_cause("masking", bad[i])))
                 del seqs[i], trees[i], drafts.forced[i]
         return trees, masks
 
@@ -285,7 +286,7 @@ class Engine:
             for seq in seqs:
                 seq.request.spec_budget = 0
         for i, e in bad.items():
-            failed.append(self._fail_request(seqs[i].request, _cause("sampling", e)))
+            failed.append(self._fail_request(seqs[i].request, *_cause("sampling", e)))
         keep = [i for i in range(len(seqs)) if i not in bad]
         if clock is not None:
             clock.lap("sample")
@@ -353,10 +354,9 @@ class Engine:
                 out.ttft_split = None if timing is None else timing.as_dict()
         return outputs + outs
 
-    def _fail_request(self, request: Request, message: str | tuple[str, str | None]) -> RequestOutput:
+    def _fail_request(self, request: Request, text: str, error_type: str | None = None) -> RequestOutput:
         """End one request with an error output (its blocks released); the others go on.
-        `message`: text, or (text, error_type) as `_cause` makes it."""
-        text, error_type = message if isinstance(message, tuple) else (message, None)
+        error_type "invalid_request": its own input cannot go on (a 4xx); None: a server fault."""
         self.requests.pop(request.request_id, None)
         request.finish_reason = "error"
         request.finished_time = time.perf_counter()
@@ -394,7 +394,7 @@ class Engine:
                 resolve_matcher(request)
             except Exception as e:  # GrammarError, compile errors: this request only
                 seqs.remove(seq)
-                failed.append(self._fail_request(request, (str(e), "invalid_request")))
+                failed.append(self._fail_request(request, str(e), "invalid_request"))
         return failed
 
     def _sample_one(self, seq, row_logits: torch.Tensor) -> SeqResult:
@@ -422,7 +422,7 @@ class Engine:
             try:
                 out = self._commit_one(seq, result, span, now)
             except Exception as e:  # its grammar refused a token, its detokenizer failed...: its alone
-                outputs.append(self._fail_request(seq.request, _cause("committing", e)))
+                outputs.append(self._fail_request(seq.request, *_cause("committing", e)))
                 continue
             if out is not None:
                 outputs.append(out)

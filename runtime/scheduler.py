@@ -68,6 +68,8 @@ class Scheduler:
         (session pins); it returns False when it has nothing left to give. `cost`: the step cost
         model the time budget is read from (the engine refits it); None: token budgets only.
         `layer_split`: whether the model can run a chunk's layers over several steps."""
+        if config.prefill_unit <= BATCH_INVARIANT_M:  # its chunks would run on the small-M path
+            raise ValueError(f"prefill_unit must be > {BATCH_INVARIANT_M}, got {config.prefill_unit}")
         self.config = config
         self.cost = cost
         self.num_layers = num_layers

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prescient.runtime.linear import BATCH_INVARIANT_M
+
 
 class RecursiveLeastSquares:
     """theta minimising sum_t lambda^(T-t) (y_t - x_t . theta)^2, updated one sample at a time."""
@@ -61,9 +63,10 @@ class StepShape:
 
     decode_rows: int = 0  # decode / verify rows (tree nodes) and short chunks on the small-M path
     decode_ctx: float = 0.0  # their mean context length
-    prefill_tokens: float = 0  # tokens of prefill chunks (the GEMM path), weighted by the layers they run
+    # tokens of prefill chunks (the GEMM path), each weighted by the fraction of the layers it
+    # runs this step (a chunk split by layers): token-equivalents of a whole forward
+    prefill_tokens: float = 0
     prefill_ctx: float = 0.0  # the chunks' mean context at their middle
-    prefill_layer_frac: float = 0.0  # the fraction of the model's layers those chunks run this step
 
 
 class StepCostModel:
@@ -83,8 +86,8 @@ class StepCostModel:
         return [1.0, shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
 
     @staticmethod
-    def _prefill_x(tokens: float, ctx: float, frac: float) -> list[float]:
-        return [frac * tokens, frac * tokens * ctx / 1000]
+    def _prefill_x(tokens: float, ctx: float) -> list[float]:
+        return [tokens, tokens * ctx / 1000]
 
     def decode_seconds(self, rows: int, ctx: float) -> float:
         floor = self.DECODE_PRIOR[0] * 0.1
@@ -95,12 +98,12 @@ class StepCostModel:
         if tokens <= 0 or frac <= 0:
             return 0.0
         per_token = max(self.PREFILL_PRIOR[0] * 0.02,
-                        self.prefill.predict(self._prefill_x(1.0, ctx, 1.0)))
+                        self.prefill.predict(self._prefill_x(1.0, ctx)))
         return per_token * tokens * frac
 
     def predict(self, shape: StepShape) -> float:
         return (self.decode_seconds(shape.decode_rows, shape.decode_ctx)
-                + self.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx, shape.prefill_layer_frac))
+                + self.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         if not np.isfinite(seconds) or seconds <= 0:
@@ -108,15 +111,15 @@ class StepCostModel:
         # one outlier (a page fault storm, a descheduled thread) moves the fit at most 3x: a
         # machine that really got slower is followed within a few steps all the same
         seconds = min(seconds, 3 * self.predict(shape) + 0.02)
-        if shape.prefill_tokens and shape.prefill_layer_frac > 0:
+        if shape.prefill_tokens > 0:
             rest = seconds - self.decode_seconds(shape.decode_rows, shape.decode_ctx)
-            self.prefill.update(self._prefill_x(shape.prefill_tokens, shape.prefill_ctx, shape.prefill_layer_frac),
+            self.prefill.update(self._prefill_x(shape.prefill_tokens, shape.prefill_ctx),
                                 max(rest, 0.0))
         elif shape.decode_rows:
             self.decode.update(self._decode_x(shape), seconds)
 
 
-def step_shape(seqs, num_layers: int, small_m: int = 64) -> StepShape:
+def step_shape(seqs, num_layers: int, small_m: int = BATCH_INVARIANT_M) -> StepShape:
     """The StepShape of a scheduled step (ScheduledSeqs): decode rows with their draft slots
     and chunks of at most `small_m` tokens on the small-M path, longer chunks by the fraction of
     layers they run."""
@@ -137,5 +140,4 @@ def step_shape(seqs, num_layers: int, small_m: int = 64) -> StepShape:
         shape.decode_ctx = dctx / shape.decode_rows
     if shape.prefill_tokens:
         shape.prefill_ctx = pctx / shape.prefill_tokens
-        shape.prefill_layer_frac = 1.0
     return shape

@@ -192,9 +192,9 @@ def test_the_cost_model_learns_this_machine_from_its_own_steps():
         decode = StepShape(rows, ctx)
         model.observe(decode, truth(decode))
         tokens = float(torch.randint(4, 40, (1,), generator=g))
-        mixed = StepShape(rows, ctx, tokens, ctx, 1.0)
+        mixed = StepShape(rows, ctx, tokens, ctx)
         model.observe(mixed, truth(mixed))
-    for shape in (StepShape(4, 800), StepShape(2, 500, 32, 900, 1.0), StepShape(8, 1500, 10, 1500, 1.0)):
+    for shape in (StepShape(4, 800), StepShape(2, 500, 32, 900), StepShape(8, 1500, 10, 1500)):
         assert abs(model.predict(shape) / truth(shape) - 1) < 0.1, shape
     before = model.predict(StepShape(4, 800))
     model.observe(StepShape(4, 800), 5.0)  # a 5 s hiccup
