@@ -15,16 +15,14 @@ start with the pool and are kept; when every worker is busy, a new one starts, u
 `max_workers` (more idle ones end after IDLE_EXIT_S), so a light grammar queued behind heavy
 compiles waits about a worker's start rather than for them. A result comes back in xgrammar's
 serialized form: median ~100 KB of JSON, deserialized here in ~1 ms (without the GIL); the
-slowest schemas' run to 25-95 MB, ~0.6 s.
+slowest schemas' run to 25-95 MB, ~0.6 s. The worker's side of the socket is compile_worker.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import queue
-import signal
 import socket
 import subprocess
 import sys
@@ -198,7 +196,7 @@ class CompilePool:
                 # nice before the imports: starting a worker is ~2.5 s of CPU the engine comes first for
                 proc = subprocess.Popen(
                     [sys.executable, "-c", "import os, sys; os.nice(int(sys.argv[2])); "
-                     "from prescient.grammar.compile_pool import worker_main; worker_main(int(sys.argv[1]))",
+                     "from prescient.grammar.compile_worker import worker_main; worker_main(int(sys.argv[1]))",
                      str(theirs.fileno()), str(self._config.nice)],
                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
             self._procs.add(proc)
@@ -229,41 +227,3 @@ class CompilePool:
 
 def _time_limit(limit_s: float) -> GrammarError:
     return GrammarError(f"grammar compile exceeded the {limit_s:g} s time limit", feature="time_limit")
-
-
-def worker_main(fd: int) -> None:
-    """A worker process: compile what arrives on socket `fd` until it closes."""
-    from prescient.grammar.compiler import CompilerConfig, GrammarCompiler
-    from prescient.grammar.tokenizer import GrammarTokenizer
-
-    conn = Connection(fd)
-    try:
-        tokenizer_info_json, stop_token_ids, config_fields = conn.recv()
-    except (EOFError, OSError):  # the pool closed before this worker was up
-        return
-    with contextlib.suppress(OSError):  # if memory runs out, the kernel should pick this process
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    with contextlib.suppress(Exception):  # Linux: die with the server, even mid-compile
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_info_json)
-    compiler = GrammarCompiler(GrammarTokenizer(info, _no_encode, tuple(stop_token_ids)),
-                               CompilerConfig(**config_fields))
-    conn.send("ready")
-    while True:
-        try:
-            kind, source = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            compiled = compiler.build(GrammarSpec(kind, source))
-            reply = ("ok", compiled.handle.serialize_json(), compiled.compile_s, compiled.forced_spans)
-        except GrammarError as err:
-            reply = ("error", str(err), err.feature)
-        except Exception as err:  # a bug: refuse this grammar, keep the worker
-            reply = ("error", f"grammar compile failed: {type(err).__name__}: {err}", "compile")
-        conn.send(reply)
-
-
-def _no_encode(text: str) -> list[int]:
-    raise RuntimeError("a compile worker does not tokenize")

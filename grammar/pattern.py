@@ -12,13 +12,13 @@ and the ISO-8601 duration pattern accepts "P8". Its regex-to-EBNF converter (the
 3. its rules, renamed, replace the placeholder's `Regex(...)` element.
 
 A pattern with nested repetition (`([a-z]+ ?)*`) is written as its minimal DFA instead of
-through `Grammar.from_regex` (regex_dfa.py: the converter's form takes time growing with the
+through `Grammar.from_regex` (regex/dfa.py: the converter's form takes time growing with the
 string to match).
 
-Shorthand classes (`\\d \\w \\s`, complements) match what ECMA-262 and Python's `re` both put in
-them (class_dialects.py), so an output passes a validator of either dialect.
-
-The rewrite emits the canonical JSON escape for each character (`\\n`, not `\\u000a`), which
+Classes and escapes are read by grammar/regex/ (classes.py), the one reading every pattern rule
+shares: shorthands (`\\d \\w \\s`, complements) match what ECMA-262 and Python's `re` both put in
+them (regex/dialects.py), so an output passes a validator of either dialect. The rewrite emits
+the canonical JSON escape for each character (regex/json_escape.py: `\\n`, not `\\u000a`), which
 is stricter than JSON and still valid.
 """
 
@@ -30,16 +30,16 @@ from typing import Any, Callable
 
 import xgrammar as xgr
 
-from prescient.grammar.class_dialects import shorthand
 from prescient.grammar.errors import GrammarError
-from prescient.grammar.regex_dfa import dfa_ebnf
+from prescient.grammar.regex.anchors import strip_anchors
+from prescient.grammar.regex.charset import LINE_TERMINATORS, complement, intersect, normalize, subtract
+from prescient.grammar.regex.classes import read_class, read_escape
+from prescient.grammar.regex.dfa import dfa_ebnf
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.json_escape import UNSAFE, escape_text
+from prescient.grammar.regex.parser import Parser
 from prescient.grammar.schema.nodes import VALUE_KEYS
 
-_MAX_CHAR = 0x10FFFF
-_UNSAFE = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # must be escaped inside a JSON string
-_SHORT_ESCAPES = {0x08: "b", 0x09: "t", 0x0A: "n", 0x0C: "f", 0x0D: "r", 0x22: '"', 0x5C: "\\"}
-_CHAR_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "0": 0x00}
-_LINE_TERMINATORS = [(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]
 _PLACEHOLDER = "prescientpattern{}x"
 _PLACEHOLDER_RE = re.compile(r'Regex\("prescientpattern(\d+)x", json_string=true\)')
 _RULE_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$")
@@ -60,7 +60,7 @@ def schema_ebnf_with_patterns(schema: Any, to_ebnf: Callable[[str], str]) -> str
     rules = []
     for i, pattern in enumerate(patterns):
         regex = json_text_regex(pattern)  # also refuses what the engine cannot read exactly
-        # nested repetition matches in time that grows with the string: a DFA instead (regex_dfa.py)
+        # nested repetition matches in time that grows with the string: a DFA instead (regex/dfa.py)
         regex_ebnf = dfa_ebnf(pattern) or str(xgr.Grammar.from_regex(regex))
         rules.append(_renamed_rules(regex_ebnf, f"prescient_pattern_{i}_"))
     ebnf = _PLACEHOLDER_RE.sub(lambda m: f"prescient_pattern_{m.group(1)}_root", ebnf)
@@ -170,12 +170,9 @@ def check_pattern(pattern: Any, path: str = "#") -> None:
                                path=path)
         i += 1
     if "^" in pattern or "$" in pattern:  # an end anchor in a repeated group: `(^a|b)*` is no no-op
-        from prescient.grammar.schema.merge import Unmergeable
-        from prescient.grammar.schema.regex_length import _Parser, _strip_anchors
-
         try:
-            _strip_anchors(_Parser(pattern).parse(), True, True)
-        except Unmergeable as err:
+            strip_anchors(Parser(pattern).parse(), True, True)
+        except RegexUnsupported as err:
             if "inside the pattern" in str(err):
                 raise GrammarError(f"anchor inside a repeated part of pattern {pattern!r} is not "
                                    "supported (xgrammar would ignore it)", feature="pattern:anchor",
@@ -211,7 +208,7 @@ class _Rewriter:
                 out.append(_emit_set(self._class()))
             elif c == ".":
                 self.i += 1
-                out.append(_emit_set(_complement(_LINE_TERMINATORS)))
+                out.append(_emit_set(complement(LINE_TERMINATORS)))
             elif c == "(":
                 out.append(self._group_open())
             elif c in "^$":
@@ -243,106 +240,19 @@ class _Rewriter:
         return "("
 
     def _escape_outside_class(self) -> str:
-        ranges = self._escape()
+        ranges, self.i = self._read(read_escape, self.p, self.i)
         return _emit_set(ranges)
 
-    def _escape(self, over: bool = False) -> list[tuple[int, int]]:
-        """Parse `\\x...` at self.i; return the character set it matches (a shorthand class as
-        both regex dialects read it, or with `over` either: class_dialects.py)."""
-        if self.i + 1 >= len(self.p):
-            raise self.fail("trailing backslash")
-        c = self.p[self.i + 1]
-        self.i += 2
-        if c in "dDwWsS":
-            return shorthand(c, over)
-        if c in _CHAR_ESCAPES:
-            return [(_CHAR_ESCAPES[c], _CHAR_ESCAPES[c])]
-        if c in "xu":
-            width = 2 if c == "x" else 4
-            digits = self.p[self.i : self.i + width]
-            if len(digits) != width or not all(d in "0123456789abcdefABCDEF" for d in digits):
-                raise self.fail(f"'\\{c}' escape")
-            self.i += width
-            code = int(digits, 16)
-            return [(code, code)]
-        if c.isalnum():
-            raise self.fail(f"'\\{c}' escape")  # \b \B \p \1 \c ...: not a plain character
-        return [(ord(c), ord(c))]
-
     def _class(self) -> list[tuple[int, int]]:
-        self.i += 1
-        negated = self.p.startswith("^", self.i)
-        self.i += negated
-        ranges: list[tuple[int, int]] = []
-        first = True
-        while True:
-            if self.i >= len(self.p):
-                raise self.fail("unterminated character class")
-            if self.p[self.i] == "]" and not first:
-                self.i += 1
-                break
-            first = False
-            atom = self._class_atom(over=negated)
-            single = len(atom) == 1 and atom[0][0] == atom[0][1]
-            if (single and self.p.startswith("-", self.i) and self.i + 1 < len(self.p)
-                    and self.p[self.i + 1] != "]"):
-                self.i += 1
-                high = self._class_atom(over=negated)
-                if len(high) != 1 or high[0][0] != high[0][1] or high[0][0] < atom[0][0]:
-                    raise self.fail("character class range")
-                ranges.append((atom[0][0], high[0][0]))
-            else:
-                ranges += atom
-        return _complement(ranges) if negated else _normalize(ranges)
+        ranges, self.i = self._read(read_class, self.p, self.i)
+        return ranges
 
-    def _class_atom(self, over: bool = False) -> list[tuple[int, int]]:
-        c = self.p[self.i]
-        if c != "\\":
-            self.i += 1
-            return [(ord(c), ord(c))]
-        if self.p.startswith("\\b", self.i):
-            self.i += 2
-            return [(0x08, 0x08)]  # [\b] is backspace
-        return self._escape(over)
-
-
-def _normalize(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for low, high in sorted(ranges):
-        if out and low <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], high))
-        else:
-            out.append((low, high))
-    return out
-
-
-def _complement(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for low, high in _normalize(ranges):
-        if low > start:
-            out.append((start, low - 1))
-        start = high + 1
-    if start <= _MAX_CHAR:
-        out.append((start, _MAX_CHAR))
-    return out
-
-
-def _subtract(ranges, remove):
-    return _intersect(ranges, _complement(remove))
-
-
-def _intersect(a, b):
-    out, i, j = [], 0, 0
-    a, b = _normalize(a), _normalize(b)
-    while i < len(a) and j < len(b):
-        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if low <= high:
-            out.append((low, high))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+    def _read(self, reader, *args):
+        """A grammar/regex/classes.py reader; what it does not read is refused."""
+        try:
+            return reader(*args)
+        except RegexUnsupported as err:
+            raise self.fail(str(err)) from None
 
 
 def _class_char(code: int) -> str:
@@ -356,9 +266,9 @@ def _class_char(code: int) -> str:
 
 def _emit_set(ranges: list[tuple[int, int]]) -> str:
     """A regex over JSON text matching one character of `ranges`, escaped as JSON requires."""
-    ranges = _normalize(ranges)
-    safe = _subtract(ranges, _UNSAFE)
-    escapes = [code for low, high in _intersect(ranges, _UNSAFE) for code in range(low, high + 1)]
+    ranges = normalize(ranges)
+    safe = subtract(ranges, UNSAFE)
+    escapes = [code for low, high in intersect(ranges, UNSAFE) for code in range(low, high + 1)]
     parts = []
     if safe:
         parts.append(_emit_class(safe))
@@ -374,7 +284,7 @@ def _emit_class(safe: list[tuple[int, int]]) -> str:
     if len(safe) == 1 and safe[0][0] == safe[0][1]:
         return _emit_char(safe[0][0])
     # A set covering most of Unicode is shorter as a negated class.
-    excluded = _complement(safe)
+    excluded = complement(safe)
     if len(excluded) < len(safe):
         return "[^" + "".join(_emit_range(r) for r in excluded) + "]"
     return "[" + "".join(_emit_range(r) for r in safe) + "]"
@@ -386,7 +296,7 @@ def _emit_range(r: tuple[int, int]) -> str:
 
 
 def _emit_char(code: int) -> str:
-    if any(low <= code <= high for low, high in _UNSAFE):
+    if any(low <= code <= high for low, high in UNSAFE):
         return f"(?:{_json_escape_regex(code)})"  # grouped, as in _emit_set
     ch = chr(code)
     if ch in "\\.^$|?*+()[]{}/":
@@ -398,6 +308,4 @@ def _emit_char(code: int) -> str:
 
 def _json_escape_regex(code: int) -> str:
     """Regex for the JSON escape of a character that must be escaped: `\\"`, `\\n`, `\\u0001`."""
-    short = _SHORT_ESCAPES.get(code)
-    text = "\\" + short if short else f"\\u{code:04x}"
-    return "".join("\\" + ch if ch in '\\"' else ch for ch in text)
+    return "".join("\\" + ch if ch in '\\"' else ch for ch in escape_text(code))

@@ -6,8 +6,9 @@ k draft tokens the expected output of a step is E(k) = 1 + a + a^2 + ... + a^k (
 an i.i.d. acceptance model: (1 - a^(k+1)) / (1 - a) in Leviathan et al. 2023), so the j-th
 draft token adds a^j. A forward over T tokens costs `verify_cost(T)` relative to a 1-token step
 (measured by the engine at a short and a long context and interpolated by the batch's longest
-context, since a draft's attention cost grows with it; piecewise linear between measured points). The plan maximises the
-batch's expected tokens per unit cost:
+context, since a draft's attention cost grows with it; between and past the measured sizes as
+verify_cost.CostModel reads every table). The plan maximises the batch's expected tokens per
+unit cost:
 
     max over m of (num_requests + sum of the m largest marginal gains) / verify_cost(T0 + m)
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from prescient.speculative.verify import RECOVERED, VerifyOutcome
+from prescient.speculative.verify_cost import CostModel
 
 DEFAULT_VERIFY_COST = {1: 1.0, 4: 1.1, 8: 1.25, 16: 1.5}
 
@@ -58,30 +60,6 @@ class AdaptiveConfig:
         if self.probe_interval < 1 or self.probe_tokens < 0:
             raise ValueError("probe_interval must be >= 1 and probe_tokens >= 0")
         CostModel(self.verify_cost)  # validates the table
-
-
-class CostModel:
-    """verify_cost(num_tokens): piecewise linear through a measured table, extended past its
-    ends with the slope of the nearest segment (a flat line for a one-point table)."""
-
-    def __init__(self, table: Mapping[int, float]) -> None:
-        points = sorted((int(k), float(v)) for k, v in table.items())
-        if not points or points[0][0] < 1 or any(v <= 0 for _, v in points):
-            raise ValueError(f"verify_cost needs token counts >= 1 with positive costs, got {dict(table)}")
-        if len(points) == 1:
-            points.append((points[0][0] + 1, points[0][1]))
-        self._num_tokens = np.array([k for k, _ in points], dtype=np.float64)
-        self._costs = np.array([v for _, v in points], dtype=np.float64)
-
-    def __call__(self, num_tokens: int) -> float:
-        return float(self.many(np.array([num_tokens]))[0])
-
-    def many(self, num_tokens: np.ndarray) -> np.ndarray:  # [n] -> [n] float64
-        xs, ys = self._num_tokens, self._costs
-        # right end of the segment holding each count; the first / last segment outside the table
-        right = np.clip(np.searchsorted(xs, num_tokens), 1, len(xs) - 1)
-        x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
-        return np.maximum(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-9)
 
 
 @dataclass

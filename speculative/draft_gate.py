@@ -4,7 +4,8 @@ The rule. A chain of k draft tokens, each accepted with probability `a` given it
 (the i.i.d. model adaptive.py plans with), yields E(k) = 1 + a + ... + a^k tokens per step. The
 speculator's cost table T (verify_cost.Calibration with the draft: T(t) = the target's t-token
 verify forward plus the t - 1 draft forwards that chained the draft, both relative to one plain
-target step, at the short context) makes that step cost T(k + 1) plain steps. So
+target step, at the short context; between and past its sizes as verify_cost.CostModel reads
+every table) makes that step cost T(k + 1) plain steps. So
 
     speedup(k) = E(k) / T(k + 1),    best = max over k in 1..max_depth of speedup(k)
 
@@ -33,6 +34,7 @@ import torch
 
 from prescient.cache_dir import cache_dir
 from prescient.runtime.batch import SeqRows, pack_forward_batch
+from prescient.speculative.verify_cost import CostModel, load_cached
 
 log = logging.getLogger("prescient.speculative")
 
@@ -73,26 +75,13 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance ** j for j in range(k + 1))
 
 
-def _interp(table: dict[int, float], t: int) -> float:
-    """The table at t: linear between points, extended with the last segment's slope (draft
-    forwards keep costing past the largest measured size)."""
-    pts = sorted(table.items())
-    if len(pts) == 1 or t <= pts[0][0]:
-        return pts[0][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if t <= x1:
-            return y0 + (y1 - y0) * (t - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = pts[-2], pts[-1]
-    return y1 + (y1 - y0) * (t - x1) / (x1 - x0)
-
-
 def judge(acceptance: float, num_scored: int, table: dict[int, float], max_draft_tokens: int = 16) -> DraftVerdict:
     """The module docstring's rule over draft lengths 1..max_draft_tokens."""
     if not 0 <= acceptance <= 1:
         raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
-    best_k, best = 1, 0.0
+    best_k, best, cost = 1, 0.0, CostModel(table)
     for k in range(1, max_draft_tokens + 1):
-        speedup = expected_tokens(acceptance, k) / _interp(table, k + 1)
+        speedup = expected_tokens(acceptance, k) / cost(k + 1)
         if speedup > best:
             best_k, best = k, speedup
     return DraftVerdict(acceptance, num_scored, dict(table), best_k, best)
@@ -194,8 +183,6 @@ def check_draft_pays(speculator, target, label: str, tokenizer=None, eos_token_i
     A pending table measurement is finished now: the verdict needs it. use_cache=False measures
     the acceptance again (`--calibrate fresh`). `tables` (verify_cost.CostTables) replaces the
     speculator's (tests, and tools that measured their own)."""
-    from prescient.speculative.verify_cost import load_cached
-
     calibration = speculator.calibration
     if tables is not None:
         pass

@@ -11,6 +11,10 @@ per-query tree mask, logits for every row), all through the engine's own `build_
     tables  = cost_tables(samples_short, samples_long, long_context)       # ratios, monotone
     cal     = Calibration(...); cal.step()                                  # one forward at a time
     drift   = DriftMonitor(tables); drift.observe(seconds, tokens, ctx)     # is the table stale?
+    cost    = CostModel(table)(num_tokens)                                  # a table between its points
+
+`CostModel` is the one reading of a table between and past its measured sizes, for every user
+(the adaptive planner, the draft gate, the drift check), so a forward costs the same to each.
 
 The tables also keep the 1-token forward's seconds at each context. A CPU's speed changes under
 a server (other load, frequency, a neighbour's memory traffic), so `DriftMonitor` compares the
@@ -33,8 +37,9 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
+import numpy as np
 import torch
 
 from prescient.cache_dir import cache_dir
@@ -44,6 +49,36 @@ log = logging.getLogger("prescient.speculative")
 SIZES = (1, 2, 4, 8, 16, 32)
 # Contexts the cost is measured at: a chat turn and an agent's long tool output / document.
 SHORT_CONTEXT, LONG_CONTEXT = 256, 1024
+
+
+class CostModel:
+    """A cost table (forward tokens -> cost relative to a 1-token step) at any token count:
+    piecewise linear through its points and, past either end, along the nearest segment (flat
+    for a one-point table), floored at 1e-9.
+
+    The one rule for every reader of a table (adaptive.py's plan, draft_gate.py's verdict,
+    CostTables.expected_seconds): past the largest measured size a forward keeps costing what
+    each token added there (a flat extension would price a batch's many drafts, or a longer
+    chain of draft forwards, at nothing); measured tables start at one token."""
+
+    def __init__(self, table: Mapping[int, float]) -> None:
+        points = sorted((int(k), float(v)) for k, v in table.items())
+        if not points or points[0][0] < 1 or any(v <= 0 for _, v in points):
+            raise ValueError(f"verify_cost needs token counts >= 1 with positive costs, got {dict(table)}")
+        if len(points) == 1:
+            points.append((points[0][0] + 1, points[0][1]))
+        self._num_tokens = np.array([k for k, _ in points], dtype=np.float64)
+        self._costs = np.array([v for _, v in points], dtype=np.float64)
+
+    def __call__(self, num_tokens: int) -> float:
+        return float(self.many(np.array([num_tokens]))[0])
+
+    def many(self, num_tokens: np.ndarray) -> np.ndarray:  # [n] -> [n] float64
+        xs, ys = self._num_tokens, self._costs
+        # right end of the segment holding each count; the first / last segment outside the table
+        right = np.clip(np.searchsorted(xs, num_tokens), 1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
+        return np.maximum(y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0), 1e-9)
 
 
 @dataclass(frozen=True)
@@ -64,7 +99,7 @@ class CostTables:
         these tables (linear between the two contexts, clamped); None without base times."""
         if self.short_base_s is None:
             return None
-        ratio = lambda table: _interp(table, num_tokens)  # noqa: E731
+        ratio = lambda table: CostModel(table)(num_tokens)  # noqa: E731
         short = self.short_base_s * ratio(self.short)
         if self.long is None or self.long_base_s is None or self.long_context is None:
             return short
@@ -86,17 +121,6 @@ class CostTables:
         as_float = lambda v: None if v is None else float(v)  # noqa: E731
         return cls(as_table(d["short"]), int(d["short_context"]), d.get("long_context"), as_table(d.get("long")),
                    as_float(d.get("short_base_s")), as_float(d.get("long_base_s")))
-
-
-def _interp(table: dict[int, float], num_tokens: int) -> float:
-    """A ratio table at num_tokens: linear between its points, flat past its ends."""
-    points = sorted(table.items())
-    if num_tokens <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if num_tokens <= x1:
-            return y0 + (y1 - y0) * (num_tokens - x0) / (x1 - x0)
-    return points[-1][1]
 
 
 class DriftMonitor:

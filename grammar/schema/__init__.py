@@ -20,5 +20,6 @@ Every JSON schema bound for xgrammar (response formats and tool argument schemas
 Narrower is allowed (every output still validates against the original schema), looser never.
 The compiler then turns the result into a grammar; a schema with a `pattern` is compiled as
 EBNF through grammar/pattern.py, which stays outside this package because regex formats use it
-too.
+too. The rules that read patterns (regex_length.py, regex_overlap.py, not_rules.py) parse them
+with grammar/regex/, the leaf below both.
 """

@@ -57,7 +57,7 @@ _OBJECT_KEYS = ("properties", "required", "additionalProperties", "minProperties
 _TYPE_SPECIFIC = _STRING_KEYS + _NUMBER_KEYS + _ARRAY_KEYS + _OBJECT_KEYS
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 # Every keyword that constrains an instance; anything else is an annotation.
-_ASSERTIONS = frozenset(
+ASSERTIONS = frozenset(
     _TYPE_SPECIFIC + _COMBINATORS + _DROPPED + ("type", "enum", "const", "$ref")
 )
 _JSON_TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
@@ -393,7 +393,7 @@ def _integer_bounds(node: dict) -> tuple[float | None, float | None]:
 
 def _assertion_keys(node: dict, exclude: Iterable[str]) -> list[str]:
     skip = set(exclude)
-    return [k for k in node if k in _ASSERTIONS and k not in skip]
+    return [k for k in node if k in ASSERTIONS and k not in skip]
 
 
 def _types_of(node: dict) -> frozenset[str] | None:

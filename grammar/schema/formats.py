@@ -20,7 +20,7 @@ from typing import Any
 
 from prescient.grammar.schema.merge import Unmergeable
 from prescient.grammar.schema.regex_overlap import within
-from prescient.grammar.schema.scalars import _EMAIL
+from prescient.grammar.schema.scalars import EMAIL
 
 # Formats whose xgrammar grammar never produces the empty string.
 _NONEMPTY = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
@@ -41,7 +41,7 @@ _OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
 _COMMON = {
     "uri": [rf"^https?://{_HOST}{_PATH}$", rf"^https://{_HOST}{_PATH}$", rf"^http://{_HOST}{_PATH}$",
             rf"^wss?://{_HOST}{_PATH}$"],
-    "email": [_EMAIL, r"^[a-z0-9]{1,16}(\.[a-z0-9]{1,16})?@[a-z0-9]{1,16}(\.[a-z0-9]{1,16}){0,2}\.[a-z]{2,10}$"],
+    "email": [EMAIL, r"^[a-z0-9]{1,16}(\.[a-z0-9]{1,16})?@[a-z0-9]{1,16}(\.[a-z0-9]{1,16}){0,2}\.[a-z]{2,10}$"],
     "hostname": [rf"^{_HOST}$"],
     "date-time": [rf"^{_DAY}T{_CLOCK}(\.[0-9]{{1,6}})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])$",
                   rf"^{_DAY}T{_CLOCK}Z$"],

@@ -23,9 +23,11 @@ import math
 import re
 from typing import Any
 
+from prescient.grammar.regex.anchors import strip_anchors
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.parser import Parser
 from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
 from prescient.grammar.schema.nodes import typed_object, without
-from prescient.grammar.schema.regex_length import _Parser, _strip_anchors
 
 _MAX_SETS = 4
 _MAX_VALUES = 64
@@ -165,7 +167,10 @@ def _without_char(pattern: Any) -> str:
     """`^[^c]*$` for a searched pattern that is one character (class), else Unmergeable."""
     if not isinstance(pattern, str):
         raise Unmergeable("pattern is not a string")
-    tree = _strip_anchors(_Parser(pattern).parse(), True, True)
+    try:
+        tree = strip_anchors(Parser(pattern).parse(), True, True)
+    except RegexUnsupported as err:
+        raise Unmergeable(str(err)) from None
     while tree[0] == "group":
         tree = tree[1]
     if tree[0] != "char" or pattern.startswith("^") or pattern.endswith("$"):

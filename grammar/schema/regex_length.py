@@ -1,8 +1,8 @@
 """A `pattern` intersected with minLength/maxLength, written as one pattern (used by scalars.py).
 
-xgrammar ignores the length next to a pattern. The pattern is parsed into a small tree (one
-character, concatenation, alternation, bounded repeat) and each part is given the length budget
-its place allows:
+xgrammar ignores the length next to a pattern. The pattern is parsed into a small tree
+(grammar/regex/parser.py: one character, concatenation, alternation, bounded repeat) and each
+part is given the length budget its place allows:
 
 - a part whose lengths already lie within its budget is kept as written;
 - a repeat of a fixed-length item gets its count bounds from the budget (exact);
@@ -16,18 +16,20 @@ Patterns match the whole string here, as everywhere in this engine (grammar/patt
 whole-string reading leaves nothing, an unanchored side is read as JSON Schema's search instead
 (`^a` with minLength 3 is `a[\\s\\S]{2,}`), so that only a truly empty intersection is called
 unsatisfiable. Anchors at the ends of alternatives, inside groups too, are no-ops under whole-string
-matching and are dropped; the result is anchored at both ends.
+matching and are dropped (regex/anchors.py); the result is anchored at both ends. A pattern the
+parser does not read is Unmergeable, as any rewrite this package cannot make.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prescient.grammar.regex.anchors import searching, strip_anchors
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.parser import INF, Parser, lengths
 from prescient.grammar.schema.merge import Unmergeable
 
-INF = None  # an unbounded length / count
 _MAX_REPEAT = 1000  # a larger count bound makes a slow grammar: such budgets are split narrower
-_ANY = "[\\s\\S]"
 
 
 @dataclass(frozen=True)
@@ -40,226 +42,25 @@ class Restricted:
 def restrict_pattern(pattern: str, low: int, high: int | None) -> Restricted | None:
     """The strings of `pattern` (whole-string) with length in [low, high], as one pattern;
     None when no string of the pattern (read as whole-string, then as search) has such a
-    length. Raises Unmergeable for a pattern this parser does not read."""
-    tree = _Parser(pattern).parse()
-    out = _restrict(_strip_anchors(tree, True, True), low, high)
-    searched = out is None
-    if searched:
-        tree = _searching(tree)
-        if tree is None:
-            return None
-        out = _restrict(tree, low, high)
-        if out is None:
-            return None
+    length. Raises Unmergeable for a pattern the parser does not read."""
+    try:
+        tree = Parser(pattern).parse()
+        out = _restrict(strip_anchors(tree, True, True), low, high)
+        searched = out is None
+        if searched:
+            tree = searching(tree)
+            if tree is None:
+                return None
+            out = _restrict(tree, low, high)
+            if out is None:
+                return None
+    except RegexUnsupported as err:
+        raise Unmergeable(str(err)) from None
     node, exact = out
     return Restricted(f"^{_emit(node, top=True)}$", exact, searched)
 
 
-# --- tree: ("char", text) ("cat", [..]) ("alt", [..]) ("rep", node, lo, hi) ("bol",) ("eol",)
-
-
-class _Parser:
-    def __init__(self, pattern: str):
-        self.p = pattern
-        self.i = 0
-
-    def parse(self):
-        node = self._alt()
-        if self.i != len(self.p):
-            raise Unmergeable(f"unbalanced ')' in pattern {self.p!r}")
-        return node
-
-    def _alt(self):
-        branches = [self._cat()]
-        while self.i < len(self.p) and self.p[self.i] == "|":
-            self.i += 1
-            branches.append(self._cat())
-        return branches[0] if len(branches) == 1 else ("alt", branches)
-
-    def _cat(self):
-        items = []
-        while self.i < len(self.p) and self.p[self.i] not in "|)":
-            atom = self._atom()
-            items.append(self._quantified(atom))
-        return items[0] if len(items) == 1 else ("cat", items)
-
-    def _atom(self):
-        p, i = self.p, self.i
-        c = p[i]
-        if c == "(":
-            if p.startswith("(?:", i):
-                self.i += 3
-            elif p.startswith("(?<", i) and not p.startswith(("(?<=", "(?<!"), i):
-                close = p.find(">", i)
-                if close < 0:
-                    raise Unmergeable("unterminated group name")
-                self.i = close + 1
-            elif p.startswith("(?", i):
-                raise Unmergeable("lookaround or group modifier")
-            else:
-                self.i += 1
-            inner = self._alt()
-            if self.i >= len(p) or p[self.i] != ")":
-                raise Unmergeable("unterminated group")
-            self.i += 1
-            return ("group", inner)
-        if c == "^":
-            self.i += 1
-            return ("bol",)
-        if c == "$":
-            self.i += 1
-            return ("eol",)
-        if c == "[":
-            j = i + 1
-            if j < len(p) and p[j] == "^":
-                j += 1
-            if j < len(p) and p[j] == "]":
-                j += 1  # a leading ']' is a literal (as grammar/pattern.py reads it)
-            while j < len(p) and p[j] != "]":
-                j += 2 if p[j] == "\\" else 1
-            if j >= len(p):
-                raise Unmergeable("unterminated character class")
-            self.i = j + 1
-            return ("char", p[i:j + 1])
-        if c == "\\":
-            if i + 1 >= len(p):
-                raise Unmergeable("trailing backslash")
-            e = p[i + 1]
-            width = {"x": 2, "u": 4}.get(e, 0)
-            if e.isalnum() and e not in "dDwWsSnrtfv0xu":
-                raise Unmergeable(f"escape '\\{e}'")  # \b \B \1 \p ...: not one character
-            self.i = i + 2 + width
-            return ("char", p[i:self.i])
-        if c in "*+?{":
-            raise Unmergeable("quantifier without an atom")
-        self.i += 1
-        return ("char", c)
-
-    def _quantified(self, atom):
-        p = self.p
-        while self.i < len(p) and p[self.i] in "*+?{":
-            c = p[self.i]
-            if c == "{":
-                close = p.find("}", self.i)
-                body = p[self.i + 1:close] if close > 0 else ""
-                lo_s, comma, hi_s = body.partition(",")
-                # ASCII digits only: `{٣}` is literal text to ECMA-262 and to Python's re
-                if not (lo_s.isascii() and lo_s.isdigit()) or (hi_s and not (hi_s.isascii() and hi_s.isdigit())):
-                    raise Unmergeable("'{' that is not a counted repeat")
-                lo, hi = int(lo_s), (int(hi_s) if hi_s else (INF if comma else int(lo_s)))
-                if hi is not INF and hi < lo:
-                    raise Unmergeable("a counted repeat whose bounds are out of order")
-                self.i = close + 1
-            else:
-                lo, hi = {"*": (0, INF), "+": (1, INF), "?": (0, 1)}[c]
-                self.i += 1
-            if self.i < len(p) and p[self.i] == "?":
-                self.i += 1  # lazy: the same strings under a whole-string match
-            if atom[0] in ("bol", "eol"):
-                raise Unmergeable("quantified anchor")
-            atom = ("rep", atom, lo, hi)
-        return atom
-
-
-def _strip_anchors(node, first: bool, last: bool):
-    """The tree without anchors that are no-ops under whole-string matching (a `^` that only
-    zero-width items can precede, a `$` likewise at the end); Unmergeable for any other."""
-    kind = node[0]
-    if kind == "bol":
-        if not first:
-            raise Unmergeable("'^' inside the pattern")
-        return ("cat", [])
-    if kind == "eol":
-        if not last:
-            raise Unmergeable("'$' inside the pattern")
-        return ("cat", [])
-    if kind == "group":
-        return ("group", _strip_anchors(node[1], first, last))
-    if kind == "alt":
-        return ("alt", [_strip_anchors(b, first, last) for b in node[1]])
-    if kind == "rep":
-        return ("rep", _strip_anchors(node[1], False, False), node[2], node[3])
-    if kind == "cat":
-        items = node[1]
-        lens = [_range(x) for x in items]
-        out = []
-        for k, x in enumerate(items):
-            before_empty = all(lens[j] == (0, 0) or items[j][0] in ("bol", "eol") for j in range(k))
-            after_empty = all(lens[j] == (0, 0) or items[j][0] in ("bol", "eol")
-                              for j in range(k + 1, len(items)))
-            out.append(_strip_anchors(x, first and before_empty, last and after_empty))
-        return ("cat", out)
-    return node
-
-
-def _searching(tree):
-    """The pattern read as JSON Schema does (a search): each top-level alternative gets
-    `[\\s\\S]*` on a side its anchor does not hold. None when every side is anchored."""
-    branches = tree[1] if tree[0] == "alt" else [tree]
-    out, changed = [], False
-    for b in branches:
-        items = b[1] if b[0] == "cat" else [b]
-        anchored_start = bool(items) and _starts_anchored(items[0])
-        anchored_end = bool(items) and _ends_anchored(items[-1])
-        body = _strip_anchors(b, True, True)
-        parts = ([] if anchored_start else [("rep", ("char", _ANY), 0, INF)]) + [body] + (
-            [] if anchored_end else [("rep", ("char", _ANY), 0, INF)])
-        changed |= not (anchored_start and anchored_end)
-        out.append(("cat", parts))
-    if not changed:
-        return None
-    return out[0] if len(out) == 1 else ("alt", out)
-
-
-def _starts_anchored(node) -> bool:
-    if node[0] == "bol":
-        return True
-    if node[0] == "group":
-        inner = node[1]
-        if inner[0] == "alt":
-            return all(_starts_anchored(b) for b in inner[1])
-        return _starts_anchored(inner[1][0] if inner[0] == "cat" and inner[1] else inner)
-    if node[0] == "cat" and node[1]:
-        return _starts_anchored(node[1][0])
-    return False
-
-
-def _ends_anchored(node) -> bool:
-    if node[0] == "eol":
-        return True
-    if node[0] == "group":
-        inner = node[1]
-        if inner[0] == "alt":
-            return all(_ends_anchored(b) for b in inner[1])
-        return _ends_anchored(inner[1][-1] if inner[0] == "cat" and inner[1] else inner)
-    if node[0] == "cat" and node[1]:
-        return _ends_anchored(node[1][-1])
-    return False
-
-
-# --- lengths --------------------------------------------------------------------------------
-
-
-def _range(node) -> tuple[int, int | None]:
-    kind = node[0]
-    if kind == "char":
-        return 1, 1
-    if kind in ("bol", "eol"):
-        return 0, 0
-    if kind == "group":
-        return _range(node[1])
-    if kind == "rep":
-        m, big = _range(node[1])
-        lo, hi = node[2], node[3]
-        return m * lo, (0 if hi == 0 or big == 0 else None if hi is INF or big is INF else big * hi)
-    ranges = [_range(x) for x in node[1]]
-    if kind == "cat":
-        return (sum(r[0] for r in ranges),
-                None if any(r[1] is INF for r in ranges) else sum(r[1] for r in ranges))
-    if not ranges:
-        return 0, 0
-    return (min(r[0] for r in ranges),
-            None if any(r[1] is INF for r in ranges) else max(r[1] for r in ranges))
+# --- budgets --------------------------------------------------------------------------------
 
 
 def _within(r, low: int, high: int | None) -> bool:
@@ -273,7 +74,7 @@ def _misses(r, low: int, high: int | None) -> bool:
 def _restrict(node, low: int, high: int | None):
     """(node', exact) with node' within node and its lengths within [low, high], or None when
     no length of node lies there."""
-    r = _range(node)
+    r = lengths(node)
     if _misses(r, low, high) or (high is not INF and low > high):
         return None
     if _within(r, low, high) and not _too_long(node):
@@ -308,7 +109,7 @@ def _too_long(node) -> bool:
 
 def _restrict_rep(node, low: int, high: int | None):
     _, item, lo, hi = node
-    m, big = _range(item)
+    m, big = lengths(item)
     if m == big and m > 0:  # fixed-length item: the count carries the budget exactly
         new_lo = max(lo, -(-low // m))
         new_hi = hi if high is INF else (high // m if hi is INF else min(hi, high // m))
@@ -357,7 +158,7 @@ def _sub(node, low: int, high: int | None):
 
 
 def _restrict_cat(items: list, low: int, high: int | None):
-    ranges = [_range(x) for x in items]
+    ranges = [lengths(x) for x in items]
     variable = [k for k, r in enumerate(ranges) if r[0] != r[1] or _too_long(items[k])]
     fixed = sum(r[0] for k, r in enumerate(ranges) if k not in variable)
     if len(variable) == 1:

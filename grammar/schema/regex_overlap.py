@@ -4,7 +4,7 @@ A sound test, not a complete one: `disjoint(a, b)` is True only when no string t
 as a whole (what this engine's grammars produce: patterns match the whole string) is matched by
 `b` read as JSON Schema reads it (a search: `b` anywhere in the string). False means "not proven".
 
-Both patterns are parsed by regex_length.py's parser into a tree and built into NFAs over an
+Both patterns are parsed by grammar/regex/parser.py into a tree and built into NFAs over an
 abstract alphabet: the 128 ASCII characters one by one, and one symbol standing for every
 non-ASCII character. Every character set is widened to that alphabet (`\\d` and `\\w` also get
 the non-ASCII symbol, as Python's `re` reads them in Unicode; a negated class gets it too), so a
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from functools import cache
 
-from prescient.grammar.class_dialects import shorthand
+from prescient.grammar.regex.anchors import searching, strip_anchors
+from prescient.grammar.regex.dialects import shorthand
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.parser import INF, Parser, lengths
 from prescient.grammar.schema.merge import Unmergeable
-from prescient.grammar.schema.regex_length import INF, _Parser, _range, _searching, _strip_anchors
 
 _NON_ASCII = 128
 _ALL = frozenset(range(129))
@@ -46,12 +48,12 @@ def _automata(a: str, b: str, under: bool):
     """NFAs of `a` read as a whole-string match and of `b` read as JSON Schema's search (its
     classes under-approximated with `under`); None when either cannot be built."""
     try:
-        whole = _strip_anchors(_Parser(a).parse(), True, True)
-        tree = _Parser(b).parse()
-        searched = _searching(tree)
+        whole = strip_anchors(Parser(a).parse(), True, True)
+        tree = Parser(b).parse()
+        searched = searching(tree)
         nfa_a = _Nfa(whole)
-        nfa_b = _Nfa(searched if searched is not None else _strip_anchors(tree, True, True), under=under)
-    except (Unmergeable, RecursionError, IndexError, ValueError):
+        nfa_b = _Nfa(searched if searched is not None else strip_anchors(tree, True, True), under=under)
+    except (RegexUnsupported, Unmergeable, RecursionError, IndexError, ValueError):
         return None
     return (nfa_a, nfa_b) if nfa_a.ok and nfa_b.ok else None
 
@@ -60,8 +62,8 @@ def pattern_lengths(pattern: str) -> tuple[int, int | None] | None:
     """(shortest, longest or None) of the whole-string matches of `pattern`; None when this
     parser does not read it."""
     try:
-        return _range(_strip_anchors(_Parser(pattern).parse(), True, True))
-    except (Unmergeable, RecursionError, IndexError, ValueError):
+        return lengths(strip_anchors(Parser(pattern).parse(), True, True))
+    except (RegexUnsupported, RecursionError, IndexError, ValueError):
         return None
 
 
@@ -83,7 +85,7 @@ def char_set(text: str, under: bool = False) -> frozenset[int]:
 
 @cache
 def _shorthand(letter: str, under: bool) -> frozenset[int]:
-    """class_dialects.py's reading on the abstract alphabet: the over-approximation is every
+    """regex/dialects.py's reading on the abstract alphabet: the over-approximation is every
     character either dialect puts in the class (non-ASCII ones as their one symbol); the
     under-approximation the ASCII characters both do."""
     ranges = shorthand(letter, over=not under)

@@ -11,8 +11,7 @@ from typing import Any
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.pattern import check_pattern
-from prescient.grammar.schema.check import _ASSERTIONS as ASSERTIONS
-from prescient.grammar.schema.check import STANDARD_FORMATS
+from prescient.grammar.schema.check import ASSERTIONS, STANDARD_FORMATS
 from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
 from prescient.grammar.schema.regex_length import restrict_pattern
 
@@ -20,7 +19,7 @@ _ALL_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object
 # The shortest string xgrammar's grammar for a format accepts ("a@b", "a:").
 _FORMAT_SHORTEST = {"email": 3, "uri": 2}
 # Common addresses, at most 95 characters and at least 6 ("a@b.cc"): every match is an email.
-_EMAIL = (r"^[a-z0-9]{1,16}([._+-][a-z0-9]{1,16})?@[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?"
+EMAIL = (r"^[a-z0-9]{1,16}([._+-][a-z0-9]{1,16})?@[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?"
           r"(\.[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?){0,2}\.[a-z]{2,10}$")
 _EMAIL_LENGTHS = (6, 95)
 _STRING_ONLY = frozenset({"pattern", "minLength", "maxLength"})
@@ -124,7 +123,7 @@ def format_with_length(node: dict) -> Any:
     if "maxLength" not in node and lo <= _FORMAT_SHORTEST.get(fmt, -1):
         return rest
     if fmt == "email" and lo <= _EMAIL_LENGTHS[0] and _length(node, "maxLength", 0) >= _EMAIL_LENGTHS[1]:
-        return {**{k: v for k, v in rest.items() if k != "format"}, "pattern": _EMAIL}
+        return {**{k: v for k, v in rest.items() if k != "format"}, "pattern": EMAIL}
     raise Unmergeable(f"format {fmt!r} with a length")
 
 

@@ -1,6 +1,6 @@
-"""regex_dfa.py: a pattern with nested repetition becomes a minimal-DFA grammar that matches the
-same JSON string bodies as the pattern (and as xgrammar's own form of it), in time per token that
-does not grow with the string."""
+"""grammar/regex/dfa.py: a pattern with nested repetition becomes a minimal-DFA grammar that
+matches the same JSON string bodies as the pattern (and as xgrammar's own form of it), in time
+per token that does not grow with the string."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from xgrammar.testing import _is_grammar_accept_string as accepts
 
 from prescient.grammar import GrammarSpec
 from prescient.grammar.pattern import json_text_regex
-from prescient.grammar.regex_dfa import dfa_ebnf
+from prescient.grammar.regex.dfa import dfa_ebnf
 
 URL = r"^(https?:\/\/)?([\da-z\.-]+)\.([a-z\.]{2,6})([\/\w \.-]*)*\/?$"  # jsonschemabench o82851
 NESTED = [

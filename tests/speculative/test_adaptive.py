@@ -8,8 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation, CostModel, expected_tokens
+from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation, expected_tokens
 from prescient.speculative.verify import BONUS, RECOVERED, VerifyOutcome
+from prescient.speculative.verify_cost import CostModel
 
 
 def outcome(num_draft: int, num_accepted: int) -> VerifyOutcome:

@@ -10,22 +10,26 @@ later: one schema's generation ran for minutes), `(\\w+\\s?)*` held 90 ms a toke
 
 A pattern whose tree repeats something that holds a repeat or matches "" is therefore rebuilt
 as its minimal DFA: Glushkov positions over code points (counted repeats expanded), subset
-construction over the character ranges, Moore's partition refinement, and one right-linear
+construction over the character ranges, Hopcroft's partition refinement, and one right-linear
 rule per state (`s ::= [a-z] t | [./] s | e0 s | ""`), the characters JSON must escape
-matched as their escapes (`e0 ::= ("\\\\n" | "\\\\u0001" | ...)`), as grammar/pattern.py writes
-them. The matcher then holds one state: ~0.1 ms a token on all three. Other patterns keep
-xgrammar's form, already cheap to match. A match is always the whole string (anchors at the
-ends are no-ops). None means "use xgrammar's form": no nested repetition, an automaton past
-the size caps, or syntax the parser here does not read (that form is correct, only slower).
+matched as their escapes (`e0 ::= ("\\\\n" | "\\\\u0001" | ...)`: json_escape.py, the ones
+grammar/pattern.py writes). The matcher then holds one state: ~0.1 ms a token on all three.
+Other patterns keep xgrammar's form, already cheap to match. A match is always the whole string
+(anchors at the ends are no-ops). None means "use xgrammar's form": no nested repetition, an
+automaton past the size caps, or syntax the parser here does not read (that form is correct,
+only slower).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 
-from prescient.grammar.errors import GrammarError
-from prescient.grammar.schema.merge import Unmergeable
-from prescient.grammar.schema.regex_length import INF, _Parser, _strip_anchors
+from prescient.grammar.regex.anchors import strip_anchors
+from prescient.grammar.regex.charset import Ranges, intersect, subtract
+from prescient.grammar.regex.classes import leaf_ranges
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.json_escape import UNSAFE, escape_text
+from prescient.grammar.regex.parser import INF, Parser
 
 MAX_POSITIONS = 4000  # Glushkov positions after expanding counted repeats
 MAX_STATES = 1500  # DFA states before minimization
@@ -35,8 +39,6 @@ MAX_WORK = 300_000  # range visits while determinizing (~0.3 s): `\\W` alone is 
 # at a flat ~15 ms a token. Past this many states, a nest of bounded repeats (per-token cost
 # flat) keeps xgrammar's form; an unbounded one (cost growing with the string) never does.
 MAX_BOUNDED_STATES = 64
-
-Ranges = list  # [(low, high)] code points, sorted and disjoint
 
 
 class _TooBig(Exception):
@@ -48,13 +50,13 @@ def dfa_ebnf(pattern: str) -> str | None:
     that `pattern` matches as a whole, or None when the pattern has no nested repetition, the
     automaton is too large, or the parser here does not read it."""
     try:
-        tree = _strip_anchors(_Parser(pattern).parse(), True, True)
+        tree = strip_anchors(Parser(pattern).parse(), True, True)
         if not _nested_repeat(tree):
             return None
         positions = _Positions()
         nullable, first, last = positions.build(tree)
         states, accepting = _determinize(positions, first, last, nullable)
-    except (_TooBig, Unmergeable, GrammarError, RecursionError, IndexError, ValueError):
+    except (_TooBig, RegexUnsupported, RecursionError, IndexError, ValueError):
         return None
     start, blocks = _minimize(states, accepting)
     if start not in blocks:  # the pattern matches nothing (an empty class): xgrammar's form says so
@@ -130,7 +132,7 @@ class _Positions:
         """(matches "", first positions, last positions) of `node`, linking follow sets."""
         kind = node[0]
         if kind == "char":
-            p = self._new(_leaf_ranges(node[1]))
+            p = self._new(leaf_ranges(node[1]))
             return False, {p}, {p}
         if kind == "group":
             return self.build(node[1])
@@ -170,19 +172,6 @@ class _Positions:
             last = l | last if n else set(l)
             nullable = nullable and n
         return nullable, first, last
-
-
-def _leaf_ranges(text: str) -> Ranges:
-    """The characters one leaf of the pattern matches (read as grammar/pattern.py reads it)."""
-    from prescient.grammar.pattern import _LINE_TERMINATORS, _complement, _normalize, _Rewriter
-
-    if text.startswith("["):
-        return _Rewriter(text)._class()
-    if text.startswith("\\"):
-        return _normalize(_Rewriter(text)._escape())
-    if text == ".":
-        return _complement(_LINE_TERMINATORS)
-    return [(ord(text), ord(text))]
 
 
 # --- subset construction and minimization ------------------------------------------------------
@@ -298,8 +287,7 @@ def _merged(moves) -> tuple:
 
 def _emit(start: int, blocks: dict[int, tuple]) -> str:
     """One rule per state, plus one per set of characters JSON escapes (`"`, `\\`, controls),
-    written as their escapes the way grammar/pattern.py writes them."""
-    from prescient.grammar.pattern import _UNSAFE, _intersect, _subtract
+    written as their escapes the way grammar/pattern.py writes them (json_escape.py)."""
 
     def name(b: int) -> str:
         return "root" if b == start else f"s{b}"
@@ -313,9 +301,9 @@ def _emit(start: int, blocks: dict[int, tuple]) -> str:
             by_target.setdefault(target, []).append((low, high))
         alternatives = []
         for target, ranges in by_target.items():
-            if safe := _subtract(ranges, _UNSAFE):
+            if safe := subtract(ranges, UNSAFE):
                 alternatives.append(f"[{''.join(_class_range(r) for r in safe)}] {name(target)}")
-            if unsafe := tuple(_intersect(ranges, _UNSAFE)):
+            if unsafe := tuple(intersect(ranges, UNSAFE)):
                 alternatives.append(f"{escapes.setdefault(unsafe, f'e{len(escapes)}')} {name(target)}")
         if final:
             alternatives.append('""')
@@ -328,10 +316,7 @@ def _emit(start: int, blocks: dict[int, tuple]) -> str:
 
 def _json_escape(code: int) -> str:
     """An EBNF literal of the JSON escape of `code` (a character JSON must escape)."""
-    from prescient.grammar.pattern import _SHORT_ESCAPES
-
-    short = _SHORT_ESCAPES.get(code)
-    text = "\\" + short if short else f"\\u{code:04x}"
+    text = escape_text(code)
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from functools import cache
 
-Ranges = list  # [(low, high)] code points, sorted and disjoint
+from prescient.grammar.regex.charset import Ranges, complement, intersect, normalize
 
 _ECMA = {
     "d": [(0x30, 0x39)],
@@ -28,13 +28,11 @@ _ECMA = {
 def shorthand(letter: str, over: bool = False) -> Ranges:
     """`letter` in dDwWsS; `over`: what either dialect matches (for a negated class's atoms),
     else what both do."""
-    from prescient.grammar.pattern import _complement, _intersect, _normalize
-
     kind = letter.lower()
     ecma, python = _ECMA[kind], _python(kind)
-    either, both = _normalize(ecma + python), _intersect(ecma, python)
+    either, both = normalize(ecma + python), intersect(ecma, python)
     if letter.isupper():  # the complement: in it for both = outside for either
-        return _complement(both) if over else _complement(either)
+        return complement(both) if over else complement(either)
     return either if over else both
 
 
