@@ -3,11 +3,12 @@
     python -m prescient.latency_bench.pd_bench [--long-tokens 1500] [--decodes 2] [--reps 3]
     python -m prescient.latency_bench.pd_bench --server      # the same through `prescient serve` (pd_server.py)
 
-Three setups in this process, runs interleaved (the order rotates each rep):
+Five setups in this process, runs interleaved (the order rotates each rep):
 - colocated-1t: one engine on one thread; the long prompt's chunks share its steps with the decodes;
 - split: this process decodes on one thread, the prefill worker prefills on the other
   (`--pd-split`, runtime/disaggregated.py): one thread per worker, as co-located-1t;
-- colocated-2t: one engine on both threads (the same cores as the split, all in one worker).
+- colocated-2t: one engine on both threads (the same cores as the split, all in one worker);
+- alone-1t, alone-2t: the long prompt alone, the TTFT the others are judged against (same cores).
 Each run starts `--decodes` chat requests (greedy, speculation off), lets them decode 8 tokens, then
 submits one long prompt (max_tokens 1). The figures: the decodes' emission gaps while the long
 prompt is being prefilled (its submission to its first token): p50 / p99 / max; the long prompt's
@@ -42,10 +43,13 @@ def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens:
     from prescient.runtime.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    engine.step_log.clear()
     decs = [engine.add_request(c, params) for c in chats]
     stamps: dict[str, list[float]] = {r.request_id: [] for r in decs}
     long_req, t_submit, t_first, split = None, None, None, None
     deadline = time.monotonic() + 600
+    if not decs:  # alone: nothing to wait for
+        long_req, t_submit = engine.add_request(long_ids, SamplingParams(temperature=0.0, max_tokens=1)), time.perf_counter()
     while engine.has_unfinished_requests():
         if time.monotonic() > deadline:
             raise RuntimeError("pd_bench: a run stalled")
@@ -64,8 +68,12 @@ def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens:
     gaps = []
     for s in stamps.values():
         gaps += [b - a for a, b in zip(s, s[1:]) if b > t_submit and a < t_first]
+    # the steps that carried prefill beside decodes: measured time and the cost model's error
+    mixed = [(pred, took) for shape, pred, took in engine.step_log if shape.prefill_tokens and shape.decode_rows]
     return {"gaps_ms": [g * 1e3 for g in gaps], "ttft_ms": (t_first - t_submit) * 1e3, "split": split,
-            "tokens": [r.output_token_ids for r in decs]}
+            "tokens": [r.output_token_ids for r in decs],
+            "mixed_step_ms": [took * 1e3 for _, took in mixed],
+            "mixed_step_ratio": [took / pred for pred, took in mixed if pred > 0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +130,9 @@ def _engine_mode(args) -> int:
     chats = [tok.apply_chat_template(list(w.messages)) for w in workloads[:args.decodes]]
     filler = tok.encode(filler_text(workloads))
     long_ids = (filler * (args.long_tokens // max(1, len(filler)) + 1))[:args.long_tokens]
-    setups = {"colocated-1t": (colocated, 1), "split": (split, 1), "colocated-2t": (colocated, full)}
+    # alone-*: the long prompt with nothing else running, the TTFT it is judged by under load
+    setups = {"colocated-1t": (colocated, 1), "split": (split, 1), "colocated-2t": (colocated, full),
+              "alone-1t": (colocated, 1), "alone-2t": (colocated, full)}
     runs: dict[str, list[dict]] = {name: [] for name in setups}
     names = list(setups)
     for rep in range(args.reps):
@@ -130,23 +140,35 @@ def _engine_mode(args) -> int:
             engine, threads = setups[name]
             _set_threads(threads)
             loaded.model._torch_threads = threads
-            r = run_once(engine, chats, long_ids, args.decode_tokens)
+            r = run_once(engine, [] if name.startswith("alone") else chats, long_ids, args.decode_tokens)
             runs[name].append(r)
             print(f"rep {rep} {name}: gap p99 {_pct(r['gaps_ms'], 0.99):.1f} ms, long TTFT {r['ttft_ms']:.0f} ms",
                   file=sys.stderr, flush=True)
     ref = runs["colocated-1t"][0]["tokens"]
+    alone = {n: statistics.median(r["ttft_ms"] for r in runs.pop(n)) for n in ("alone-1t", "alone-2t")}
+    # what each setup's long TTFT is judged against: alone on the same cores
+    same_cores = {"colocated-1t": "alone-1t", "split": "alone-2t", "colocated-2t": "alone-2t"}
     report = {"model": args.model or "default", "weights": args.weights, "dtype": args.dtype,
               "long_prompt_tokens": len(long_ids), "decodes": args.decodes, "reps": args.reps,
               "threads": {"colocated-1t": 1, "split": "1 + 1 (prefill worker)", "colocated-2t": full},
-              "outputs_equal": all(r["tokens"] == ref for rs in runs.values() for r in rs), "setups": {}}
+              "outputs_equal": all(r["tokens"] == ref for rs in runs.values() for r in rs), "setups": {},
+              "long_ttft_alone_ms": {n: round(t, 1) for n, t in alone.items()}}
     for name, rs in runs.items():
         gaps = [g for r in rs for g in r["gaps_ms"]]
         entry = {"gaps": len(gaps), "itl_p50_ms": round(_pct(gaps, 0.5), 1), "itl_p99_ms": round(_pct(gaps, 0.99), 1),
                  "itl_max_ms": round(max(gaps), 1) if gaps else None,
                  "long_ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 1)}
+        steps = [t for r in rs for t in r["mixed_step_ms"]]
+        ratios = [x for r in rs for x in r["mixed_step_ratio"]]
+        if steps:  # steps with prefill beside decodes: their time, and measured / predicted
+            entry["mixed_steps"] = {"n": len(steps), "p50_ms": round(_pct(steps, 0.5), 1),
+                                    "p99_ms": round(_pct(steps, 0.99), 1), "max_ms": round(max(steps), 1),
+                                    "measured_over_predicted_p50": round(_pct(ratios, 0.5), 2),
+                                    "measured_over_predicted_p99": round(_pct(ratios, 0.99), 2)}
         if rs[0]["split"]:
             entry["long_ttft_split_ms"] = {k.removesuffix("_s"): round(1e3 * statistics.median(r["split"][k] for r in rs), 1)
                                            for k in rs[0]["split"]}
+        entry["long_ttft_vs_alone"] = round(entry["long_ttft_ms"] / alone[same_cores[name]], 2)
         report["setups"][name] = entry
     kv = loaded.model.kv_bytes_per_token()
     report["kv_bytes_per_token"] = kv

@@ -135,10 +135,10 @@ class SchedulerConfig:
     itl_target_s: float | None = 0.1
     ttft_target_s: float = 1.0
     itl_margin: float = 0.8
-    # A prompt is cut into chunks of whole `prefill_unit`s (a last piece of at most BATCH_INVARIANT_M tokens
-    # joins the chunk before it): every chunk then runs on the GEMM path, whose rows do not depend
-    # on how the prompt was cut, so output is the same however load sized the chunks.
-    prefill_unit: int = 128
+    # A prompt is cut into chunks of `prefill_chunk` tokens (a last piece of at most
+    # BATCH_INVARIANT_M tokens joins the chunk before it), whatever else runs: the same cuts alone
+    # and under load, so the same KV bits, and each chunk on the GEMM path at full efficiency.
+    prefill_chunk: int = 512
     # A chunk whose full cost would break the ITL budget runs a few of its layers per step.
     layer_split: bool = True
 
@@ -155,8 +155,8 @@ class SchedulerConfig:
             raise ValueError("itl_target_s must be > 0 (or None: no time budget)")
         if not 0 < self.itl_margin <= 1:
             raise ValueError("itl_margin must be in (0, 1]")
-        if self.prefill_unit < 1:
-            raise ValueError("prefill_unit must be >= 1")  # and above BATCH_INVARIANT_M: Scheduler checks
+        if self.prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")  # and above BATCH_INVARIANT_M: Scheduler checks
         for name in ("max_queue_wait_s", "retry_after_s", "ttft_target_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")

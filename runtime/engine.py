@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,9 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.in_step: list[str] = []  # the requests of the step running (or last run)
+        # the recent steps as (StepShape, predicted s, measured s): how well the time budget
+        # predicts, read by the benchmarks (bounded: a server runs for weeks)
+        self.step_log: deque = deque(maxlen=4096)
         # the last step's wall time by phase (PhaseClock.PHASES), for /metrics' step breakdown
         self.step_phases: dict[str, float] = {}
 
@@ -206,8 +210,10 @@ class Engine:
             return failed
         shape = step_shape(sched.seqs, self.model.num_layers)
         clock.lap("schedule")
+        predicted = self.step_cost.predict(shape)
         outputs = self._step(list(sched.seqs), clock)
         self.step_cost.observe(shape, clock.total())  # what this step's streams waited
+        self.step_log.append((shape, predicted, clock.total()))
         self.step_phases = clock.phases
         return failed + outputs
 

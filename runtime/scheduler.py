@@ -68,8 +68,8 @@ class Scheduler:
         (session pins); it returns False when it has nothing left to give. `cost`: the step cost
         model the time budget is read from (the engine refits it); None: token budgets only.
         `layer_split`: whether the model can run a chunk's layers over several steps."""
-        if config.prefill_unit <= BATCH_INVARIANT_M:  # its chunks would run on the small-M path
-            raise ValueError(f"prefill_unit must be > {BATCH_INVARIANT_M}, got {config.prefill_unit}")
+        if config.prefill_chunk <= BATCH_INVARIANT_M:  # its chunks would run on the small-M path
+            raise ValueError(f"prefill_chunk must be > {BATCH_INVARIANT_M}, got {config.prefill_chunk}")
         self.config = config
         self.cost = cost
         self.num_layers = num_layers
@@ -138,11 +138,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
-        # Decoding requests, oldest first; preempt from the newest end when blocks run out.
+        # Decoding requests, oldest first; preempt from the newest end when blocks run out. Draft
+        # slots are what the ITL budget leaves after every decode's own row: the step's time is
+        # every stream's gap, and a draft only ever saves time if the step stays within it.
+        draft_rows = self._draft_rows()
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or request.num_uncomputed != 1 or budget <= 0:
                 continue
-            spec = min(request.spec_budget, budget - 1)
+            spec = min(request.spec_budget, budget - 1, draft_rows)
             spec = max(0, min(spec, self.max_seq_len - request.num_tokens - 1))
             while not self._grow(request, 1 + spec):
                 if spec:  # first give up the draft slots
@@ -157,6 +160,7 @@ class Scheduler:
                 continue
             seqs.append(ScheduledSeq(request, 1, spec))
             budget -= 1 + spec
+            draft_rows -= spec
         # What the decodes leave of the step's time budget goes to prefill work.
         plan = _PrefillPlan(self, seqs)
         # Running requests in prefill (a chunk split by layers first: it holds its blocks and
@@ -208,6 +212,17 @@ class Scheduler:
             seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
             budget -= num_new
         return SchedulerOutput(seqs, preempted)
+
+    def _draft_rows(self) -> float:
+        """Draft-tree rows the step's time budget allows beside one row per decoding request
+        (margin x the tightest ITL bound, by the cost model); unbounded without one."""
+        decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1]
+        bound = itl_bound(decoding, self.config.itl_target_s)
+        if self.cost is None or bound is None:
+            return float("inf")
+        ctx = sum(r.num_tokens for r in decoding) / len(decoding)
+        rows = self.cost.decode_rows_within(self.config.itl_margin * bound, ctx)
+        return max(0, rows - len(decoding))
 
     def _by_deadline(self) -> list[Request]:
         """The waiting queue by TTFT deadline (arrival + the request's bound, else the default);
@@ -293,16 +308,16 @@ class _PrefillPlan:
 
         bound  = min ITL bound over the decoding requests      (none decoding: no time limit)
         slack  = margin * bound - predicted cost of the decodes
-        chunk  = whole prefill units of the prompt while their predicted cost fits the slack;
-                 the first prefill of a step always progresses: at least one unit, and if that
-                 unit alone breaks the slack (layer_split), as many of its layers as fit (>= 1)
-        a chunk split by layers continues at its next layer in the next step, before any other.
+        chunk  = the prompt's next chunk, whole if its predicted cost fits the slack, else as
+                 many of its layers as fit (layer_split); the first prefill work of a step
+                 always progresses (at least one layer of one chunk)
+        a chunk split by layers continues at its next layer in the next steps, before any other.
 
-    A chunk is whole units of `prefill_unit` tokens (the tail of <= BATCH_INVARIANT_M tokens
-    joins the chunk before it), or the whole rest when that is at most one unit plus the tail:
-    every chunk of more than BATCH_INVARIANT_M tokens runs on the GEMM path, whose rows do not
-    depend on the chunk's size, so the time budget decides how far a prompt advances, never
-    the bits of its KV."""
+    A prompt's chunks are `prefill_chunk` tokens (a tail of <= BATCH_INVARIANT_M tokens joins
+    the chunk before it), alone or under load: the time budget decides how many layers of a
+    chunk run in a step, never where the prompt is cut, so its KV has the same bits however
+    busy the server is; and every chunk of a prompt longer than BATCH_INVARIANT_M tokens runs
+    on the GEMM path at the full chunk's efficiency."""
 
     def __init__(self, scheduler: Scheduler, decodes: list[ScheduledSeq]):
         self.s = scheduler
@@ -310,12 +325,7 @@ class _PrefillPlan:
         self.cost = scheduler.cost
         self.stopped = False  # out of time for this step
         self.num_prefills = 0
-        bound = None
-        for seq in decodes:
-            r = seq.request
-            b = r.params.max_itl_s if r.params.max_itl_s is not None else cfg.itl_target_s
-            if b is not None:
-                bound = b if bound is None else min(bound, b)
+        bound = itl_bound([seq.request for seq in decodes], cfg.itl_target_s)
         for seq in decodes:
             self.note_itl(seq.request)
         if self.cost is None or bound is None or not decodes:
@@ -366,41 +376,42 @@ class _PrefillPlan:
         L = self.s.num_layers
         if request.chunk_layer:  # a chunk in flight: its next layers
             tokens = request.chunk_tokens
-            per_layer = self._seconds(request, tokens, 1.0 / L)
-            left = L - request.chunk_layer
-            n = left if per_layer <= 0 or self.slack == float("inf") else min(left, int(self.slack // per_layer))
-            if n <= 0:
-                if not first:
-                    self.stopped = True
-                    return None
-                n = 1
+            n = self._layers_that_fit(request, tokens, L - request.chunk_layer, first)
+            if n == 0:
+                return None
             stop = request.chunk_layer + n
             return tokens, (request.chunk_layer, stop), stop == L
-        rest = request.num_uncomputed
-        unit = self.s.config.prefill_unit
-        if rest <= BATCH_INVARIANT_M:  # a short rest: the small-M path, whole (it cannot be split)
-            if not first and self._seconds(request, rest) > self.slack:
-                self.stopped = True
-                return None
-            return (rest, None, True) if rest <= token_budget or first else None
-        # whole units from here; a tail of <= BATCH_INVARIANT_M tokens goes with the last unit
-        max_units = max(1, min(token_budget, rest) // unit) if first else min(token_budget, rest) // unit
-        k = 0
-        while k < max_units and self._seconds(request, _cut(rest, (k + 1) * unit)) <= self.slack:
-            k += 1
-        if k == 0:
-            if not first:
-                self.stopped = True
-                return None
-            tokens = _cut(rest, unit)
-            full = self._seconds(request, tokens)
-            if self.s.layer_split and full > self.slack and tokens > BATCH_INVARIANT_M:
-                per_layer = full / L
-                n = max(1, min(L, int(max(self.slack, 0.0) // per_layer))) if per_layer > 0 else L
-                if n < L:
-                    return tokens, (0, n), False
+        # the prompt's next chunk: set by its length and position alone, never by the load
+        tokens = _cut(request.num_uncomputed, self.s.config.prefill_chunk)
+        if not first and tokens > token_budget:  # the step is full of tokens: nobody else this step
+            self.stopped = True
+            return None
+        if self._seconds(request, tokens) <= self.slack:
             return tokens, None, True
-        return _cut(rest, k * unit), None, True
+        if self.s.layer_split and tokens > BATCH_INVARIANT_M:  # a few of its layers this step
+            n = self._layers_that_fit(request, tokens, L, first)
+            if n == 0:
+                return None
+            if n < L:
+                return tokens, (0, n), False
+            return tokens, None, True
+        if first:  # it cannot be split: it runs whole (the minimum progress)
+            return tokens, None, True
+        self.stopped = True
+        return None
+
+    def _layers_that_fit(self, request: Request, tokens: int, left: int, first: bool) -> int:
+        """How many of a chunk's remaining `left` layers fit the slack (at least one for the
+        step's first prefill work); 0 (and the step stopped) when none fits."""
+        per_layer = self._seconds(request, tokens, 1.0 / self.s.num_layers)
+        if per_layer <= 0 or self.slack == float("inf"):
+            return left
+        n = min(left, int(max(self.slack, 0.0) // per_layer))
+        if n == 0 and first:
+            n = 1
+        if n == 0:
+            self.stopped = True
+        return n
 
     def commit(self, request: Request, tokens: int, layers: tuple[int, int] | None) -> None:
         """Account for the work `chunk` gave (and note a chunk split by layers on the request)."""
@@ -413,6 +424,16 @@ class _PrefillPlan:
         start, stop = layers
         self.slack -= self._seconds(request, tokens, (stop - start) / L)
         request.chunk_tokens, request.chunk_layer = (0, 0) if stop == L else (tokens, stop)
+
+
+def itl_bound(requests: list[Request], default: float | None) -> float | None:
+    """The tightest ITL bound among decoding requests: each its own `max_itl_s`, else `default`."""
+    bound = None
+    for r in requests:
+        b = r.params.max_itl_s if r.params.max_itl_s is not None else default
+        if b is not None:
+            bound = b if bound is None else min(bound, b)
+    return bound
 
 
 def _cut(rest: int, tokens: int) -> int:

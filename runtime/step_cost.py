@@ -93,6 +93,15 @@ class StepCostModel:
         floor = self.DECODE_PRIOR[0] * 0.1
         return max(floor, self.decode.predict(self._decode_x(StepShape(rows, ctx))))
 
+    def decode_rows_within(self, seconds: float, ctx: float) -> int:
+        """The most decode/verify rows at mean context `ctx` predicted to fit `seconds` (>= 0);
+        read off decode_seconds, linear in the rows."""
+        base = self.decode_seconds(0, ctx)
+        per_row = self.decode_seconds(1, ctx) - base
+        if per_row <= 0:  # a fit that has not learnt a row's cost yet: the prior's
+            per_row = self.DECODE_PRIOR[1] + self.DECODE_PRIOR[2] * ctx / 1000
+        return max(0, int((seconds - base) / per_row))
+
     def prefill_seconds(self, tokens: int, ctx: float, frac: float = 1.0) -> float:
         """A chunk of `tokens` at mean context `ctx` through `frac` of the layers."""
         if tokens <= 0 or frac <= 0:

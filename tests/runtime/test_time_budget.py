@@ -1,7 +1,7 @@
 """Steps sized by time (issue 25): under a fake cost model, a step that carries prefill work
 beside decodes stays within margin x the tightest ITL bound of the decoding requests (a chunk too
 costly for it runs a few layers a step), a prefill always progresses, a prompt with nothing else
-running gets whole-budget chunks, chunks are whole units (no short chunk on the other path), a
+running gets whole chunks, a prompt is cut the same alone and under load (no short chunk on the other path), a
 request's own `max_itl_s` tightens the budget with speculation off, waiting prompts start
 earliest TTFT deadline first, and greedy output is the same alone and under load, layer splits
 included. Tests check the policy, never the machine's speed."""
@@ -99,7 +99,7 @@ def test_prefill_beside_decodes_stays_within_the_itl_budget_and_always_progresse
     assert with_prefill, "the long prompt never ran"
     for seqs, cost, n_decoding in with_prefill:
         if n_decoding:
-            assert cost <= 0.085 + 1e-9, (seqs, cost)  # 1 ms/token: a 128-token unit alone is over it
+            assert cost <= 0.085 + 1e-9, (seqs, cost)  # 1 ms/token: a 512-token chunk alone is over it
     assert any(layers is not None for seqs, _, _ in with_prefill for r, _, layers in seqs if r == "long")
     assert len(outs["long"]) == 4  # it finished
 
@@ -114,27 +114,30 @@ def test_alone_a_prompt_gets_whole_budget_chunks(tiny):
 
 
 @pytest.mark.parametrize("length", [530, 700, 1100])
-def test_chunks_are_whole_units_and_never_short(tiny, length):
-    """Every chunk of a prompt longer than 64 tokens has more than 64 (the GEMM path), whatever
-    load sized it: no prompt row is computed on the other path under load than alone."""
+def test_a_prompt_is_cut_the_same_alone_and_under_load(tiny, length):
+    """A prompt's chunks are set by its own length: the same cuts with nothing else running and
+    beside decodes (where the time budget splits them by layers instead), none of 64 tokens or
+    fewer (no prompt row on the other path)."""
+    cuts = {}
     for load in (False, True):
-        engine = make_engine(tiny, itl_target_s=0.1, prefill_unit=128)
+        engine = make_engine(tiny, itl_target_s=0.1, prefill_chunk=256)
         if load:
             start_decodes(engine)
         engine.add_request(prompt(length, seed=3), greedy(2), request_id="p")
         steps, _ = trace(engine)
-        chunks = [n for seqs, _, _ in steps for r, n, layers in seqs
-                  if r == "p" and n > 1 and (layers is None or layers[0] == 0)]
-        assert sum(chunks) == length
-        assert all(c > 64 for c in chunks), chunks
-        assert all(c % 128 == 0 for c in chunks[:-1]), chunks
+        cuts[load] = [n for seqs, _, _ in steps for r, n, layers in seqs
+                      if r == "p" and n > 1 and (layers is None or layers[0] == 0)]
+        assert sum(cuts[load]) == length
+        assert all(c > 64 for c in cuts[load]), cuts[load]
+        assert all(c == 256 for c in cuts[load][:-1]), cuts[load]
+    assert cuts[True] == cuts[False]
 
 
 def test_greedy_output_is_the_same_alone_and_under_load_with_layer_splits(tiny):
     alone = make_engine(tiny, itl_target_s=None)
     alone.add_request(prompt(600, seed=4), greedy(12), request_id="long")
     _, want = trace(alone)
-    busy = make_engine(tiny, itl_target_s=0.02)  # tight: the 128-token units run a layer a step
+    busy = make_engine(tiny, itl_target_s=0.02)  # tight: the 512-token chunks run a layer a step
     start_decodes(busy, n=3)
     busy.add_request(prompt(600, seed=4), greedy(12), request_id="long")
     steps, got = trace(busy)
@@ -159,6 +162,27 @@ def test_a_requests_own_itl_bound_tightens_the_budget_with_speculation_off(tiny)
     loose = prefill_per_step()
     tight = prefill_per_step(speculate=False, max_itl_s=0.05)
     assert tight < loose
+
+
+def test_draft_slots_are_what_the_itl_budget_leaves_after_every_decode(tiny):
+    """Eight decodes each wanting a 40-node draft tree: the step's rows are capped by time
+    (FakeCost: 10 ms + 1 ms a row within 0.8 x 100 ms, so 70 rows), every decode keeps its own
+    row, and the drafts share what is left."""
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_batched_tokens=1024)
+    start_decodes(engine, n=8, tokens=20)
+    for request in engine.scheduler.running:
+        request.spec_budget = 40
+    out = engine.scheduler.schedule()
+    decodes = [s for s in out.seqs if s.num_new_tokens == 1]
+    assert len(decodes) == 8
+    rows = sum(1 + s.num_spec_slots for s in decodes)
+    assert rows == 70 and engine.step_cost.decode_seconds(rows, 0) <= 0.08 + 1e-9
+    assert decodes[0].num_spec_slots == 40  # oldest first, as the token budget is shared
+    loose = make_engine(tiny, itl_target_s=None, max_num_batched_tokens=1024)
+    start_decodes(loose, n=8, tokens=20)
+    for request in loose.scheduler.running:
+        request.spec_budget = 40
+    assert sum(s.num_spec_slots for s in loose.scheduler.schedule().seqs) == 8 * 40  # no bound: no cap
 
 
 def test_waiting_prompts_start_earliest_ttft_deadline_first(tiny):
