@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from prescient.runtime import kv_handoff as kh
 from prescient.runtime.prefill_worker import open_groups, receive, send
-from prescient.runtime.request import OverloadedError, Request, RequestStatus
+from prescient.runtime.request import OverloadedError, Request
 
 log = logging.getLogger("prescient.pd")
 IDLE = timedelta(days=365)
@@ -157,37 +157,22 @@ class RemotePrefill:
         error message (the request fails alone)."""
         t0 = time.perf_counter()
         request, blocks = entry.request, engine.block_manager
-        k = len(entry.hashes)
-        fresh = -(-len(request.prompt_token_ids) // blocks.block_size) - k
+        fresh = -(-len(request.prompt_token_ids) // blocks.block_size) - len(entry.hashes)
         if fresh != int(head[2]):
             return f"the prefill worker handed over {int(head[2])} KV blocks for a prompt that needs {fresh}"
-        while True:
-            hit_ids, hit_hashes = blocks.match_prefix(request.prompt_token_ids)
-            if hit_hashes[:k] != entry.hashes:  # the pages before k are gone: prefill it here instead
-                engine.scheduler.waiting.appendleft(request)
-                self.num_local_fallbacks += 1
-                return False
-            hit_ids = hit_ids[:k]
-            idle = sum(1 for b in hit_ids if blocks.blocks[b].ref_count == 0)  # taken from the free list
-            if blocks.can_allocate(fresh + idle):
-                break
-            if not engine.sessions.evict_oldest():  # pins released: match again, blocks may be gone
-                return None
-        blocks.acquire_prefix(hit_ids, len(request.prompt_token_ids))
-        new_ids = blocks.allocate(fresh)
+        new_ids = engine.scheduler.admit_prefilled(request, entry.hashes, fresh)
+        if new_ids is None:
+            return None
+        if new_ids is False:  # the pages before k are gone: prefilled here instead
+            self.num_local_fallbacks += 1
+            return False
         try:
             logits = kh.scatter_pages(engine.kv_caches, new_ids, payload, self.vocab_size,
                                       kh.ROW_DTYPES[int(head[kh.ROW_DTYPE])])
         except Exception as e:  # noqa: BLE001 - a malformed handoff fails its request alone
-            blocks.free_blocks(hit_ids + new_ids)
             log.error("a KV handoff could not be placed: %s", e)
-            return "the prefill worker's KV handoff was malformed"
-        request.block_ids, request.block_hashes = hit_ids + new_ids, list(hit_hashes[:k])
-        request.num_cached_tokens = k * blocks.block_size
-        request.num_computed_tokens = len(request.prompt_token_ids)
-        request.status = RequestStatus.RUNNING
-        engine.scheduler.running.append(request)
-        engine.scheduler.register_full_blocks(request)
+            return "the prefill worker's KV handoff was malformed"  # the engine ends it (its blocks freed)
+        engine.scheduler.register_full_blocks(request)  # only now do its blocks hold its pages
         scattered = time.perf_counter()
         prefill, gather = int(head[kh.T_PREFILL]) / 1e9, int(head[kh.T_GATHER]) / 1e9
         self.last_timing[request.request_id] = kh.HandoffTiming(

@@ -98,6 +98,9 @@ class Engine:
         self.step_log: deque = deque(maxlen=4096)
         # the last step's wall time by phase (PhaseClock.PHASES), for /metrics' step breakdown
         self.step_phases: dict[str, float] = {}
+        # a prefill worker's (runtime/prefill_worker.py): handoff(request, logits row) takes each
+        # prompt once computed, and nothing is sampled here; None: an engine that decodes
+        self.handoff = None
 
     # ---------------------------------------------------------------- requests
 
@@ -173,15 +176,23 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> bool:
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return False
-        request.finish_reason = "abort"
-        request.finished_time = time.perf_counter()
         if self.remote_prefill is not None:
             self.remote_prefill.abort(request)
-        self._release(request)
+        self.finish(request, "abort")
         return True
+
+    def finish(self, request: Request, reason: str, now: float | None = None) -> None:
+        """The one way a request ends, whatever ended it (its output done, an abort, a failure,
+        an expiry, or its prompt handed to the decode worker): out of the engine's table, its
+        blocks released (a session's kept pinned for its next turn), its per-request state
+        dropped."""
+        self.requests.pop(request.request_id, None)
+        request.finish_reason = reason
+        request.finished_time = now if now is not None else time.perf_counter()
+        self._release(request)
 
     def _release(self, request: Request) -> None:
         if request.session_id is not None and request.finish_reason not in ("abort", "error"):
@@ -199,22 +210,27 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """One step: the scheduler's sequences (and a P/D split's handed-off prompts, whose
+        logits row came with their pages) through one forward, sampling or verification and
+        commit."""
         self.in_step = []
         self.sessions.expire()
         failed = self._expire_waiting()
-        if self.remote_prefill is not None:
-            failed += self._take_handoffs()
+        handoffs = self._take_handoffs(failed) if self.remote_prefill is not None else []
         clock = PhaseClock()
         sched = self.scheduler.schedule()
-        if not sched.seqs:
+        if not sched.seqs and not handoffs:
             return failed
         shape = step_shape(sched.seqs, self.model.num_layers)
         clock.lap("schedule")
         predicted = self.step_cost.predict(shape)
-        outputs = self._step(list(sched.seqs), clock)
-        self.step_cost.observe(shape, clock.total())  # what this step's streams waited
-        self.step_log.append((shape, predicted, clock.total()))
+        outputs = self._step(handoffs + list(sched.seqs), clock)
+        if sched.seqs:
+            self.step_cost.observe(shape, clock.total())  # what this step's streams waited
+            self.step_log.append((shape, predicted, clock.total()))
         self.step_phases = clock.phases
+        if handoffs:
+            self._note_handoff_ttft(handoffs, outputs)
         return failed + outputs
 
     def _step(self, seqs, clock: "PhaseClock") -> list[RequestOutput]:
@@ -227,6 +243,8 @@ class Engine:
         clock.lap("mask")
         if not seqs:
             return failed
+        if self.handoff is not None:  # a prefill worker: computed prompts go to the decode worker
+            return failed + self._hand_off(seqs)
         # decode/verify rows on the small-M path whatever shares the step (runtime/forward_plan.py);
         # the one stage whose failure is everyone's (AsyncEngine answers it for all)
         logits = run_forward(self.model, self.kv_caches, seqs, trees,
@@ -241,6 +259,7 @@ class Engine:
     # forward a failed request leaves the batch; after it, its logits rows are skipped.
 
     def _propose(self, seqs, failed: list[RequestOutput]) -> Drafts:
+        # (a handed-off prompt has no draft slots, so it gets no draft: its row is the root's only)
         if self.speculator is None:
             return Drafts([None] * len(seqs), [0] * len(seqs))
         try:
@@ -270,7 +289,7 @@ class Engine:
         return trees, masks
 
     def _decide(self, seqs, trees, logits: torch.Tensor, masks, forced: list[int],
-                plan_drafts: bool = True, clock: "PhaseClock | None" = None) -> list[RequestOutput]:
+                clock: "PhaseClock | None" = None) -> list[RequestOutput]:
         """From the forward's logits to committed tokens: penalties and bias, the grammar mask,
         sampling or verification, commit. seqs[i]'s rows are logits[spans[i]]."""
         failed: list[RequestOutput] = []
@@ -288,9 +307,6 @@ class Engine:
                     bad[i] = e
         self.grammar_step.apply(logits, masks)
         results = self._choose(seqs, trees, logits, spans, bad)
-        if not plan_drafts:
-            for seq in seqs:
-                seq.request.spec_budget = 0
         for i, e in bad.items():
             failed.append(self._fail_request(seqs[i].request, *_cause("sampling", e)))
         keep = [i for i in range(len(seqs)) if i not in bad]
@@ -334,40 +350,46 @@ class Engine:
             results[i] = r
         return results
 
-    def _take_handoffs(self) -> list[RequestOutput]:
-        """Prompts the prefill worker finished: their pages are in this cache; sample each first
-        token from the logits row that came with them, as a co-located step would from its
-        forward (penalties, grammar mask, sampling or verification, commit)."""
+    def _take_handoffs(self, failed: list[RequestOutput]) -> list[ScheduledSeq]:
+        """Prompts the prefill worker finished, their pages now in this cache: each enters the
+        step as a sequence whose logits row is already computed (it came with the pages), and
+        samples its first token as a co-located step would (penalties, grammar mask, sampling or
+        verification, commit)."""
         ready, bad = self.remote_prefill.collect(self)
-        outputs = [self._fail_request(request, message) for request, message in bad]
-        if not ready:
-            return outputs
-        seqs = [ScheduledSeq(request, 0, 0) for request, _ in ready]  # prompts computed: each samples
-        rows = {id(request): row for request, row in ready}
-        outputs += self._resolve_grammars(seqs)
-        drafts = Drafts([None] * len(seqs), [0] * len(seqs))
-        trees, masks = self._prepare(seqs, drafts, outputs)
-        if not seqs:
-            return outputs
-        logits = torch.cat([rows[id(seq.request)] for seq in seqs]).to(self.model.device)  # [n, vocab]
-        # drafts from the next step's plan, made over the whole batch (not verify's for these alone)
-        outs = self._decide(seqs, trees, logits, masks, drafts.forced, plan_drafts=False)
+        failed += [self._fail_request(request, message) for request, message in bad]
+        return [ScheduledSeq(request, 0, 0, logits=row.to(self.model.device)) for request, row in ready]
+
+    def _note_handoff_ttft(self, handoffs: list[ScheduledSeq], outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
-        by_id = {seq.request.request_id: seq.request for seq in seqs}
-        for out in outs:
+        by_id = {seq.request.request_id: seq.request for seq in handoffs}
+        for out in outputs:
             if out.request_id in by_id and out.error is None:
                 timing = self.remote_prefill.first_token_committed(by_id[out.request_id], now)
                 out.ttft_split = None if timing is None else timing.as_dict()
-        return outputs + outs
+
+    def _hand_off(self, seqs) -> list[RequestOutput]:
+        """A prefill worker's step: the chunks' forward; each prompt now computed goes to
+        `handoff(request, logits row [vocab])` and ends here (its blocks stay in the prefix
+        cache). It samples nothing."""
+        logits = run_forward(self.model, self.kv_caches, seqs, [None] * len(seqs),
+                             self.block_manager.block_size)  # [prompts completed this step, vocab]
+        self.num_steps += 1
+        row = 0
+        for seq in seqs:
+            request, samples = seq.request, seq.samples
+            if seq.completes:  # (a prefill worker runs no decodes: its chunks are never split by layers)
+                self.scheduler.advance(request, seq.num_new_tokens)
+            if samples:
+                self.handoff(request, logits[row])
+                row += 1
+                self.finish(request, "handoff")
+        return []
 
     def _fail_request(self, request: Request, text: str, error_type: str | None = None) -> RequestOutput:
         """End one request with an error output (its blocks released); the others go on.
         error_type "invalid_request": its own input cannot go on (a 4xx); None: a server fault."""
-        self.requests.pop(request.request_id, None)
-        request.finish_reason = "error"
-        request.finished_time = time.perf_counter()
         try:
-            self._release(request)
+            self.finish(request, "error")
         except Exception:  # releasing must not take the step down; the blocks may leak, say so
             log.error("releasing failed request %s failed", request.request_id, exc_info=True)
         return RequestOutput(request.request_id, [], "", True, "error", error=text, error_type=error_type,
@@ -378,10 +400,7 @@ class Engine:
         now = time.perf_counter()
         outputs = []
         for request in self.scheduler.expire_waiting(now):
-            self.requests.pop(request.request_id, None)
-            request.finish_reason = "error"
-            request.finished_time = now
-            self._release(request)
+            self.finish(request, "error", now)
             err = OverloadedError(f"the server is overloaded: the request waited {now - request.arrival_time:.1f} s "
                                   f"without starting (the limit is {self.config.scheduler.max_queue_wait_s} s)",
                                   self.config.scheduler.retry_after_s)
@@ -437,8 +456,6 @@ class Engine:
     def _commit_one(self, seq, result: SeqResult | None, forced: int, now: float) -> RequestOutput | None:
         request = seq.request
         n_accepted = result.num_accepted_draft if result else 0
-        if seq.completes:  # a chunk split by layers counts once its last layer has run
-            request.num_computed_tokens += seq.num_new_tokens + n_accepted
         out = None
         if result is not None:
             if forced:
@@ -453,13 +470,12 @@ class Engine:
                 result.logits = None if result.logits is None else result.logits[:taken]
             self.grammar_step.append_forced_stop(request, result)
             out = commit_tokens(request, result, self.detokenizers.get(request.request_id), self.max_seq_len, now)
-        self.scheduler.register_full_blocks(request)
+        if seq.completes:  # a chunk split by layers counts once its last layer has run
+            self.scheduler.advance(request, seq.num_new_tokens + n_accepted)
         if out is None:
             return None
         if out.finished:
-            request.finished_time = now
-            self.requests.pop(request.request_id, None)
-            self._release(request)
+            self.finish(request, request.finish_reason, now)
             return out
         if self.speculator is not None:
             self.speculator.on_committed(request, first=len(request.output_token_ids) == len(result.tokens))

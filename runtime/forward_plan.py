@@ -13,7 +13,8 @@ step's total:
     forwards = [large (one forward, > BATCH_INVARIANT_M rows)] +
                [small, packed in order into forwards of <= BATCH_INVARIANT_M rows]
 
-and the logits come back in the sequences' order. A prefill chunk the scheduler split by layers
+and the logits come back in the sequences' order (a sequence whose logits row came with it, a
+P/D handoff, takes no forward: its row goes in its place). A prefill chunk the scheduler split by layers
 (its `layers` set) runs alone through `model.forward_layers`, its hidden states kept on the
 request until its last layer has run (the same ops as one forward: the same bits). A step of only decodes (the common case) is one
 forward, as before; a prefill chunk beside decodes costs one extra forward's dispatch, and more
@@ -36,6 +37,11 @@ def split(seq) -> bool:
     return getattr(seq, "layers", None) is not None
 
 
+def precomputed(seq) -> bool:
+    """A sequence whose logits came with it (a P/D handoff, ScheduledSeq.logits): no forward."""
+    return getattr(seq, "logits", None) is not None
+
+
 def seq_rows(seq, tree) -> int:
     """Rows a scheduled sequence adds to a forward: its draft tree's nodes, or its new tokens."""
     return len(tree.tokens) if tree is not None else seq.num_new_tokens
@@ -50,13 +56,14 @@ def seq_logits(seq, tree) -> int:
 def plan(seqs: list, trees: list) -> list[list[int]]:
     """The sequences' indices grouped into forwards (module docstring): the large ones first,
     together, then the small ones in order, at most BATCH_INVARIANT_M rows a forward."""
-    large = [i for i, (s, t) in enumerate(zip(seqs, trees)) if seq_rows(s, t) > BATCH_INVARIANT_M and not split(s)]
+    large = [i for i, (s, t) in enumerate(zip(seqs, trees))
+             if seq_rows(s, t) > BATCH_INVARIANT_M and not split(s) and not precomputed(s)]
     groups = [[i] for i, s in enumerate(seqs) if split(s)] + ([large] if large else [])
     cur: list[int] = []
     rows = 0
     for i, (s, t) in enumerate(zip(seqs, trees)):
         n = seq_rows(s, t)
-        if n > BATCH_INVARIANT_M or split(s):
+        if n > BATCH_INVARIANT_M or split(s) or precomputed(s):
             continue
         if cur and rows + n > BATCH_INVARIANT_M:
             groups.append(cur)
@@ -72,10 +79,11 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int) -> t
     """One step's target logits [num_logits, vocab], sequences in order (as one
     build_forward_batch forward would return them), computed in the planned forwards."""
     groups = plan(seqs, trees)
-    if len(groups) == 1 and not split(seqs[groups[0][0]]):
+    if len(groups) == 1 and len(groups[0]) == len(seqs) and not split(seqs[groups[0][0]]):
         batch = build_forward_batch(seqs, trees, block_size, model.device)
         return model.forward(batch, kv_caches)
-    parts: list[torch.Tensor | None] = [None] * len(seqs)  # per sequence: its logits rows
+    # per sequence: its logits rows (a handed-off prompt's came with it)
+    parts: list[torch.Tensor | None] = [s.logits if precomputed(s) else None for s in seqs]
     for group in groups:
         if split(seqs[group[0]]):
             logits = _forward_split(model, kv_caches, seqs[group[0]], block_size)

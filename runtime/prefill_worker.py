@@ -1,10 +1,10 @@
 """The prefill worker of a prefill/decode split: a process with its own model, KV cache and
 scheduler that only computes prompts (runtime/disaggregated.py starts it and receives its pages).
 
-    loop:  new prompts (a receiver thread) -> its scheduler (chunked prefill, prefix cache)
-           step: forwards of the scheduled chunks; for each prompt now complete:
-                 send [OP_KV header] + [its pages past what the decode worker has cached + logits row]
-                 and release its blocks (they stay in this worker's prefix cache)
+    loop:  new prompts (a receiver thread) -> its engine (chunked prefill, prefix cache)
+           Engine.step: forwards of the scheduled chunks; each prompt now complete goes to
+                 `hand_off`: send [OP_KV header] + [its pages past what the decode worker has
+                 cached + logits row]; the engine ends it (its blocks stay in the prefix cache)
 
 It samples nothing and keeps no request state past the handoff. Messages go over
 torch.distributed point-to-point (gloo process groups, one per direction).
@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from prescient.runtime import kv_handoff as kh
-from prescient.runtime.forward_plan import run_forward
 from prescient.runtime.request import Request
 
 
@@ -48,6 +47,7 @@ class PrefillServer:
         self.requests_group, self.results_group = requests_group, results_group
         self.inbox: queue.Queue = queue.Queue()
         self.skip: dict[str, int] = {}  # request id -> leading blocks the decode worker has cached
+        engine.handoff = self.hand_off  # its steps sample nothing: computed prompts come here
 
     def send(self, head: torch.Tensor, payload: torch.Tensor | None = None) -> None:
         send(self.results_group, 0, head, payload)
@@ -89,29 +89,11 @@ class PrefillServer:
                 continue
             self.skip[rid] = int(head[3])
 
-    @torch.inference_mode()
-    def step(self) -> None:
-        """One scheduler step of prefill chunks; complete prompts are handed off and released."""
-        eng = self.engine
-        sched = eng.scheduler.schedule()
-        if not sched.seqs:
-            return
-        logits = run_forward(eng.model, eng.kv_caches, sched.seqs, [None] * len(sched.seqs),
-                             eng.block_manager.block_size)  # [prompts completed this step, vocab]
+    def hand_off(self, request: Request, logits_row: torch.Tensor) -> None:
+        """The engine's handoff (Engine.handoff): a computed prompt's pages past what the decode
+        worker has cached, and its logits row, to the decode worker; the engine then ends it
+        here (its blocks stay in this worker's prefix cache)."""
         done = time.perf_counter()
-        row = 0
-        for seq in sched.seqs:
-            request: Request = seq.request
-            samples = seq.samples
-            if seq.completes:  # (this worker runs no decodes, so its chunks are never split by layers)
-                request.num_computed_tokens += seq.num_new_tokens
-            eng.scheduler.register_full_blocks(request)
-            if not samples:
-                continue
-            self._hand_off(request, logits[row], done)
-            row += 1
-
-    def _hand_off(self, request: Request, logits_row: torch.Tensor, done: float) -> None:
         rid = request.request_id
         skip = self.skip.pop(rid, 0)
         arrived = request.arrival_time  # when its message arrived (make_request's arrival_time)
@@ -122,15 +104,13 @@ class PrefillServer:
         head = kh.header(kh.OP_KV, int(rid), len(request.block_ids) - skip, payload.numel(),
                          int((started - arrived) * 1e9), int((done - started) * 1e9), gather_ns,
                          kh.ROW_DTYPES.index(logits_row.dtype))
-        self.engine.requests.pop(rid, None)
-        self.engine._release(request)  # the blocks stay in this worker's prefix cache
         self.send(head, payload)
 
     def serve(self) -> None:
         threading.Thread(target=self.receive_forever, name="prefill-receiver", daemon=True).start()
         eng = self.engine
         while self.take(block=not eng.has_unfinished_requests()):
-            self.step()
+            eng.step()
 
 
 def send(group, dst: int, head: torch.Tensor, payload: torch.Tensor | None = None) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
@@ -42,6 +43,9 @@ class ScheduledSeq:
     # a chunk split by layers: the layers [start, stop) it runs this step; None: all of them
     layers: tuple[int, int] | None = None
     completes: bool = True  # whether its chunk's last layer runs this step
+    # its logits row [1, vocab], already computed (a prompt the P/D split's prefill worker
+    # computed, its pages placed here): no forward row, it only samples
+    logits: Any = None
 
     @property
     def samples(self) -> bool:
@@ -274,7 +278,42 @@ class Scheduler:
         request.block_ids, request.block_hashes, request.num_computed_tokens = [], [], 0
         return None
 
+    def admit_prefilled(self, request: Request, hashes: list[int], fresh: int) -> list[int] | bool | None:
+        """Take a prompt whose KV another worker computed (the P/D split): its leading blocks
+        `hashes` matched again in this prefix cache and held, `fresh` new blocks for the rest ->
+        the new block ids (the request now running, its prompt computed), None when it does not
+        fit yet (nothing held), or False when those leading blocks were evicted meanwhile (it
+        waits at the front of the queue, to be prefilled here)."""
+        k = len(hashes)
+        while True:
+            hit_ids, hit_hashes = self.blocks.match_prefix(request.prompt_token_ids)
+            if hit_hashes[:k] != hashes:
+                self.waiting.appendleft(request)
+                return False
+            hit_ids = hit_ids[:k]
+            idle = sum(1 for b in hit_ids if self.blocks.blocks[b].ref_count == 0)  # taken from the free list
+            if self.blocks.can_allocate(fresh + idle):
+                break
+            if not self.reclaim():  # pins released: match again, blocks may be gone
+                return None
+        self.blocks.acquire_prefix(hit_ids, len(request.prompt_token_ids))
+        new_ids = self.blocks.allocate(fresh)
+        request.block_ids, request.block_hashes = hit_ids + new_ids, list(hit_hashes[:k])
+        request.num_cached_tokens = k * self.block_size
+        request.num_computed_tokens = len(request.prompt_token_ids)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.perf_counter()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return new_ids
+
     # ---------------------------------------------------------------- after the forward
+
+    def advance(self, request: Request, num_tokens: int) -> None:
+        """`num_tokens` more of the request's tokens have their KV written (a chunk's last layer
+        ran, or a decode's accepted tokens): count them and key the blocks they filled."""
+        request.num_computed_tokens += num_tokens
+        self.register_full_blocks(request)
 
     def register_full_blocks(self, request: Request) -> None:
         """Key every block now fully covered by computed tokens in the prefix cache."""

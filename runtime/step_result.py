@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prescient.runtime.request import Request, RequestOutput, RequestStatus
+from prescient.runtime.request import Request, RequestOutput
 from prescient.runtime.tokenizer import IncrementalDetokenizer
 
 
@@ -61,8 +61,6 @@ def commit_tokens(request: Request, result: SeqResult, detok: IncrementalDetoken
         sent = detok.sent
         new_text = detok.text[sent:visible] if visible > sent else ""
         detok.sent = max(sent, visible)
-    if request.finish_reason is not None:
-        request.status = RequestStatus.FINISHED
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=emitted,

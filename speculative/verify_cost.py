@@ -174,9 +174,9 @@ def _batches(model, block_size: int, sizes, context: int):
     kv = model.allocate_kv_cache(num_blocks, block_size)
     batches = {}
     for t in sizes:
-        request = Request("calibrate", [1] * (context + 1), SamplingParams(), (), 0.0)
-        request.block_ids = list(range(num_blocks))
-        request.num_computed_tokens = context
+        # a scratch request no scheduler holds: its blocks and computed count given at birth
+        request = Request("calibrate", [1] * (context + 1), SamplingParams(), (), 0.0,
+                          block_ids=list(range(num_blocks)), num_computed_tokens=context)
         tree = DraftTree.chain(1, [1] * (t - 1)) if t > 1 else None
         batches[t] = build_forward_batch([ScheduledSeq(request, t if tree else 1, 0)], [tree], block_size,
                                          model.device)
