@@ -35,7 +35,7 @@
  * Pieces and threads: a row's context is cut into pieces at fixed positions (PA_PIECE:
  * [0, 256), [256, 512), ...); each piece runs its own online softmax from scratch, and the
  * pieces' partial (m, l, acc) are folded in order by one function (fold_piece).  Work items
- * run on cpu_gemv.c's pool (pg_parallel_for; both files build into one .so).  An item is
+ * run on cpu_runtime.c's pool (pg_parallel_for; both files build into one .so).  An item is
  * a run of consecutive pieces of one row block; when there are few row blocks (one
  * sequence decoding) their pieces are spread over several items (flash-decoding) and the
  * caller folds the later items' pieces after the first item's.  That is scheduling only:
@@ -68,8 +68,8 @@
  * multiplies the softmax weight P (the row sums l keep the unscaled P), so neither scale
  * costs a multiply per element.
  *
- * ISA: per-function target attributes and the run-time ISA of cpu_gemv.c (pg_isa, tiers in
- * cpu_isa.h), so the same source builds everywhere: ISA_AVX2 runs the AVX2 + FMA step (two
+ * ISA: per-function target attributes and the run-time ISA of cpu_runtime.c (pg_isa, tiers in
+ * cpu_runtime.h), so the same source builds everywhere: ISA_AVX2 runs the AVX2 + FMA step (two
  * ymm of scores per query row, K widened to fp32 as it is transposed), ISA_AVX512 and up the
  * AVX-512 step, vdpbf16ps for bf16 K from ISA_AVX512_BF16; the portable path is plain C.
  */
@@ -83,8 +83,7 @@
 #include <math.h>
 
 #include "cpu_bf16.h"
-#include "cpu_isa.h"
-#include "cpu_gemv.h"
+#include "cpu_runtime.h"
 #include "cpu_attention.h"
 
 #if defined(__x86_64__) || defined(__i386__)

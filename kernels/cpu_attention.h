@@ -11,7 +11,7 @@
 #define PA_VERSION 3
 
 /* Cache dtype code of an int8 cache with per-(position, kv head) scales (fp32 and bf16 caches
- * use DT_F32 / DT_BF16 of cpu_gemv.h). */
+ * use DT_F32 / DT_BF16 of cpu_runtime.h). */
 #define PA_KV_I8 8
 
 /* pa_tree_attention's arguments, one buffer (one ctypes argument instead of twenty: each costs

@@ -18,53 +18,35 @@
  * costs a horizontal reduction per (row, input) pair, which is cheap next to the K/32
  * dot-product steps it ends.
  *
- * ISA tiers (cpu_isa.h): AVX-512 (+BF16) and AVX2 + FMA kernels, each compiled in its
- * own `#pragma GCC target` region and chosen at run time from CPUID (capped by
- * pg_set_isa_cap), so the same source builds and runs without -march=native and on
- * CPUs without AVX-512 or AVX2.  The portable tier is plain C that gcc vectorises, or
- * NEON intrinsics on aarch64.
+ * ISA tiers (cpu_runtime.h): AVX-512 (+BF16) and AVX2 + FMA kernels, each compiled in its
+ * own `#pragma GCC target` region and chosen at run time (pg_isa(), cpu_runtime.c), so the
+ * same source builds and runs without -march=native and on CPUs without AVX-512 or AVX2.  The
+ * portable tier is plain C that gcc vectorises, or NEON intrinsics on aarch64.
  *
- * Threads: one caller thread plus (nthreads - 1) persistent workers.  Work is handed
- * out in row chunks through one atomic ticket, so a worker that is slow to wake
- * (asleep, or sharing its core with torch's own threads) costs nothing: the caller
- * simply takes the remaining chunks.  Workers spin briefly after each job (decode
- * issues a linear every few tens of microseconds), then yield, then sleep on a futex.
- * The same pool runs the other kernels of this .so (cpu_attention.c) through
- * pg_parallel_for: one pool per process, since two would spin against each other.
+ * Threads: the row chunks of one call run on the shared pool of cpu_runtime.c
+ * (pg_parallel_for); matrices under pg_set_solo_bytes run on the caller alone.
+ *
+ * Layering: this file uses cpu_runtime.c only; the weight-descriptor dispatcher (pg_linear_w,
+ * cpu_dispatch.c) calls pg_linear here for the float dtypes.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
-#include <stdatomic.h>
-#include <pthread.h>
-#include <sched.h>
-#include <time.h>
-#include <unistd.h>
 #include <math.h>
 
 #include "cpu_bf16.h"
-#include "cpu_isa.h"
 #include "cpu_gemv.h"
-
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#define PG_HAVE_FUTEX 1
-#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include <cpuid.h>
 #define PG_X86 1
 /* Pin a loaded vector in a register: without it gcc re-reads the weight chunk from
  * memory for every FMA that uses it (a load per FMA), and the tiles become load-bound. */
 #define PG_KEEP(v) __asm__("" : "+v"(v))
 #endif
 
-#define PG_VERSION 3
-#define PG_MAX_THREADS 16
 /* Work items per thread and call (see pg_linear).  Tuning knob; -D to override. */
 #ifndef PG_CHUNKS_PER_THREAD
 #define PG_CHUNKS_PER_THREAD 8
@@ -75,20 +57,16 @@
 #ifndef PG_PF_BYTES
 #define PG_PF_BYTES 8192
 #endif
+/* Below this many weight bytes the caller runs alone: waking a worker and handing out
+ * chunks costs ~1 us, about what 48 KB takes to stream on one core. */
+static int g_solo_bytes = 48 * 1024;
 
 
 /* ------------------------------------------------------------------------- */
 /* Job description                                                            */
 /* ------------------------------------------------------------------------- */
 
-/* A generic pool task (pg_parallel_for): run items [i0, i1) of the caller's job.  Other
- * kernels built into this .so (cpu_attention.c) share the pool through it: on a 2-core
- * machine two pools, each with a worker spinning on the second core, would fight. */
-
 typedef struct {
-    pg_task_fn task;        /* NULL: the GEMV below; else task(task_ctx, n0, n1) per chunk
-                               of the N items */
-    const void *task_ctx;
     const void *w;      /* [N, K] row-major, wdt */
     int wdt;
     const float *bias;  /* [N] fp32 or NULL */
@@ -98,8 +76,6 @@ typedef struct {
     int ydt;
     int M, N, K;
     int isa;
-    int chunk_rows;     /* rows per work item */
-    int nchunks;
 } job_t;
 
 /* y[m, n] = v (+ bias[n]), converted to y's dtype. */
@@ -815,52 +791,6 @@ PG_ROWS_DRIVER_AVX2(rows_avx2_bf16w, tile2_bf16w, uint16_t)
 #endif /* PG_X86 */
 
 /* ------------------------------------------------------------------------- */
-/* CPU feature detection                                                      */
-/* ------------------------------------------------------------------------- */
-
-static int g_isa = -1;      /* best ISA the CPU + OS support */
-static int g_isa_cap = 99;  /* user cap (tests force lower paths) */
-
-static int detect_isa(void)
-{
-#ifdef PG_X86
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d))
-        return ISA_PORTABLE;
-    const int fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
-    if (!(c & (1u << 27)))          /* OSXSAVE */
-        return ISA_PORTABLE;
-    /* XCR0: the OS must save SSE and AVX state (bits 1-2) for AVX2, and also opmask,
-     * ZMM_Hi256 and Hi16_ZMM (bits 5-7) for AVX-512. */
-    unsigned lo, hi;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if ((lo & 0x6u) != 0x6u || __get_cpuid_max(0, NULL) < 7)
-        return ISA_PORTABLE;
-    __cpuid_count(7, 0, a, b, c, d);
-    const int avx2 = (b >> 5) & 1;
-    if (!(avx2 && fma && f16c))
-        return ISA_PORTABLE;
-    int f = (b >> 16) & 1, dq = (b >> 17) & 1, bw = (b >> 30) & 1, vl = (b >> 31) & 1;
-    if (!(f && dq && bw && vl) || (lo & 0xe6u) != 0xe6u)
-        return ISA_AVX2;
-    const int vnni = (c >> 11) & 1;
-    __cpuid_count(7, 1, a, b, c, d);
-    if (((a >> 5) & 1) && vnni)     /* AVX512_BF16 (+ VNNI, which every such CPU has) */
-        return ISA_AVX512_BF16;
-    return ISA_AVX512;
-#else
-    return ISA_PORTABLE;
-#endif
-}
-
-static int current_isa(void)
-{
-    if (g_isa < 0)
-        g_isa = detect_isa();
-    return g_isa < g_isa_cap ? g_isa : g_isa_cap;
-}
-
-/* ------------------------------------------------------------------------- */
 /* Row-range dispatch                                                         */
 /* ------------------------------------------------------------------------- */
 
@@ -887,360 +817,10 @@ static void run_rows(const job_t *j, int n0, int n1)
     rows_portable(j, n0, n1);
 }
 
-/* ------------------------------------------------------------------------- */
-/* Thread pool                                                                */
-/* ------------------------------------------------------------------------- */
-
-/* Hot shared words on their own cache lines: the ticket is hammered by every
- * claimant, the wake word only by sleepers. */
-typedef struct {
-    _Alignas(64) _Atomic uint64_t ticket;  /* generation | nchunks | next chunk, see TK_* */
-    _Alignas(64) _Atomic int done_chunks;  /* chunks finished in the current generation */
-    _Alignas(64) _Atomic uint32_t wake;    /* futex word: bumped on every post */
-    _Atomic int sleepers;
-    _Alignas(64) job_t job;                /* written only while no chunk is claimable */
-} pool_t;
-
-static pool_t g_pool;
-static pthread_mutex_t g_call_lock = PTHREAD_MUTEX_INITIALIZER;
-static int g_nthreads = 2;         /* caller + workers */
-static int g_started = 0;          /* workers running */
-static _Atomic int g_spin_us = 300;   /* busy-wait after a job before yielding: covers the
-                                          gaps between the linears of a decode step */
-static _Atomic int g_yield_us = 3000;  /* then sched_yield() this long before sleeping */
-static _Atomic int g_quit = 0;
-static _Atomic int g_live = 0;        /* workers that have not exited */
-/* Below this many weight bytes the caller runs alone: waking a worker and handing out
- * chunks costs ~1 us, about what 48 KB takes to stream on one core. */
-static int g_solo_bytes = 48 * 1024;
-
-static inline void cpu_relax(void)
+/* A pool chunk: rows [n0, n1) of the job. */
+static void rows_task(const void *ctx, int n0, int n1)
 {
-#ifdef PG_X86
-    _mm_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-static inline uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* The ticket packs (generation << 32) | (nchunks << 16) | next chunk.  Claiming a
- * chunk is a CAS on the whole word, and the bound comes from the ticket itself, so a
- * successful claim proves the generation is current and unfinished; the job struct is
- * rewritten only after a generation finishes, hence a worker's copy of it, taken after
- * it saw the generation, is valid whenever its claim succeeds. */
-#define TK_GEN(t) ((uint32_t)((t) >> 32))
-#define TK_NCH(t) ((int)(((t) >> 16) & 0xffffu))
-#define TK_NEXT(t) ((int)((t) & 0xffffu))
-
-/* Diagnostics (pg_stats): pooled calls, chunks run by workers, total chunks. */
-static _Atomic uint64_t g_stat_calls, g_stat_worker_chunks, g_stat_chunks;
-
-/* Items [n0, n1) of a job: GEMV rows, or a generic task's items. */
-static inline void run_chunk(const job_t *j, int n0, int n1)
-{
-    if (j->task)
-        j->task(j->task_ctx, n0, n1);
-    else
-        run_rows(j, n0, n1);
-}
-
-static int work_chunks(uint32_t gen, const job_t *j)
-{
-    int ran = 0;
-    uint64_t t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
-    for (;;) {
-        if (TK_GEN(t) != gen || TK_NEXT(t) >= TK_NCH(t))
-            return ran;
-        if (!atomic_compare_exchange_weak_explicit(&g_pool.ticket, &t, t + 1,
-                                                   memory_order_acq_rel, memory_order_acquire))
-            continue;
-        int c = TK_NEXT(t);
-        int n0 = c * j->chunk_rows;
-        int n1 = n0 + j->chunk_rows < j->N ? n0 + j->chunk_rows : j->N;
-        run_chunk(j, n0, n1);
-        ran++;
-        atomic_fetch_add_explicit(&g_pool.done_chunks, 1, memory_order_release);
-        t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
-    }
-}
-
-static void futex_wait_u32(_Atomic uint32_t *addr, uint32_t val)
-{
-#ifdef PG_HAVE_FUTEX
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAIT_PRIVATE, val, NULL, NULL, 0);
-#else
-    (void)addr; (void)val;
-    usleep(50);
-#endif
-}
-
-static void futex_wake_all(_Atomic uint32_t *addr)
-{
-#ifdef PG_HAVE_FUTEX
-    syscall(SYS_futex, (uint32_t *)addr, FUTEX_WAKE_PRIVATE, 0x7fffffff, NULL, NULL, 0);
-#else
-    (void)addr;
-#endif
-}
-
-static void *worker_main(void *arg)
-{
-    (void)arg;
-    uint32_t seen = atomic_load_explicit(&g_pool.wake, memory_order_acquire);
-    for (;;) {
-        /* Wait for a post: spin (cheapest wake-up), then yield (lets torch's threads
-         * or anything else on this core run), then sleep on the futex. */
-        uint64_t t0 = now_ns();
-        uint64_t spin_ns = (uint64_t)atomic_load_explicit(&g_spin_us, memory_order_relaxed) * 1000u;
-        uint64_t yield_ns = spin_ns + (uint64_t)atomic_load_explicit(&g_yield_us, memory_order_relaxed) * 1000u;
-        uint32_t w;
-        unsigned iter = 0;
-        for (;;) {
-            w = atomic_load_explicit(&g_pool.wake, memory_order_acquire);
-            if (w != seen || atomic_load_explicit(&g_quit, memory_order_relaxed))
-                break;
-            if ((++iter & 63u) == 0) {
-                uint64_t el = now_ns() - t0;
-                if (el >= yield_ns) {
-                    atomic_fetch_add(&g_pool.sleepers, 1);
-                    /* futex_wait returns at once if the word already moved on. */
-                    if (atomic_load(&g_pool.wake) == seen && !atomic_load(&g_quit))
-                        futex_wait_u32(&g_pool.wake, seen);
-                    atomic_fetch_sub(&g_pool.sleepers, 1);
-                    t0 = now_ns();
-                } else if (el >= spin_ns) {
-                    sched_yield();
-                }
-            }
-            cpu_relax();
-        }
-        if (atomic_load_explicit(&g_quit, memory_order_relaxed)) {
-            atomic_fetch_sub(&g_live, 1);
-            return NULL;
-        }
-        seen = w;
-        uint64_t t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
-        if (TK_NEXT(t) >= TK_NCH(t))
-            continue;          /* the caller already took every chunk */
-        job_t j = g_pool.job;  /* validated by the ticket CAS in work_chunks */
-        int ran = work_chunks(TK_GEN(t), &j);
-        if (ran)
-            atomic_fetch_add_explicit(&g_stat_worker_chunks, (uint64_t)ran, memory_order_relaxed);
-    }
-}
-
-static int start_workers_locked(void)
-{
-    if (g_started)
-        return 0;
-    atomic_store(&g_quit, 0);
-    for (int i = 0; i < g_nthreads - 1; i++) {
-        pthread_t th;
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-        pthread_attr_setstacksize(&at, 256 * 1024);
-        atomic_fetch_add(&g_live, 1);
-        int rc = pthread_create(&th, &at, worker_main, NULL);
-        pthread_attr_destroy(&at);
-        if (rc != 0) {
-            atomic_fetch_sub(&g_live, 1);
-            g_nthreads = i + 1;  /* run with what we have */
-            break;
-        }
-    }
-    g_started = 1;
-    return 0;
-}
-
-/* A fork()ed child has no worker threads: forget them so the next call restarts them. */
-static void atfork_child(void)
-{
-    pthread_mutex_init(&g_call_lock, NULL);
-    g_started = 0;
-    atomic_store(&g_pool.sleepers, 0);
-    atomic_store(&g_live, 0);
-}
-
-__attribute__((constructor)) static void pg_init(void)
-{
-    pthread_atfork(NULL, NULL, atfork_child);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    cpu_set_t cs;
-    if (sched_getaffinity(0, sizeof(cs), &cs) == 0)
-        n = CPU_COUNT(&cs);
-    g_nthreads = n >= 2 ? 2 : 1;
-}
-
-/* ------------------------------------------------------------------------- */
-/* Public C API                                                               */
-/* ------------------------------------------------------------------------- */
-
-int pg_version(void) { return PG_VERSION; }
-int pg_max_m(void) { return PG_MAX_M; }
-int pg_isa(void) { return current_isa(); }
-int pg_num_threads(void) { return g_nthreads; }
-
-/* Cap the ISA tier (cpu_isa.h: 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512+BF16); returns the
- * tier now in use. */
-int pg_set_isa_cap(int cap)
-{
-    g_isa_cap = cap;
-    return current_isa();
-}
-
-void pg_set_spin_us(int spin_us, int yield_us)
-{
-    atomic_store(&g_spin_us, spin_us < 0 ? 0 : spin_us);
-    atomic_store(&g_yield_us, yield_us < 0 ? 0 : yield_us);
-}
-
-/* out[0] = calls that used the pool, out[1] = chunks their workers ran, out[2] = all chunks.
- * out[1] / out[2] near (nthreads-1)/nthreads means the workers keep up. */
-void pg_stats(uint64_t out[3])
-{
-    out[0] = atomic_load(&g_stat_calls);
-    out[1] = atomic_load(&g_stat_worker_chunks);
-    out[2] = atomic_load(&g_stat_chunks);
-}
-
-void pg_set_solo_bytes(int b) { g_solo_bytes = b < 0 ? 0 : b; }
-
-/* Change the team size.  Stops the current workers (they exit at their next wake). */
-int pg_set_num_threads(int n)
-{
-    if (n < 1) n = 1;
-    if (n > PG_MAX_THREADS) n = PG_MAX_THREADS;
-    pthread_mutex_lock(&g_call_lock);
-    if (g_started && n != g_nthreads) {
-        atomic_store(&g_quit, 1);
-        atomic_fetch_add(&g_pool.wake, 1);
-        futex_wake_all(&g_pool.wake);
-        /* Workers hold no state; wait until every one has seen the quit flag. */
-        while (atomic_load(&g_live) > 0) {
-            futex_wake_all(&g_pool.wake);
-            sched_yield();
-        }
-        g_started = 0;
-    }
-    g_nthreads = n;
-    pthread_mutex_unlock(&g_call_lock);
-    return n;
-}
-
-/*
- * Run job j (N items in j->nchunks chunks of j->chunk_rows) on the pool: the caller takes
- * chunks too, then waits for the ones still in a worker's hands.  If another caller holds
- * the pool, j runs on this thread alone.
- */
-static void pool_run(job_t *j)
-{
-    if (g_nthreads <= 1 || j->nchunks <= 1 || pthread_mutex_trylock(&g_call_lock) != 0) {
-        run_chunk(j, 0, j->N);
-        return;
-    }
-    if (!g_started)
-        start_workers_locked();
-
-    /* Publish: job first, then the ticket (new generation, chunk 0), then the wake word. */
-    uint32_t gen = TK_GEN(atomic_load_explicit(&g_pool.ticket, memory_order_relaxed)) + 1u;
-    g_pool.job = *j;
-    atomic_store_explicit(&g_pool.done_chunks, 0, memory_order_relaxed);
-    atomic_store_explicit(&g_pool.ticket, ((uint64_t)gen << 32) | ((uint64_t)j->nchunks << 16),
-                          memory_order_release);
-    atomic_fetch_add_explicit(&g_pool.wake, 1, memory_order_seq_cst);
-    if (atomic_load_explicit(&g_pool.sleepers, memory_order_seq_cst) > 0)
-        futex_wake_all(&g_pool.wake);
-
-    atomic_fetch_add_explicit(&g_stat_calls, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&g_stat_chunks, (uint64_t)j->nchunks, memory_order_relaxed);
-    work_chunks(gen, j);
-    /* Wait for chunks still in a worker's hands.  Normally that is the tail of one chunk
-     * (microseconds); if the worker was preempted mid-chunk (an oversubscribed core),
-     * yield so that, should it share our core, it can finish. */
-    for (unsigned spins = 0;
-         atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j->nchunks; spins++) {
-        if (spins < 20000)
-            cpu_relax();
-        else
-            sched_yield();
-    }
-    pthread_mutex_unlock(&g_call_lock);
-}
-
-/*
- * The pool for other kernels of this .so: task(ctx, i0, i1) over items [0, n) in chunks of
- * `per_chunk` items (at least; raised so that there are at most 65535 chunks), returning
- * when all are done.  ctx must stay valid until then (it may live on the caller's stack).
- */
-__attribute__((visibility("hidden")))
-void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk)
-{
-    if (n <= 0)
-        return;
-    if (per_chunk < 1)
-        per_chunk = 1;
-    if ((n + per_chunk - 1) / per_chunk > 0xffff)
-        per_chunk = (n + 0xfffe) / 0xffff;
-    job_t j;
-    memset(&j, 0, sizeof(j));
-    j.task = task;
-    j.task_ctx = ctx;
-    j.N = n;
-    j.chunk_rows = per_chunk;
-    j.nchunks = (n + per_chunk - 1) / per_chunk;
-    pool_run(&j);
-}
-
-/* Streaming-read probe (latency_bench/gemv_bench.py): the XOR of the 64-bit words of
- * buf[0, bytes), read over the pool in 64 KB chunks with the kernels' software prefetch, so
- * that its GB/s is the read bandwidth the GEMV tiles can hope for on this machine.  XOR is
- * order-independent, so gcc vectorises the loop at whatever width the build allows. */
-typedef struct {
-    const uint64_t *p;
-    size_t words;
-    _Atomic uint64_t acc;
-} probe_t;
-
-#define PG_PROBE_WORDS 8192   /* 64 KB per pool item */
-
-static void probe_task(const void *ctx, int i0, int i1)
-{
-    probe_t *pr = (probe_t *)ctx;
-    uint64_t a[8] = {0};
-    for (int c = i0; c < i1; c++) {
-        size_t w0 = (size_t)c * PG_PROBE_WORDS;
-        size_t w1 = w0 + PG_PROBE_WORDS < pr->words ? w0 + PG_PROBE_WORDS : pr->words;
-        size_t w = w0;
-        for (; w + 8 <= w1; w += 8) {
-            __builtin_prefetch((const char *)(pr->p + w) + PG_PF_BYTES);
-            for (int i = 0; i < 8; i++)
-                a[i] ^= pr->p[w + i];
-        }
-        for (; w < w1; w++)
-            a[0] ^= pr->p[w];
-    }
-    atomic_fetch_xor(&pr->acc, a[0] ^ a[1] ^ a[2] ^ a[3] ^ a[4] ^ a[5] ^ a[6] ^ a[7]);
-}
-
-uint64_t pg_read_probe(const void *buf, size_t bytes)
-{
-    probe_t pr;
-    pr.p = (const uint64_t *)buf;
-    pr.words = bytes / 8;
-    atomic_init(&pr.acc, 0);
-    size_t items = (pr.words + PG_PROBE_WORDS - 1) / PG_PROBE_WORDS;
-    if (items > 0x7fffffff)
-        return 0;
-    pg_parallel_for(probe_task, &pr, (int)items, 4);
-    return atomic_load(&pr.acc);
+    run_rows((const job_t *)ctx, n0, n1);
 }
 
 /* Per-thread scratch for converted activations (M*K elements, tiny). */
@@ -1272,10 +852,9 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
         (xdt != DT_F32 && xdt != DT_BF16))
         return -1;
     job_t j;
-    j.task = NULL; j.task_ctx = NULL;
     j.w = w; j.wdt = wdt; j.bias = bias; j.y = y; j.ydt = xdt;
     j.M = M; j.N = N; j.K = K;
-    j.isa = current_isa();
+    j.isa = pg_isa();
 
     /* Activations into the kernel's dtype: bf16 for the dpbf16 path, else fp32. */
     const int kdt = (wdt == DT_BF16 && j.isa == ISA_AVX512_BF16) ? DT_BF16 : DT_F32;
@@ -1305,28 +884,21 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     }
 
     const size_t wbytes = (size_t)N * K * (wdt == DT_F32 ? 4 : 2);
-    if (g_nthreads <= 1 || wbytes < (size_t)g_solo_bytes || N < 32) {
+    const int nth = pg_num_threads();
+    if (nth <= 1 || wbytes < (size_t)g_solo_bytes || N < 32) {
         run_rows(&j, 0, N);
         return 0;
     }
     /* About 8 chunks per thread: small enough to rebalance when a worker wakes late,
      * large enough (>= 16 KB of weights) that the hardware prefetcher ramps up. */
     const size_t row_bytes = (size_t)K * (wdt == DT_F32 ? 4 : 2);
-    int rows = (N + PG_CHUNKS_PER_THREAD * g_nthreads - 1) / (PG_CHUNKS_PER_THREAD * g_nthreads);
+    int rows = (N + PG_CHUNKS_PER_THREAD * nth - 1) / (PG_CHUNKS_PER_THREAD * nth);
     int min_rows = (int)((16384 + row_bytes - 1) / row_bytes);
     if (rows < min_rows) rows = min_rows;
     rows = (rows + 15) & ~15;
-    j.chunk_rows = rows;
-    j.nchunks = (N + rows - 1) / rows;
-    pool_run(&j);
+    pg_parallel_for(rows_task, &j, N, rows);
     return 0;
 }
 
-/* The same with the weight's fixed arguments in a descriptor (cpu_gemv.h); block-format
- * weights go to cpu_qgemv.c. */
-int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
-{
-    if (d->wdt >= DT_Q_FIRST)
-        return pq_linear_w(d, x, y, M, xdt);
-    return pg_linear(d->w, d->wdt, d->bias, x, xdt, y, M, d->N, d->K);
-}
+/* Testing/tuning hook: matrices under b weight bytes run on the calling thread only. */
+void pg_set_solo_bytes(int b) { g_solo_bytes = b < 0 ? 0 : b; }

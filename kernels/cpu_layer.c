@@ -6,7 +6,7 @@
  * kernels/cpu_layer.py.  There a decode step makes ~30 torch ops per layer; at batch 1 each
  * costs microseconds of dispatch while the GEMVs stream weights at DRAM speed, so the
  * dispatch was ~40% of a step.  Here the small ops are plain loops, the matrix products go to
- * pg_linear_w (cpu_gemv.c / cpu_qgemv.c: any weight format that has a pg_weight_t) and the
+ * pg_linear_w (cpu_dispatch.c: any weight format that has a pg_weight_t) and the
  * attention to pa_tree_attention (cpu_attention.c) -- the very kernels the torch path calls,
  * so the two paths share their numerics and only the glue between them is new.
  *
@@ -39,7 +39,7 @@
 #include <time.h>
 
 #include "cpu_bf16.h"
-#include "cpu_gemv.h"
+#include "cpu_dispatch.h"
 #include "cpu_attention.h"
 
 #define PL_VERSION 3

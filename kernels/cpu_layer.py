@@ -30,7 +30,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import weakref
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -42,9 +44,24 @@ log = logging.getLogger(__name__)
 ENV = "PRESCIENT_FUSED_LAYERS"
 _OFF = ("0", "false", "off")
 _C_VERSION = 3  # must match PL_VERSION in cpu_layer.c
+
+
+def _max_tokens() -> int:
+    """PL_MAX_T of cpu_layer.c, the one place the limit is written: pl_max_tokens() of the
+    library.  Fallback, only when the library cannot be built (no C compiler): the same
+    #define read from the C source the library would be built from."""
+    lib = cpu_linear.library()
+    if lib is not None:
+        lib.pl_max_tokens.restype, lib.pl_max_tokens.argtypes = ctypes.c_int, []
+        return int(lib.pl_max_tokens())
+    src = Path(__file__).with_name("cpu_layer.c").read_text()
+    return int(re.search(r"^#define PL_MAX_T (\d+)", src, re.M).group(1))
+
+
 #: most tokens of one native forward (PL_MAX_T in cpu_layer.c): LlamaModel.forward takes this path
-#: for every batch of decode/verify-sized sequences up to it (runtime/batch.py plans them)
-MAX_T = 64
+#: for every batch of decode/verify-sized sequences up to it (runtime/batch.py plans them); also
+#: runtime/linear.py's BATCH_INVARIANT_M
+MAX_T = _max_tokens()
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _I32 = torch.int64, torch.int32
 _torch_threads = torch.get_num_threads
@@ -96,7 +113,6 @@ def _bind() -> None:
     for got, want, what in (
             (lib.pl_version(), _C_VERSION, "cpu_layer.c version"),
             (lib.pl_pa_version(), lib.pa_version(), "the pa_args_t version cpu_layer.c was built with (cpu_attention.h)"),
-            (lib.pl_max_tokens(), MAX_T, "cpu_layer.c's tokens per call"),
             ((lib.pl_struct_bytes(0), lib.pl_struct_bytes(1)), (ctypes.sizeof(_Step), ctypes.sizeof(_LayerArgs)),
              "the sizes of cpu_layer.c's structs (mirrored here)")):
         if got != want:

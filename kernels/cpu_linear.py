@@ -74,16 +74,23 @@ log = logging.getLogger(__name__)
 #: Largest number of input rows the kernel handles; more rows go to F.linear (a GEMM).
 MAX_M = 16
 
-_SRC = Path(__file__).with_name("cpu_gemv.c")
-# Every C source of the .so (one library, one thread pool): all are hashed and compiled.
-_SOURCES = (_SRC, *(Path(__file__).with_name(f) for f in ("cpu_attention.c", "cpu_qgemv.c", "cpu_qgemv_k.c", "cpu_layer.c")))
-_HEADERS = tuple(Path(__file__).with_name(h) for h in ("cpu_bf16.h", "cpu_isa.h", "cpu_gemv.h", "cpu_qgemv.h", "cpu_attention.h"))  # hashed, not compiled
+# Every C source of the .so (one library, one thread pool): all are hashed and compiled.  In
+# layer order, lowest first (each file uses only the ones before it; tests/kernels/
+# test_format_table.py keeps the symbol graph acyclic): the runtime (pool, ISA), the kernels,
+# the format table over them, the dispatcher over the table, the fused layer on top.
+_SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_attention.c",
+                 "cpu_qgemv_avx2.c", "cpu_qgemv_avx512.c", "cpu_qgemv.c", "cpu_qgemv_k.c",
+                 "cpu_formats.c", "cpu_dispatch.c", "cpu_layer.c")
+_HEADER_NAMES = ("cpu_runtime.h", "cpu_bf16.h", "cpu_gemv.h", "cpu_attention.h", "cpu_formats.h",
+                 "cpu_qgemv.h", "cpu_qgemv_k.h", "cpu_dispatch.h")  # hashed, not compiled
+_SOURCES = tuple(Path(__file__).with_name(f) for f in _SOURCE_NAMES)
+_HEADERS = tuple(Path(__file__).with_name(h) for h in _HEADER_NAMES)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
-#: ISA tiers (kernels/cpu_isa.h), lowest first; PRESCIENT_ISA=<name> caps the tier in use.
+#: ISA tiers (kernels/cpu_runtime.h), lowest first; PRESCIENT_ISA=<name> caps the tier in use.
 _ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
 ISA_TIERS = tuple(_ISA_NAMES.values())
 
-_C_VERSION = 3  # must match PG_VERSION in cpu_gemv.c
+_C_VERSION = 3  # must match PG_VERSION in cpu_runtime.c
 
 _lock = threading.RLock()
 _lib: Optional[ctypes.CDLL] = None  # the loaded .so (GEMV enabled or not)
@@ -96,7 +103,7 @@ _so_path: Optional[str] = None
 
 
 class _WeightDesc(ctypes.Structure):
-    """Mirror of pg_weight_t in cpu_gemv.c: a weight's fixed call arguments, built once."""
+    """Mirror of pg_weight_t in cpu_dispatch.h: a weight's fixed call arguments, built once."""
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("wdt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32)]
 

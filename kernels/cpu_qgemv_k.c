@@ -1,5 +1,5 @@
 /*
- * cpu_qgemv_k.c -- the K-quant formats of cpu_qgemv.h: small-M linear (y = x @ W^T + b,
+ * cpu_qgemv_k.c -- the K-quant formats (cpu_formats.h, cpu_qgemv_k.h): small-M linear (y = x @ W^T + b,
  * M <= 16) over GGUF Q4_K / Q5_K / Q6_K weights kept in their 256-element super-blocks, and a
  * row dequantizer to fp32 for the prefill path (M > 16, a GEMM in torch).  The reference is
  * kernels/quant_reference_k.py; tests/kernels/test_qgemv_k.py checks every tier against it.
@@ -40,10 +40,11 @@
  * quantization error of 7.8% / 3.8% / 1.9% for round-to-nearest Q4_K / Q5_K / Q6_K, so only
  * Q6_K with outlier-heavy inputs sees the activation rounding as the larger error.
  *
- * Exports: pq_format_k (the tables, cpu_qgemv.h), pqk_dequantize_rows (prefill), pqk_set_mode;
- * for tests and measurements pqk_linear_entry, pqk_prep_entry, pqk_int8_activations.
+ * Exports: the table's entry points (qk_*, cpu_qgemv_k.h, pointed at by cpu_formats.c),
+ * pqk_dequantize_rows (prefill), pqk_set_mode; for tests and measurements pqk_linear_entry,
+ * pqk_prep_entry, pqk_int8_activations.  Uses cpu_runtime.c only (pg_isa, pg_parallel_for).
  *
- * ISA tiers (cpu_isa.h, j->isa): per-function #pragma GCC target regions so the generic build
+ * ISA tiers (cpu_runtime.h, j->isa): per-function #pragma GCC target regions so the generic build
  * holds every tier.  Dequantization (pqk_dequantize_rows and the portable path) is compiled
  * with fp-contract=off: it rounds d*sc, d*sc*q and dmin*m as the reference does, bit for bit.
  */
@@ -54,7 +55,7 @@
 #include <stdatomic.h>
 
 #include "cpu_bf16.h"
-#include "cpu_qgemv.h"
+#include "cpu_qgemv_k.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -62,9 +63,9 @@
 #endif
 
 #define QK 256                     /* values per super-block */
-#define Q4K_BYTES 144
-#define Q5K_BYTES 176
-#define Q6K_BYTES 210
+#define Q4K_BYTES ((int)sizeof(block_q4_k))
+#define Q5K_BYTES ((int)sizeof(block_q5_k))
+#define Q6K_BYTES ((int)sizeof(block_q6_k))
 /* Software prefetch distance into the weight stream (the hardware prefetcher stops at 4 KB
  * pages).  Measured streaming 6 x 4096x4096 Q4_K from DRAM on one thread of the 2-core host:
  * none 31-32, 4 KB 26-36, 8 KB 39-40, 16 KB 37-40 GB/s. */
@@ -109,11 +110,6 @@ static inline void k4_scales(const uint8_t *s, uint64_t *sc, uint64_t *mn)
     *mn = (uint64_t)(b & 0x3f3f3f3fu) | (uint64_t)mh << 32;
 }
 
-static inline int block_bytes(int wdt)
-{
-    return wdt == DT_Q4_K ? Q4K_BYTES : wdt == DT_Q5_K ? Q5K_BYTES : wdt == DT_Q6_K ? Q6K_BYTES : 0;
-}
-
 /* y[m, n] = v (+ bias[n]) in y's dtype. */
 static inline void store_y(const pq_job_t *j, int m, int n, float v)
 {
@@ -152,13 +148,6 @@ static inline int uses_int8(int isa);
 /* pqk_set_mode: 0 = each tier's default (int8 activations on the SIMD tiers), 1 = the fp32
  * path everywhere (exact activations, ~5x slower; for accuracy comparisons). */
 static _Atomic int g_mode = 0;
-
-/* The table's xa_bytes: 0 where the activations stay fp32 (the portable tier, or mode 1), so
- * that the caller skips prep, the rows see xa == NULL, and pq_act_block reports fp32. */
-static size_t xa_bytes_k(int M, int K)
-{
-    return (g_mode != 1 && uses_int8(pg_isa())) ? xa_size(M, K) : 0;
-}
 
 static inline xa_t xa_view(const void *xa, int M, int K)
 {
@@ -199,7 +188,7 @@ typedef void (*deq_fn)(const uint8_t *blk, float *out);
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-static void deq_q4k_c(const uint8_t *restrict blk, float *restrict out)
+static __attribute__((noinline)) void deq_q4k_c(const uint8_t *restrict blk, float *restrict out)
 {
     const float d = h2f_c(rd16(blk)), dmin = h2f_c(rd16(blk + 2));
     uint64_t sc, mn;
@@ -215,7 +204,7 @@ static void deq_q4k_c(const uint8_t *restrict blk, float *restrict out)
     }
 }
 
-static void deq_q5k_c(const uint8_t *restrict blk, float *restrict out)
+static __attribute__((noinline)) void deq_q5k_c(const uint8_t *restrict blk, float *restrict out)
 {
     const float d = h2f_c(rd16(blk)), dmin = h2f_c(rd16(blk + 2));
     uint64_t sc, mn;
@@ -233,7 +222,7 @@ static void deq_q5k_c(const uint8_t *restrict blk, float *restrict out)
     }
 }
 
-static void deq_q6k_c(const uint8_t *restrict blk, float *restrict out)
+static __attribute__((noinline)) void deq_q6k_c(const uint8_t *restrict blk, float *restrict out)
 {
     const uint8_t *ql = blk, *qh = blk + 128;
     const int8_t *sc = (const int8_t *)(blk + 192);
@@ -518,7 +507,7 @@ PQK_ROWS(rows_q6k_avx2, tile_q6k_avx2)
 #pragma GCC optimize("fp-contract=off")
 
 /* Dequantization, 8 values per step (pmovzxbd from 8 bytes). */
-static void deq_q4k_avx2(const uint8_t *blk, float *out)
+static __attribute__((noinline)) void deq_q4k_avx2(const uint8_t *blk, float *out)
 {
     const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
     uint64_t sc, mn;
@@ -539,7 +528,7 @@ static void deq_q4k_avx2(const uint8_t *blk, float *out)
     }
 }
 
-static void deq_q5k_avx2(const uint8_t *blk, float *out)
+static __attribute__((noinline)) void deq_q5k_avx2(const uint8_t *blk, float *out)
 {
     const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
     uint64_t sc, mn;
@@ -561,7 +550,7 @@ static void deq_q5k_avx2(const uint8_t *blk, float *out)
     }
 }
 
-static void deq_q6k_avx2(const uint8_t *blk, float *out)
+static __attribute__((noinline)) void deq_q6k_avx2(const uint8_t *blk, float *out)
 {
     const float d = _cvtsh_ss(rd16(blk + 208));
     const int8_t *sc = (const int8_t *)(blk + 192);
@@ -771,7 +760,7 @@ PQK_DEF_Q6K(avx512, DOT_MADD)
 #pragma GCC optimize("fp-contract=off")
 
 /* Dequantization, 16 values per step (pmovzxbd from 16 bytes). */
-static void deq_q4k_avx512(const uint8_t *blk, float *out)
+static __attribute__((noinline)) void deq_q4k_avx512(const uint8_t *blk, float *out)
 {
     const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
     uint64_t sc, mn;
@@ -792,7 +781,7 @@ static void deq_q4k_avx512(const uint8_t *blk, float *out)
     }
 }
 
-static void deq_q5k_avx512(const uint8_t *blk, float *out)
+static __attribute__((noinline)) void deq_q5k_avx512(const uint8_t *blk, float *out)
 {
     const float d = _cvtsh_ss(rd16(blk)), dmin = _cvtsh_ss(rd16(blk + 2));
     uint64_t sc, mn;
@@ -814,7 +803,7 @@ static void deq_q5k_avx512(const uint8_t *blk, float *out)
     }
 }
 
-static void deq_q6k_avx512(const uint8_t *blk, float *out)
+static __attribute__((noinline)) void deq_q6k_avx512(const uint8_t *blk, float *out)
 {
     const float d = _cvtsh_ss(rd16(blk + 208));
     const int8_t *sc = (const int8_t *)(blk + 192);
@@ -863,77 +852,123 @@ static inline int uses_int8(int isa)
 #endif
 }
 
+#ifdef PQK_X86
+#define PQK_SIMD(f) f
+#else
+#define PQK_SIMD(f) NULL
+#endif
+
+/* The family's own view of its formats (one designated-initializer row each, indexed by
+ * wdt - DT_Q4_K): block bytes, the per-block dequantizer of each tier (NULL: the next lower
+ * tier's), the int8 row kernels of the SIMD tiers, and whether the AVX-512 kernels read x in
+ * the reordered Q4_K / Q5_K order. */
+typedef void (*rows_fn)(const pq_job_t *, int, int);
+typedef struct {
+    int bb;
+    deq_fn deq[ISA_COUNT];
+    rows_fn int8_rows[ISA_COUNT];
+    int reorder;
+} qk_fmt_t;
+
+static const qk_fmt_t g_qk[DT_Q6_K - DT_Q4_K + 1] = {
+    [DT_Q4_K - DT_Q4_K] = {
+        .bb = Q4K_BYTES, .reorder = 1,
+        .deq = {deq_q4k_c, PQK_SIMD(deq_q4k_avx2), PQK_SIMD(deq_q4k_avx512)},
+        .int8_rows = {NULL, PQK_SIMD(rows_q4k_avx2), PQK_SIMD(rows_q4k_avx512), PQK_SIMD(rows_q4k_vnni)},
+    },
+    [DT_Q5_K - DT_Q4_K] = {
+        .bb = Q5K_BYTES, .reorder = 1,
+        .deq = {deq_q5k_c, PQK_SIMD(deq_q5k_avx2), PQK_SIMD(deq_q5k_avx512)},
+        .int8_rows = {NULL, PQK_SIMD(rows_q5k_avx2), PQK_SIMD(rows_q5k_avx512), PQK_SIMD(rows_q5k_vnni)},
+    },
+    [DT_Q6_K - DT_Q4_K] = {
+        .bb = Q6K_BYTES, .reorder = 0,
+        .deq = {deq_q6k_c, PQK_SIMD(deq_q6k_avx2), PQK_SIMD(deq_q6k_avx512)},
+        .int8_rows = {NULL, PQK_SIMD(rows_q6k_avx2), PQK_SIMD(rows_q6k_avx512), PQK_SIMD(rows_q6k_vnni)},
+    },
+};
+
+static inline const qk_fmt_t *qk_of(int wdt)
+{
+    return (wdt >= DT_Q4_K && wdt <= DT_Q6_K) ? &g_qk[wdt - DT_Q4_K] : NULL;
+}
+
 static deq_fn deq_for(int wdt, int isa)
 {
-    const int f = wdt - DT_Q4_K;
-#ifdef PQK_X86
-    static const deq_fn t512[3] = {deq_q4k_avx512, deq_q5k_avx512, deq_q6k_avx512};
-    static const deq_fn t2[3] = {deq_q4k_avx2, deq_q5k_avx2, deq_q6k_avx2};
-    if (isa >= ISA_AVX512)
-        return t512[f];
-    if (isa >= ISA_AVX2)
-        return t2[f];
-#endif
-    (void)isa;
-    static const deq_fn tc[3] = {deq_q4k_c, deq_q5k_c, deq_q6k_c};
-    return tc[f];
+    const qk_fmt_t *q = qk_of(wdt);
+    for (int t = isa < ISA_COUNT ? isa : ISA_COUNT - 1; t > 0; t--)
+        if (q->deq[t])
+            return q->deq[t];
+    return q->deq[ISA_PORTABLE];
 }
 
-/* Does format f's kernel at tier isa read x in the Q4_K / Q5_K AVX-512 order? */
-static inline int x_reordered(int f, int isa)
+/* Does format wdt's kernel at tier isa read x in the Q4_K / Q5_K AVX-512 order? */
+static inline int x_reordered(int wdt, int isa)
 {
-    return f != 2 && isa >= ISA_AVX512;
+    return qk_of(wdt)->reorder && isa >= ISA_AVX512;
 }
 
-static void prep_k(const float *x, int M, int K, void *xa, int isa, int f)
+static void prep_k(const float *x, int M, int K, void *xa, int isa, int wdt)
 {
 #ifdef PQK_X86
     if (isa >= ISA_AVX512)
-        prep_avx512(x, M, K, xa, x_reordered(f, isa));
+        prep_avx512(x, M, K, xa, x_reordered(wdt, isa));
     else if (isa >= ISA_AVX2)
         prep_avx2(x, M, K, xa);
 #else
-    (void)x; (void)M; (void)K; (void)xa; (void)isa; (void)f;
+    (void)x; (void)M; (void)K; (void)xa; (void)isa; (void)wdt;
 #endif
 }
 
-static void prep_q45k(const float *x, int M, int K, void *xa, int isa) { prep_k(x, M, K, xa, isa, 0); }
-static void prep_q6k(const float *x, int M, int K, void *xa, int isa) { prep_k(x, M, K, xa, isa, 2); }
-
-/* rows for format f (0 Q4_K, 1 Q5_K, 2 Q6_K): the int8 kernels when x was prepared (j->xa),
- * else the fp32-dequantize path (the portable tier; at any tier the accuracy baseline and the
- * float side of the float-vs-int8 measurement, force_float). */
-static void rows_k(const pq_job_t *j, int n0, int n1, int f, int force_float)
+/* rows of format wdt: the int8 kernels when x was prepared (j->xa), else the fp32-dequantize
+ * path (the portable tier; at any tier the accuracy baseline and the float side of the
+ * float-vs-int8 measurement, force_float). */
+static void rows_k(const pq_job_t *j, int n0, int n1, int wdt, int force_float)
 {
-#ifdef PQK_X86
-    if (!force_float && j->xa && j->isa >= ISA_AVX2) {
-        typedef void (*rows_fn)(const pq_job_t *, int, int);
-        static const rows_fn vnni[3] = {rows_q4k_vnni, rows_q5k_vnni, rows_q6k_vnni};
-        static const rows_fn a512[3] = {rows_q4k_avx512, rows_q5k_avx512, rows_q6k_avx512};
-        static const rows_fn a2[3] = {rows_q4k_avx2, rows_q5k_avx2, rows_q6k_avx2};
-        (j->isa >= ISA_AVX512_BF16 ? vnni : j->isa >= ISA_AVX512 ? a512 : a2)[f](j, n0, n1);
+    const qk_fmt_t *q = qk_of(wdt);
+    const int t = j->isa < ISA_COUNT ? j->isa : ISA_COUNT - 1;
+    if (!force_float && j->xa && uses_int8(j->isa) && q->int8_rows[t]) {
+        q->int8_rows[t](j, n0, n1);
         return;
     }
-#endif
-    (void)force_float;
-    rows_float_c(j, n0, n1, deq_for(DT_Q4_K + f, j->isa));
+    rows_float_c(j, n0, n1, deq_for(wdt, j->isa));
 }
 
-static void rows_q4k(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, 0, 0); }
-static void rows_q5k(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, 1, 0); }
-static void rows_q6k(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, 2, 0); }
+/* ---- the table's entry points (cpu_formats.c; cpu_qgemv_k.h) ---------------------------- */
 
-static const pq_format_t g_formats[3] = {
-    {DT_Q4_K, QK, Q4K_BYTES, xa_bytes_k, prep_q45k, rows_q4k},
-    {DT_Q5_K, QK, Q5K_BYTES, xa_bytes_k, prep_q45k, rows_q5k},
-    {DT_Q6_K, QK, Q6K_BYTES, xa_bytes_k, prep_q6k, rows_q6k},
-};
-
-__attribute__((visibility("hidden")))
-const pq_format_t *pq_format_k(int wdt)
+/* The table's xa_bytes: 0 where the activations stay fp32 (the portable tier, or mode 1), so
+ * that the caller skips prep, the rows see xa == NULL, and act_block reports fp32. */
+size_t qk_xa_bytes(int M, int K)
 {
-    return (wdt >= DT_Q4_K && wdt <= DT_Q6_K) ? &g_formats[wdt - DT_Q4_K] : NULL;
+    return (g_mode != 1 && uses_int8(pg_isa())) ? xa_size(M, K) : 0;
 }
+
+/* 0 when the activations stay fp32 at tier isa, else 256: a bound, the int8 blocks are at most
+ * a super-block. */
+int qk_act_block(int isa)
+{
+    (void)isa;  /* the tier in use: qk_xa_bytes reads pg_isa() */
+    return qk_xa_bytes(1, QK) > 0 ? 256 : 0;
+}
+
+#define QK_INSTANCE(name, code)                                                           \
+    void qk_prep_##name(const float *x, int M, int K, void *xa, int isa) { prep_k(x, M, K, xa, isa, code); } \
+    void qk_rows_float_##name(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, code, 1); } \
+    void qk_rows_simd_##name(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, code, 0); } \
+    void qk_dequant_ref_##name(const uint8_t *blk, int nblk, float *out)                 \
+    {                                                                                    \
+        const deq_fn deq = g_qk[(code) - DT_Q4_K].deq[ISA_PORTABLE];                     \
+        for (int b = 0; b < nblk; b++)                                                   \
+            deq(blk + (size_t)b * g_qk[(code) - DT_Q4_K].bb, out + (size_t)b * QK);      \
+    }                                                                                    \
+    void qk_dequant_simd_##name(const uint8_t *blk, int nblk, float *out)                \
+    {                                                                                    \
+        const deq_fn deq = deq_for(code, pg_isa());                                      \
+        for (int b = 0; b < nblk; b++)                                                   \
+            deq(blk + (size_t)b * g_qk[(code) - DT_Q4_K].bb, out + (size_t)b * QK);      \
+    }
+
+QK_FORMATS(QK_INSTANCE)
 
 /* ------------------------------------------------------------------------- */
 /* Row dequantizer for the prefill path                                       */
@@ -961,15 +996,15 @@ static void deq_task(const void *ctx, int i0, int i1)
  * 0 on success, -1 for bad arguments (K not a multiple of 256, n1 < n0, unknown wdt). */
 int pqk_dequantize_rows(int wdt, const uint8_t *w, int K, int n0, int n1, float *out)
 {
-    const int bb = block_bytes(wdt);
-    if (!bb || K <= 0 || K % QK || n0 < 0 || n1 < n0)
+    const qk_fmt_t *q = qk_of(wdt);
+    if (!q || K <= 0 || K % QK || n0 < 0 || n1 < n0)
         return -1;
     deq_job_t d;
     d.deq = deq_for(wdt, pg_isa());
     d.nb = K / QK;
-    d.bb = bb;
+    d.bb = q->bb;
     d.K = K;
-    d.row_bytes = (size_t)d.nb * bb;
+    d.row_bytes = (size_t)d.nb * q->bb;
     d.w = w + (size_t)n0 * d.row_bytes;
     d.out = out;
     /* >= 64 KB of fp32 output per chunk: the pool hand-off (~1 us) stays small. */
@@ -984,13 +1019,13 @@ int pqk_dequantize_rows(int wdt, const uint8_t *w, int K, int n0, int n1, float 
 
 typedef struct {
     const pq_job_t *j;
-    int f, force_float;
+    int wdt, force_float;
 } entry_ctx_t;
 
 static void entry_task(const void *ctx, int n0, int n1)
 {
     const entry_ctx_t *c = (const entry_ctx_t *)ctx;
-    rows_k(c->j, n0, n1, c->f, c->force_float);
+    rows_k(c->j, n0, n1, c->wdt, c->force_float);
 }
 
 /* y[M, N] (ydt) = x[M, K] @ W^T (+ bias) at the current tier (pg_isa()), through this file
@@ -1000,12 +1035,12 @@ static void entry_task(const void *ctx, int n0, int n1)
 int pqk_linear_entry(int wdt, const uint8_t *w, const float *bias, int N, int K,
                      const float *x, int M, void *y, int ydt, int flags)
 {
-    const pq_format_t *fmt = pq_format_k(wdt);
+    const qk_fmt_t *fmt = qk_of(wdt);
     if (!fmt || N < 1 || K < QK || K % QK || M < 1 || M > PG_MAX_M || (ydt != DT_F32 && ydt != DT_BF16))
         return -1;
     pq_job_t j;
     j.w = w;
-    j.row_bytes = (size_t)(K / QK) * fmt->block_bytes;
+    j.row_bytes = (size_t)(K / QK) * fmt->bb;
     j.bias = bias;
     j.x = x;
     j.y = y;
@@ -1020,10 +1055,10 @@ int pqk_linear_entry(int wdt, const uint8_t *w, const float *bias, int N, int K,
         xa = malloc(xa_size(M, K));
         if (!xa)
             return -2;
-        fmt->prep(x, M, K, xa, j.isa);
+        prep_k(x, M, K, xa, j.isa, wdt);
     }
     j.xa = xa;
-    entry_ctx_t c = {&j, wdt - DT_Q4_K, force_float};
+    entry_ctx_t c = {&j, wdt, force_float};
     if (flags & 2)
         pg_parallel_for(entry_task, &c, N, 16);
     else
@@ -1037,18 +1072,18 @@ int pqk_linear_entry(int wdt, const uint8_t *w, const float *bias, int N, int K,
  * bad arguments. */
 int pqk_prep_entry(int wdt, const float *x, int M, int K, int8_t *q, float *d, int16_t *bs)
 {
-    const int isa = pg_isa(), f = wdt - DT_Q4_K;
-    if (!pq_format_k(wdt) || !uses_int8(isa) || M < 1 || K < QK || K % QK)
+    const int isa = pg_isa();
+    if (!qk_of(wdt) || !uses_int8(isa) || M < 1 || K < QK || K % QK)
         return -1;
     void *xa = malloc(xa_size(M, K));
     if (!xa)
         return -2;
-    pq_format_k(wdt)->prep(x, M, K, xa, isa);
+    prep_k(x, M, K, xa, isa, wdt);
     const xa_t v = xa_view(xa, M, K);
     const size_t rows = (size_t)M * (K / QK);
     for (size_t i = 0; i < (size_t)M * K; i += 32) {  /* undo x_reordered */
         const size_t p = i & 127, sub = p >> 5;
-        const size_t src = x_reordered(f, isa) ? (i & ~(size_t)127) + 32 * (((sub & 1) << 1) | (sub >> 1)) : i;
+        const size_t src = x_reordered(wdt, isa) ? (i & ~(size_t)127) + 32 * (((sub & 1) << 1) | (sub >> 1)) : i;
         memcpy(q + i, v.q + src, 32);
     }
     memcpy(d, v.d, rows * sizeof(float));

@@ -4,8 +4,8 @@ Q6_K), for CPU decode without ever widening the weight to bf16/fp32 in memory.
 Small M (decode M=1, speculative verify M<=16) runs the native kernels of kernels/cpu_qgemv.c
 (through ``pg_linear_w`` and a ``pg_weight_t`` descriptor built once, as ``PackedLinear``), which
 stream the blocks as stored.  Larger M (prefill) dequantizes the weight a tile of rows at a time
-into one reused fp32 buffer (``pq_dequantize_rows``, or cpu_qgemv_k.c's ``pqk_dequantize_rows``
-for the K-quants; vectorized per ISA tier) and multiplies it
+into one reused fp32 buffer (``pq_dequantize_rows``: every format of the library's table,
+vectorized per ISA tier) and multiplies it
 with ``torch.addmm`` into the matching output columns: fp32 GEMM speed without a full fp32 copy
 of the weight.  Without the C library (no compiler, ``PRESCIENT_CPU_GEMV=0``) or for a format
 it has no kernels for, both paths use kernels/quant_reference.py's dequantizer the same way.
@@ -41,8 +41,7 @@ _TILE_BYTES = 2 << 20
 _lock = threading.Lock()
 _qlib_tried = False
 _qlib: Optional[ctypes.CDLL] = None
-_pqk_deq = None   # pqk_dequantize_rows(wdt, w, K, n0, n1, out) of cpu_qgemv_k.c, if present
-_pqk_mode = None  # pqk_set_mode(0 default | 1 fp32), if present
+_pqk_mode = None  # pqk_set_mode(0 default | 1 fp32) of cpu_qgemv_k.c, if present
 
 
 def _lib() -> Optional[ctypes.CDLL]:
@@ -65,14 +64,8 @@ def _lib() -> Optional[ctypes.CDLL]:
                         getattr(lib, name).restype = ci
                 except AttributeError:  # an older .so without the block-format kernels
                     lib = None
-                # The K-quants' own row dequantizer and mode switch (kernels/cpu_qgemv_k.c),
-                # used when that file provides them.
-                global _pqk_deq, _pqk_mode
-                if lib is not None and hasattr(lib, "pqk_dequantize_rows"):
-                    _pqk_deq = lib.pqk_dequantize_rows
-                    _pqk_deq.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                                         ctypes.c_int, ctypes.c_void_p]
-                    _pqk_deq.restype = ctypes.c_int
+                # The K-quants' mode switch (kernels/cpu_qgemv_k.c), when that file provides it.
+                global _pqk_mode
                 if lib is not None and hasattr(lib, "pqk_set_mode"):
                     _pqk_mode = lib.pqk_set_mode
                     _pqk_mode.argtypes = [ctypes.c_int]
@@ -136,7 +129,7 @@ class QuantLinear:
         rb = row_bytes(qtype, K)
         if blocks.numel() != N * rb:
             raise ValueError(f"{qtype} [{N}, {K}] needs {N} x {rb} bytes, got {tuple(blocks.shape)}")
-        # [N, row_bytes] blocks, row-major (cpu_qgemv.h); the C side reads them through raw
+        # [N, row_bytes] blocks, row-major (cpu_formats.h); the C side reads them through raw
         # pointers, so this object keeps the tensor (and the bias) alive.
         self.blocks = blocks.detach().contiguous().reshape(N, rb)
         self.qtype = qtype
@@ -153,7 +146,8 @@ class QuantLinear:
         self._dptr = ctypes.addressof(self._desc)
         lib = _lib()
         self._native = lib is not None and bool(lib.pq_supported(self._wdt))
-        self._deq_native = lib is not None and (QTYPES[qtype][1] == 32 or _pqk_deq is not None)
+        # pq_dequantize_rows / _ids run every format of the library's table (cpu_dispatch.c)
+        self._deq_native = self._native
 
     def __repr__(self) -> str:
         return (f"QuantLinear({self.qtype}, in={self.in_features}, out={self.out_features}, "
@@ -163,13 +157,8 @@ class QuantLinear:
 
     def _dequant_into(self, n0: int, n1: int, buf: torch.Tensor) -> torch.Tensor:
         """Rows n0..n1-1 of W as fp32 [n1 - n0, K] in buf (the C dequantizer, or the reference)."""
-        if self._deq_native:
-            if QTYPES[self.qtype][1] == 32:
-                rc = _qlib.pq_dequantize_rows(self._dptr, n0, n1, buf.data_ptr())
-            else:
-                rc = _pqk_deq(self._wdt, self.blocks.data_ptr(), self.in_features, n0, n1, buf.data_ptr())
-            if rc == 0:
-                return buf
+        if self._deq_native and _qlib.pq_dequantize_rows(self._dptr, n0, n1, buf.data_ptr()) == 0:
+            return buf
         buf.copy_(_ref_dequantize(self.blocks[n0:n1], self.qtype, n1 - n0, self.in_features))
         return buf
 
@@ -184,7 +173,7 @@ class QuantLinear:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
             raise IndexError(f"row ids must lie in [0, {self.out_features})")
         out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
-        if (self._deq_native and QTYPES[self.qtype][1] == 32
+        if (self._deq_native
                 and _qlib.pq_dequantize_ids(self._dptr, ids.data_ptr(), ids.numel(), out.data_ptr()) == 0):
             return out
         return _ref_dequantize(self.blocks[ids], self.qtype, ids.numel(), self.in_features)

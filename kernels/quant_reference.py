@@ -13,7 +13,9 @@ Layouts (ggml facts), 32 weights per block, each row of W = K / 32 blocks, littl
     (q_i = qs[i] & 15 for i < 16, q_{i+16} = qs[i] >> 4)
 
 The K-quants (Q4_K / Q5_K / Q6_K, 256 weights per super-block) are dequantized by
-``prescient.kernels.quant_reference_k.dequantize_k``, imported when first needed.
+``prescient.kernels.quant_reference_k.dequantize_k``, imported when first needed.  The formats'
+codes and block sizes are not written here: ``QTYPES`` reads them from the library's format
+table (kernels/cpu_formats.c), the one place they are defined.
 
 Exactness: every value above is computed in fp32 as the reference does (d * q is exact in fp32;
 Q4_1's d * q + m rounds once), so the native kernels' dequantized weights equal these bit for bit.
@@ -21,20 +23,88 @@ Q4_1's d * q + m rounds once), so the native kernels' dequantized weights equal 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import torch
 
-#: name -> (wdt code of kernels/cpu_gemv.h, elements per block, bytes per block)
-QTYPES: dict[str, tuple[int, int, int]] = {
-    "q8_0": (16, 32, 34),
-    "q4_0": (17, 32, 18),
-    "q4_1": (18, 32, 20),
-    "q4_k": (19, 256, 144),
-    "q5_k": (20, 256, 176),
-    "q6_k": (21, 256, 210),
-}
-
-#: The formats this module quantizes and dequantizes itself.
+#: The formats this module quantizes and dequantizes itself (the 32-element family); the
+#: K-quants' reference is quant_reference_k.
 BLOCK32 = ("q8_0", "q4_0", "q4_1")
+#: The K-quant formats of quant_reference_k.
+K_FORMATS = ("q4_k", "q5_k", "q6_k")
+
+
+class _FormatTable(Mapping):
+    """name -> (wdt code, elements per block, bytes per block), read once, on first use, from
+    the format table of the kernels' shared library (kernels/cpu_formats.c: pf_count, pf_name,
+    pf_code, pf_block_elems, pf_block_bytes), where each format is defined once.
+
+    Fallback, used only when the library cannot be built (no C compiler): the block sizes of the
+    formats this reference implements (BLOCK32 + K_FORMATS) from ggml's own table in the
+    ``gguf`` package, and code -1 (there is no library to pass a code to).  The test
+    tests/kernels/test_format_table.py keeps the two in agreement."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[int, int, int]] | None = None
+        self.source: str | None = None  # "library" or "gguf" once loaded
+
+    def _load(self) -> dict[str, tuple[int, int, int]]:
+        if self._rows is None:
+            rows = _library_rows()
+            self.source = "library"
+            if rows is None:
+                rows, self.source = _fallback_rows(), "gguf"
+            self._rows = rows
+        return self._rows
+
+    def __getitem__(self, name: str) -> tuple[int, int, int]:
+        return self._load()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def __repr__(self) -> str:
+        return f"QTYPES({self._load()!r})"
+
+
+def _library_rows() -> dict[str, tuple[int, int, int]] | None:
+    """The library's format table, or None when the library cannot be built."""
+    import ctypes
+
+    from prescient.kernels import cpu_linear
+
+    lib = cpu_linear.library()
+    if lib is None or not hasattr(lib, "pf_count"):
+        return None
+    lib.pf_count.argtypes = []
+    lib.pf_name.argtypes = [ctypes.c_int]
+    lib.pf_name.restype = ctypes.c_char_p
+    for fn in (lib.pf_count, lib.pf_code, lib.pf_block_elems, lib.pf_block_bytes):
+        fn.restype = ctypes.c_int
+    for fn in (lib.pf_code, lib.pf_block_elems, lib.pf_block_bytes):
+        fn.argtypes = [ctypes.c_int]
+    rows = {}
+    for i in range(lib.pf_count()):
+        name = lib.pf_name(i)
+        if name:  # a code without a row (a gap in the table) has no name
+            rows[name.decode()] = (lib.pf_code(i), lib.pf_block_elems(i), lib.pf_block_bytes(i))
+    return rows
+
+
+def _fallback_rows() -> dict[str, tuple[int, int, int]]:
+    """No library: ggml's block sizes (gguf.GGML_QUANT_SIZES) of the formats implemented here."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return {name: (-1, *GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]])
+            for name in (*BLOCK32, *K_FORMATS)}
+
+
+#: name -> (wdt code of kernels/cpu_formats.h, elements per block, bytes per block), from the
+#: library's format table (see _FormatTable).
+QTYPES: Mapping[str, tuple[int, int, int]] = _FormatTable()
 
 
 def row_bytes(qtype: str, K: int) -> int:
@@ -70,9 +140,11 @@ def dequantize(blocks: torch.Tensor, qtype: str, N: int, K: int) -> torch.Tensor
     qtype = qtype.lower()
     if qtype not in QTYPES:
         raise ValueError(f"unknown qtype {qtype!r}; expected one of {', '.join(QTYPES)}")
-    if qtype not in BLOCK32:
+    if qtype in K_FORMATS:
         from prescient.kernels.quant_reference_k import dequantize_k
         return dequantize_k(blocks, qtype, N, K)
+    if qtype not in BLOCK32:
+        raise ValueError(f"no reference dequantizer for {qtype!r}")
     b = _blocks_view(blocks, qtype, N, K)           # [nb, bb]
     d = _half(b[:, 0:2]).unsqueeze(1)               # [nb, 1]
     if qtype == "q8_0":
@@ -80,9 +152,11 @@ def dequantize(blocks: torch.Tensor, qtype: str, N: int, K: int) -> torch.Tensor
         w = d * q
     elif qtype == "q4_0":
         w = d * (_nibbles(b[:, 2:18]) - 8).to(torch.float32)
-    else:
+    elif qtype == "q4_1":
         m = _half(b[:, 2:4]).unsqueeze(1)
         w = d * _nibbles(b[:, 4:20]).to(torch.float32) + m
+    else:  # a format of the library's table that this reference does not know
+        raise ValueError(f"no reference dequantizer for {qtype!r}")
     return w.reshape(N, K)
 
 
@@ -123,7 +197,7 @@ def quantize(w: torch.Tensor, qtype: str) -> torch.Tensor:
         d = torch.gather(x, 1, imax) / -8
         q = torch.trunc(x * inv(d) + 8.5).clamp(0, 15)
         out = torch.cat([half_bytes(d), pack(q)], dim=1)
-    else:
+    else:  # q4_1
         mn = x.amin(dim=1, keepdim=True)
         d = (x.amax(dim=1, keepdim=True) - mn) / 15
         q = torch.trunc((x - mn) * inv(d) + 0.5).clamp(0, 15)

@@ -29,21 +29,36 @@ from __future__ import annotations
 import torch
 
 QK = 256
-BLOCK_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}
-#: The weight dtype codes of kernels/cpu_gemv.h.
-DT_CODES = {"q4_k": 19, "q5_k": 20, "q6_k": 21}
+_FORMATS = ("q4_k", "q5_k", "q6_k")
+
+
+def __getattr__(name: str):
+    """BLOCK_BYTES (name -> bytes per super-block) and DT_CODES (name -> wdt code): views of
+    quant_reference.QTYPES, which reads them from the library's format table."""
+    if name in ("BLOCK_BYTES", "DT_CODES"):
+        from prescient.kernels.quant_reference import QTYPES
+
+        return {q: QTYPES[q][2 if name == "BLOCK_BYTES" else 0] for q in _FORMATS}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _block_bytes(qtype: str) -> int:
+    if qtype not in _FORMATS:
+        raise ValueError(f"qtype must be one of {sorted(_FORMATS)}, got {qtype!r}")
+    from prescient.kernels.quant_reference import QTYPES
+
+    return QTYPES[qtype][2]
 
 
 def _check(blocks: torch.Tensor, qtype: str, N: int, K: int) -> torch.Tensor:
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+    bb = _block_bytes(qtype)
     if K % QK:
         raise ValueError(f"K = {K} is not a multiple of {QK}")
-    nbytes = K // QK * BLOCK_BYTES[qtype]
+    nbytes = K // QK * bb
     if blocks.dtype != torch.uint8 or blocks.numel() != N * nbytes:
         raise ValueError(f"blocks must be uint8 with {N} x {nbytes} bytes, got "
                          f"{blocks.dtype} {tuple(blocks.shape)}")
-    return blocks.reshape(N * (K // QK), BLOCK_BYTES[qtype])  # [N * K/256, block_bytes]
+    return blocks.reshape(N * (K // QK), bb)  # [N * K/256, block_bytes]
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -143,8 +158,7 @@ def quantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
     15 / 31 steps, its scale and min rounded to 6 bits of d / dmin.  q6_k: each 16-value
     sub-block's largest-magnitude value maps to q - 32 = -32 (so scales take both signs, as in
     ggml), the scale rounded to int8 of d."""
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"qtype must be one of {sorted(BLOCK_BYTES)}, got {qtype!r}")
+    bb = _block_bytes(qtype)
     N, K = w.shape
     if K % QK:
         raise ValueError(f"K = {K} is not a multiple of {QK}")
@@ -183,7 +197,7 @@ def quantize_k(w: torch.Tensor, qtype: str) -> torch.Tensor:
         qh = (((q >> 4) & 3) << (2 * torch.arange(4)).reshape(1, 1, 4, 1)).sum(2)  # [B, 2, 32]
         parts = [ql.reshape(B, 128).to(torch.uint8), qh.reshape(B, 64).to(torch.uint8),
                  sc.to(torch.int8).view(torch.uint8), _f16_bytes(d)]
-    return torch.cat(parts, 1).reshape(N, K // QK * BLOCK_BYTES[qtype]).contiguous()
+    return torch.cat(parts, 1).reshape(N, K // QK * bb).contiguous()
 
 
 def quantize_x_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prescient.kernels import cpu_layer as _cpu_layer
+
 
 @dataclass
 class QuantWeight:
@@ -117,8 +119,9 @@ class Linear:
 
 # the most tokens run through the decode kernels, MAX_M rows a call (Linear / QuantizedLinear
 # __call__): the fused native layers' bound too, so a batch planned by runtime/batch.py runs the
-# same kernels for every decode/verify row on either path
-BATCH_INVARIANT_M = 64
+# same kernels for every decode/verify row on either path. Defined once, as PL_MAX_T in
+# kernels/cpu_layer.c; read from the kernels library (kernels/cpu_layer.py).
+BATCH_INVARIANT_M = _cpu_layer.MAX_T
 
 
 class QuantizedLinear:

@@ -1,6 +1,6 @@
 /*
  * neon_driver.c -- checks the aarch64 NEON kernels of kernels/cpu_gemv.c against a scalar
- * double-precision reference.  Cross-compiled with cpu_gemv.c alone and run under
+ * double-precision reference.  Cross-compiled with cpu_gemv.c and cpu_runtime.c and run under
  * qemu-aarch64 by tests/kernels/test_cpu_linear.py (test_neon_kernels_under_qemu); it also
  * builds and runs natively, where it checks whichever tier the host CPU runs.
  *
@@ -18,15 +18,6 @@
 
 #include "cpu_bf16.h"
 #include "cpu_gemv.h"
-#include "cpu_isa.h"
-
-/* cpu_gemv.c hands block-format (GGUF) weights to cpu_qgemv.c; this driver passes none, so a
- * stub lets it build from cpu_gemv.c alone, whatever state the other kernels' sources are in. */
-int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
-{
-    (void)d; (void)x; (void)y; (void)M; (void)xdt;
-    return -1;
-}
 
 int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt, void *y,
               int M, int N, int K);

@@ -13,6 +13,9 @@ ISA tiers.  Every tier this CPU runs (``cpu_linear.machine_tiers()``: portable, 
 avx512_bf16 as available) is selected in turn with ``_set_isa_cap`` and checked against the
 same reference; tiers the CPU lacks are skipped, naming the tier.  The aarch64 NEON path is
 cross-compiled and run under qemu-aarch64 (test_neon_kernels_under_qemu).
+
+The library's one-place invariants close the file: the format table is Python's (QTYPES), the
+64-token limit has one definition, and the C files' symbol graph is acyclic and layered.
 """
 
 from __future__ import annotations
@@ -453,7 +456,7 @@ def _neon_tools():
 def test_neon_kernels_under_qemu(tmp_path):
     """The aarch64 NEON kernels (fp32 and bf16 weights, fp32 and bf16 x, M up to 16, odd
     shapes, bias, 2 threads) against the double-precision reference of
-    tests/kernels/neon_driver.c, cross-compiled with cpu_gemv.c and run under qemu-aarch64."""
+    tests/kernels/neon_driver.c, cross-compiled with cpu_gemv.c + cpu_runtime.c, run under qemu-aarch64."""
     cc, qemu, why = _neon_tools()
     if why:
         pytest.skip(why)
@@ -462,7 +465,7 @@ def test_neon_kernels_under_qemu(tmp_path):
     build = subprocess.run(
         [cc, "-O3", "-std=gnu11", "-pthread", "-Wall", "-Werror", "-I", kdir, "-o", str(exe),
          os.path.join(REPO, "tests", "kernels", "neon_driver.c"), os.path.join(kdir, "cpu_gemv.c"),
-         "-lm"], capture_output=True, text=True, timeout=300)
+         os.path.join(kdir, "cpu_runtime.c"), "-lm"], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True,
                          text=True, timeout=300)

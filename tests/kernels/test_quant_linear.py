@@ -12,7 +12,7 @@ dequantized value is an fp32 number the kernels also produce exactly).  The kern
     1 + 2^-8 larger for the fp32 rounding of x / dx), and the fp32 term above uses |x| + dx / 2;
   * a bf16 y: half an ulp of the fp32 result, 2^-8 * (|ref| + the bound above).
 The K-quants (Q4_K / Q5_K / Q6_K) are included in the sweep and skip while cpu_qgemv_k.c has
-no kernels (pq_format_k returns NULL) or quant_reference_k.dequantize_k is missing; for them
+no kernels (no row in cpu_formats.c) or quant_reference_k.dequantize_k is missing; for them
 pq_act_block reports 256 when they quantize x (one scale per super-block).
 """
 
@@ -56,7 +56,7 @@ def _require_native(qtype: str) -> None:
     if not cpu_linear.available():
         pytest.skip("C kernels unavailable")
     if not ql.native_available(qtype):
-        pytest.skip(f"no native {qtype} kernels yet (pq_format_k returns NULL)")
+        pytest.skip(f"no native {qtype} kernels yet (no row in cpu_formats.c)")
 
 
 def _random_blocks(qtype: str, N: int, K: int, g: torch.Generator) -> torch.Tensor:
@@ -194,7 +194,7 @@ def test_qtypes_table():
     from gguf import GGML_QUANT_SIZES
     for name, (wdt, be, bb) in qr.QTYPES.items():
         assert GGML_QUANT_SIZES[_gguf_type(name)] == (be, bb)
-    assert [v[0] for v in qr.QTYPES.values()] == [16, 17, 18, 19, 20, 21]  # cpu_gemv.h DT_Q*
+    assert [v[0] for v in qr.QTYPES.values()] == [16, 17, 18, 19, 20, 21]  # cpu_formats.h DT_Q* (ABI)
 
 
 # ---- native kernels: every format x tier x path x M x dtype -----------------------------------

@@ -1,0 +1,34 @@
+/*
+ * cpu_dispatch.h -- a weight descriptor to its kernel (cpu_dispatch.c): pg_linear_w routes the
+ * float dtypes to cpu_gemv.c and the block formats through the table of cpu_formats.h.  The
+ * fused layer (cpu_layer.c) and the Python wrappers (kernels/cpu_linear.py, quant_linear.py,
+ * which mirror pg_weight_t) call these.
+ */
+#ifndef PRESCIENT_CPU_DISPATCH_H
+#define PRESCIENT_CPU_DISPATCH_H
+
+#include <stdint.h>
+#include "cpu_runtime.h"
+
+/* A weight's fixed call arguments, built once per weight: through ctypes every argument
+ * costs ~70 ns, and a decode step makes ~200 calls. */
+typedef struct {
+    const void *w;
+    const float *bias;   /* [N] fp32 or NULL */
+    int32_t wdt, N, K;
+} pg_weight_t;
+
+/* y[M, N] = x[M, K] @ W^T (+ bias); x, y fp32 or bf16 (xdt; y has x's dtype); M <= PG_MAX_M.
+ * 0 on success, -1 bad arguments, -2 allocation failure. */
+int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
+/* The same for a block-format weight (d->wdt >= DT_Q_FIRST). */
+int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
+/* Rows n0..n1-1 / the rows ids[0..n-1] of a block-format W as fp32, row-major, exactly the
+ * reference dequantizer's values. */
+int pq_dequantize_rows(const pg_weight_t *d, int n0, int n1, float *out);
+int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *out);
+/* 1 when wdt has kernels in this .so; the activation block of wdt at the tier in use. */
+int pq_supported(int wdt);
+int pq_act_block(int wdt);
+
+#endif

@@ -1,0 +1,48 @@
+/*
+ * cpu_runtime.h -- the bottom layer of the CPU kernels' .so (cpu_runtime.c): the ISA tiers and
+ * their run-time detection, the one thread pool every kernel shares, the activation dtype codes
+ * and the library-wide limits.  Everything else includes this downward; cpu_runtime.c includes
+ * nothing of the kernels, so no kernel file is both above and below another.
+ *
+ *   cpu_runtime      <- cpu_gemv (fp32/bf16), cpu_qgemv*, cpu_qgemv_k (block formats), cpu_attention
+ *   cpu_formats      <- the format table: one row per block format (cpu_formats.h)
+ *   cpu_dispatch     <- pg_linear_w / pq_linear_w: a weight descriptor to its kernel
+ *   cpu_layer        <- the fused decoder layer (linears through cpu_dispatch, cpu_attention)
+ */
+#ifndef PRESCIENT_CPU_RUNTIME_H
+#define PRESCIENT_CPU_RUNTIME_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ISA tiers, ordered so that "tier >= X" means "X's instructions may be used".  The tier in use
+ * is pg_isa(): the best the CPU and OS support, capped by pg_set_isa_cap (PRESCIENT_ISA in
+ * kernels/cpu_linear.py), so an AVX-512 machine can run and test the AVX2 paths. */
+enum {
+    ISA_PORTABLE = 0,    /* plain C the compiler vectorises (any CPU; aarch64 adds NEON there) */
+    ISA_AVX2 = 1,        /* AVX2 + FMA + F16C (Haswell, Zen 1-3) */
+    ISA_AVX512 = 2,      /* AVX-512 F/BW/VL/DQ (Skylake-X; bf16 by widening) */
+    ISA_AVX512_BF16 = 3, /* + AVX512_BF16 (vdpbf16ps) and VNNI (Zen 4, Sapphire Rapids) */
+    ISA_COUNT
+};
+
+/* Rows of x the small-M kernels handle in registers; more -> the caller uses a GEMM. */
+#define PG_MAX_M 16
+
+/* Activation (and float weight) dtypes.  Codes >= DT_Q_FIRST are the block formats of
+ * cpu_formats.h. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_Q_FIRST = 16 };
+
+/* The tier in use (0 .. ISA_COUNT - 1). */
+int pg_isa(void);
+/* Threads per pool call, the caller included. */
+int pg_num_threads(void);
+
+typedef void (*pg_task_fn)(const void *ctx, int i0, int i1);
+/* task(ctx, i0, i1) over items [0, n) in chunks of >= per_chunk items on the shared pool;
+ * returns when all are done.  One call at a time uses the pool; a concurrent caller runs its
+ * items on its own thread.  ctx must stay valid until return (it may live on the stack). */
+__attribute__((visibility("hidden")))
+void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk);
+
+#endif
