@@ -182,6 +182,8 @@ class ChatHTTPTransport:
             if visible:
                 times = getattr(chunk, "token_times", None)
                 trace.add_emission(now, len(times) if times else 1)
+                if times:  # the server's own stamp (seconds since it took the request), beside ours
+                    trace.tags.setdefault("server_times", []).append(times[-1])
         trace.finished_time = time.perf_counter()
         return Reply(trace, "".join(text), calls, finish)
 

@@ -46,6 +46,9 @@ def phase_figures(run: LoadRun) -> dict:
     longs = run.long.finished()
     return {
         "num_requests": requests, "num_finished": finished, "num_failed": failed, "num_unfinished": unfinished,
+        # finished without streaming a token (all of its output special tokens, which carry no
+        # text): no TTFT to measure, and a miss
+        "num_without_output": sum(m.ttft_s is None for _, m in run.clients.finished()),
         "num_met_slo": met, "slo_attainment": met / requests if requests else None,
         "slo_met_by_objective": {name: sum(m.slo_met.get(name, False) for _, m in run.clients.finished())
                                  for name in run.clients.slo.bounds()},
