@@ -27,8 +27,11 @@ from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.linear import BATCH_INVARIANT_M
 from prescient.runtime.request import OverloadedError, Request, RequestStatus
-from prescient.runtime.step_cost import StepCostModel
+from prescient.runtime.step_cost import StepCostModel, step_shape
 
+
+# A prompt that cannot make its TTFT bound even alone is due at this multiple of its prefill alone.
+_INFEASIBLE_STRETCH = 1.3
 
 # Waiting requests that do not fit looked at per step before the scan stops: each look matches
 # the prompt against the prefix cache (hashing it), and a full queue must not slow every step.
@@ -142,14 +145,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
-        # Decoding requests, oldest first; preempt from the newest end when blocks run out. Draft
-        # slots are what the ITL budget leaves after every decode's own row: the step's time is
-        # every stream's gap, and a draft only ever saves time if the step stays within it.
-        draft_rows = self._draft_rows()
+        # Decoding requests, oldest first; preempt from the newest end when blocks run out. With a
+        # time budget, draft slots come last (`_add_drafts`): what the ITL bound leaves after every
+        # decode's own row and the step's prefill work. The step's time is every stream's gap, a
+        # draft only saves time if the step stays within it, and a waiting prompt's TTFT comes
+        # before a running stream's speed-up.
+        decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1]
+        timed = self.cost is not None and itl_bound(decoding, self.config.itl_target_s) is not None
         for request in list(self.running):
             if request.status != RequestStatus.RUNNING or request.num_uncomputed != 1 or budget <= 0:
                 continue
-            spec = min(request.spec_budget, budget - 1, draft_rows)
+            spec = 0 if timed else min(request.spec_budget, budget - 1)
             spec = max(0, min(spec, self.max_seq_len - request.num_tokens - 1))
             while not self._grow(request, 1 + spec):
                 if spec:  # first give up the draft slots
@@ -164,44 +170,45 @@ class Scheduler:
                 continue
             seqs.append(ScheduledSeq(request, 1, spec))
             budget -= 1 + spec
-            draft_rows -= spec
+        decodes = list(seqs)
         # What the decodes leave of the step's time budget goes to prefill work.
         plan = _PrefillPlan(self, seqs)
-        # Running requests in prefill (a chunk split by layers first: it holds its blocks and
-        # hidden states until done), then waiting ones. A chunk that cannot get its blocks waits
-        # a step: taking them from a decode scheduled above would free what it is about to use.
+        # Prefill work: a chunk split by layers first (it holds its blocks and hidden states until
+        # done), then running prompts and waiting ones together, earliest TTFT deadline first, so
+        # a short prompt that can still make its bound goes before a long one that started first.
+        # A running prompt's chunk that cannot get its blocks waits a step (taking them from a
+        # decode scheduled above would free what it is about to use); a waiting one that does not
+        # fit now is passed over (bounded).
         prefilling = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1]
-        prefilling.sort(key=lambda r: r.chunk_layer == 0)  # stable
-        for request in prefilling:
-            if budget <= 0:
-                break
-            size = plan.chunk(request, budget)
-            if size is None:
-                if plan.stopped:
-                    break
-                continue
-            num_new, layers, completes = size
-            if not self._grow(request, num_new):
-                continue
-            plan.commit(request, num_new, layers)
-            seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
-            budget -= num_new
-        # Waiting requests, earliest TTFT deadline first (arrival order when the bounds are
-        # equal); one that does not fit now is passed over (bounded).
+        queue = [r for r in prefilling if r.chunk_layer] + sorted(
+            [r for r in prefilling if not r.chunk_layer] + list(self.waiting), key=self._deadline)
         passed: list[Request] = []
         limit = self.config.max_overtakes
-        for request in self._by_deadline():
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(passed) >= _MAX_PASSED:
+        admitting = True
+        for request in queue:
+            if budget <= 0 or not plan.has_room():
                 break
-            if any(p.num_overtaken >= limit for p in passed):
-                break  # a passed-over request's turn: nothing more until the running ones make room
-            if not plan.has_room():
-                break
+            if request.status == RequestStatus.RUNNING:
+                size = plan.chunk(request, budget)
+                if size is None:
+                    continue
+                num_new, layers, completes = size
+                if not self._grow(request, num_new):
+                    continue
+                plan.commit(request, num_new, layers)
+                seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
+                budget -= num_new
+                continue
+            if not admitting:
+                continue
+            if (len(self.running) >= self.config.max_num_seqs or len(passed) >= _MAX_PASSED
+                    or any(p.num_overtaken >= limit for p in passed)):
+                admitting = False  # a passed-over request's turn, or no room: no more admissions
+                continue
             got = self._admit(request, lambda r: plan.chunk(r, budget))
             if got is None:
-                if plan.stopped:
-                    break  # out of time, not of blocks: nobody is passed over
-                passed.append(request)
+                if not plan.stopped:  # out of blocks, not of time: passed over
+                    passed.append(request)
                 continue
             num_new, layers, completes = got
             for p in passed:
@@ -215,30 +222,39 @@ class Scheduler:
             plan.commit(request, num_new, layers)
             seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
             budget -= num_new
+        if timed and decodes:
+            self._add_drafts(decodes, seqs, budget)
         return SchedulerOutput(seqs, preempted)
 
-    def _draft_rows(self) -> float:
-        """Draft-tree rows the step's time budget allows beside one row per decoding request
-        (margin x the tightest ITL bound, by the cost model); unbounded without one."""
-        decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1]
-        bound = itl_bound(decoding, self.config.itl_target_s)
-        if self.cost is None or bound is None:
-            return float("inf")
-        ctx = sum(r.num_tokens for r in decoding) / len(decoding)
-        rows = self.cost.decode_rows_within(self.config.itl_margin * bound, ctx)
-        return max(0, rows - len(decoding))
+    def _add_drafts(self, decodes: list[ScheduledSeq], seqs: list[ScheduledSeq], budget: int) -> None:
+        """Draft slots for the decodes, oldest first, within the step's time left after its
+        decode rows and prefill work (the cost model) and the token budget left; a draft that
+        cannot get its KV blocks is dropped (never a preemption for a draft)."""
+        shape = step_shape(seqs, self.num_layers)
+        left = self.config.itl_margin * itl_bound([s.request for s in decodes], self.config.itl_target_s) - \
+            self.cost.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx)
+        rows = self.cost.decode_rows_within(left, shape.decode_ctx) - shape.decode_rows
+        for seq in decodes:
+            r = seq.request
+            spec = max(0, min(r.spec_budget, budget, rows, self.max_seq_len - r.num_tokens - 1))
+            if spec and self.blocks.can_allocate(self._blocks_needed(r, 1 + spec)) and self._grow(r, 1 + spec):
+                seq.num_spec_slots = spec
+                budget -= spec
+                rows -= spec
 
-    def _by_deadline(self) -> list[Request]:
-        """The waiting queue by TTFT deadline (arrival + the request's bound, else the default);
-        a preempted request (it has streamed tokens) keeps its place at the front."""
-        default = self.config.ttft_target_s
-
-        def deadline(r: Request) -> float:
-            if r.num_preemptions:
-                return float("-inf")
-            return r.arrival_time + (r.params.max_ttft_s if r.params.max_ttft_s is not None else default)
-
-        return sorted(self.waiting, key=deadline)  # stable: FIFO among equal deadlines
+    def _deadline(self, r: Request) -> float:
+        """When a prompt's first token is due: arrival + its TTFT bound (its own, else the
+        default), or 1.3x its predicted prefill alone when the bound is below that (a bound it
+        cannot make even alone does not take the step from ones that still can; 1.3x is what a
+        long prompt beside decodes is held to, docs/SCHEDULING.md). A preempted request (it has
+        streamed tokens) comes first."""
+        if r.num_preemptions:
+            return float("-inf")
+        bound = r.params.max_ttft_s if r.params.max_ttft_s is not None else self.config.ttft_target_s
+        if self.cost is not None:
+            n = len(r.prompt_token_ids)
+            bound = max(bound, _INFEASIBLE_STRETCH * self.cost.prefill_seconds(n, n / 2))
+        return r.arrival_time + bound
 
     def _admit(self, request: Request, size) -> tuple[int, tuple[int, int] | None, bool] | None:
         """Take the blocks for a waiting request's next chunk (prefix-cache hits first, session

@@ -185,6 +185,26 @@ def test_draft_slots_are_what_the_itl_budget_leaves_after_every_decode(tiny):
     assert sum(s.num_spec_slots for s in loose.scheduler.schedule().seqs) == 8 * 40  # no bound: no cap
 
 
+def test_a_waiting_prompt_gets_the_step_before_drafts_do(tiny):
+    """Beside a prompt to prefill, drafts take only what its chunk leaves of the ITL budget: the
+    prompt advances as far as it would with no drafts wanted, and the step stays in the bound."""
+    def first_step(spec_budget):
+        engine = make_engine(tiny, itl_target_s=0.1)
+        start_decodes(engine, n=2, tokens=20)
+        engine.add_request(prompt(700, seed=11), greedy(2), request_id="long")
+        for request in engine.scheduler.running:
+            request.spec_budget = spec_budget
+        out = engine.scheduler.schedule()
+        long = [(s.num_new_tokens, s.layers) for s in out.seqs if s.request.request_id == "long"]
+        drafts = sum(s.num_spec_slots for s in out.seqs)
+        return long, drafts, engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers))
+
+    plain, no_drafts, _ = first_step(0)
+    greedy_drafts, drafts, cost = first_step(40)
+    assert plain and greedy_drafts == plain and no_drafts == 0
+    assert cost <= 0.08 + 1e-9 and drafts < 2 * 40  # what was left, not what was wanted
+
+
 def test_waiting_prompts_start_earliest_ttft_deadline_first(tiny):
     engine = make_engine(tiny, itl_target_s=None, max_num_seqs=1)
     engine.add_request(prompt(20, seed=6), greedy(30), request_id="busy")
@@ -197,6 +217,24 @@ def test_waiting_prompts_start_earliest_ttft_deadline_first(tiny):
             if out.new_token_ids and out.request_id not in order:
                 order.append(out.request_id)
     assert order.index("urgent") < order.index("relaxed")
+
+
+def test_a_short_prompt_goes_before_a_long_one_that_cannot_make_its_bound(tiny):
+    """A 1500-token prompt (1.5 s alone here: past the 1 s TTFT bound, so due at 1.3x that) has
+    started; a short one arriving next starts before the long one's next chunk (the chunk in
+    flight by layers finishes first)."""
+    engine = make_engine(tiny, itl_target_s=0.1)
+    start_decodes(engine, n=2, tokens=200)
+    engine.add_request(prompt(1500, seed=12), greedy(2), request_id="long")
+    for _ in range(3):
+        engine.step()
+    assert engine.requests["long"].num_computed_tokens < 1500  # still prefilling
+    engine.add_request(prompt(30, seed=13), greedy(2), request_id="short")
+    steps, _ = trace(engine)
+    order = [(r, layers) for seqs, _, _ in steps for r, n, layers in seqs if r in ("long", "short") and n > 1]
+    first_short = next(i for i, (r, _) in enumerate(order) if r == "short")
+    new_long_chunks = [i for i, (r, layers) in enumerate(order) if r == "long" and (layers is None or layers[0] == 0)]
+    assert new_long_chunks and first_short < new_long_chunks[0]
 
 
 def test_the_cost_model_learns_this_machine_from_its_own_steps():
