@@ -33,6 +33,9 @@ from prescient.runtime.step_cost import StepCostModel, step_shape
 # A prompt that cannot make its TTFT bound even alone is due at this multiple of its prefill alone.
 _INFEASIBLE_STRETCH = 1.3
 
+# A prompt this many seconds past its TTFT deadline goes before every other (none starves).
+_STARVE_S = 5.0
+
 # Waiting requests that do not fit looked at per step before the scan stops: each look matches
 # the prompt against the prefix cache (hashing it), and a full queue must not slow every step.
 _MAX_PASSED = 8
@@ -181,7 +184,7 @@ class Scheduler:
         # fit now is passed over (bounded).
         prefilling = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed > 1]
         queue = [r for r in prefilling if r.chunk_layer] + sorted(
-            [r for r in prefilling if not r.chunk_layer] + list(self.waiting), key=self._deadline)
+            [r for r in prefilling if not r.chunk_layer] + list(self.waiting), key=self._priority(time.perf_counter()))
         passed: list[Request] = []
         limit = self.config.max_overtakes
         admitting = True
@@ -241,6 +244,18 @@ class Scheduler:
                 seq.num_spec_slots = spec
                 budget -= spec
                 rows -= spec
+
+    def _priority(self, now: float):
+        """Sort key of prefill work: prompts that can still make their TTFT deadline first,
+        earliest deadline first; then the ones already late, also by deadline (serving a late
+        one first saves nobody and makes the on-time ones late too: under overload, plain EDF
+        misses every deadline); a prompt late by more than `_STARVE_S` goes to the very front,
+        so none waits on others without bound."""
+        def key(r: Request) -> tuple[int, float]:
+            d = self._deadline(r)
+            late = now - d
+            return (0 if late > _STARVE_S else 2 if late > 0 else 1), d
+        return key
 
     def _deadline(self, r: Request) -> float:
         """When a prompt's first token is due: arrival + its TTFT bound (its own, else the

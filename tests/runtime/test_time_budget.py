@@ -205,18 +205,42 @@ def test_a_waiting_prompt_gets_the_step_before_drafts_do(tiny):
     assert cost <= 0.08 + 1e-9 and drafts < 2 * 40  # what was left, not what was wanted
 
 
-def test_waiting_prompts_start_earliest_ttft_deadline_first(tiny):
-    engine = make_engine(tiny, itl_target_s=None, max_num_seqs=1)
-    engine.add_request(prompt(20, seed=6), greedy(30), request_id="busy")
-    engine.step()
-    engine.add_request(prompt(20, seed=7), greedy(2), request_id="relaxed")
-    engine.add_request(prompt(20, seed=8), greedy(2, max_ttft_s=0.01), request_id="urgent")
+def first_tokens_order(engine) -> list[str]:
     order = []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.new_token_ids and out.request_id not in order:
                 order.append(out.request_id)
+    return order
+
+
+def test_waiting_prompts_start_earliest_ttft_deadline_first(tiny):
+    engine = make_engine(tiny, itl_target_s=None, max_num_seqs=1)
+    engine.add_request(prompt(20, seed=6), greedy(30), request_id="busy")
+    engine.step()
+    engine.add_request(prompt(20, seed=7), greedy(2, max_ttft_s=60.0), request_id="relaxed")
+    engine.add_request(prompt(20, seed=8), greedy(2, max_ttft_s=30.0), request_id="urgent")
+    order = first_tokens_order(engine)
     assert order.index("urgent") < order.index("relaxed")
+
+
+def test_a_prompt_already_late_yields_to_one_on_time_but_not_without_bound(tiny):
+    """Under overload, serving a prompt past its deadline first saves nobody: on-time prompts go
+    first. One more than 5 s late goes before everyone (none starves)."""
+    import time
+
+    def order(late_by_s):
+        engine = make_engine(tiny, itl_target_s=None, max_num_seqs=1)
+        engine.add_request(prompt(20, seed=6), greedy(30), request_id="busy")
+        engine.step()
+        # due 1 s after its arrival (the default bound), which was late_by_s + 1 s ago
+        engine.add_request(prompt(20, seed=7), greedy(2), request_id="late",
+                           arrival_time=time.perf_counter() - 1.0 - late_by_s)
+        engine.add_request(prompt(20, seed=8), greedy(2, max_ttft_s=60.0), request_id="on-time")
+        return first_tokens_order(engine)
+
+    assert order(2.0).index("on-time") < order(2.0).index("late")
+    assert order(10.0).index("late") < order(10.0).index("on-time")  # (30 s would expire it)
 
 
 def test_a_short_prompt_goes_before_a_long_one_that_cannot_make_its_bound(tiny):
