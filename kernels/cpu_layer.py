@@ -14,12 +14,13 @@ torch ops' roundings between them, so a bf16 model's results are the torch path'
 The KV cache is of the model dtype or int8 with per-(token, kv head) scales (``--kv-dtype int8``:
 new rows quantized by the same pa_store_kv_i8 as ops.store_kv).
 
-``fused_layers`` is the model's hook (LlamaModel.forward): it builds a ``FusedLayers`` once per
-(model layers, KV cache) and hands it back on later steps.  Environment:
-``PRESCIENT_FUSED_LAYERS=0`` turns the fused path off (A/B runs, the step profiler), ``=layer``
-makes one native call per layer instead of one per step (what tensor parallelism would need:
-an all-reduce between layers); PRESCIENT_KERNELS=reference|triton and PRESCIENT_CPU_ATTENTION=0
-turn it off too, since they ask for an attention the fused path does not run.
+``fused_layers`` is the model's hook (runtime/model.CpuForward, the CPU transformation): it
+builds a ``FusedLayers`` once per (model layers, KV cache) and hands it back on later steps.
+Whether to take this path at all is the runtime's switch (PRESCIENT_FUSED_LAYERS, parsed by
+runtime/env.py: off, or ``layer`` for one native call per layer instead of one per step, what
+tensor parallelism would need: an all-reduce between layers); the kernels' own switches
+PRESCIENT_KERNELS=reference|triton and PRESCIENT_CPU_ATTENTION=0 turn it off here, since they
+ask for an attention the fused path does not run (read per call, as kernels/ops.py reads them).
 
 Not reentrant: one forward at a time per FusedLayers (as for its KV cache itself): the step's
 arguments and scratch are the object's.
@@ -41,7 +42,6 @@ from prescient.kernels import cpu_attention, cpu_linear
 
 log = logging.getLogger(__name__)
 
-ENV = "PRESCIENT_FUSED_LAYERS"
 _OFF = ("0", "false", "off")
 _C_VERSION = 3  # must match PL_VERSION in cpu_layer.c
 
@@ -58,9 +58,9 @@ def _max_tokens() -> int:
     return int(re.search(r"^#define PL_MAX_T (\d+)", src, re.M).group(1))
 
 
-#: most tokens of one native forward (PL_MAX_T in cpu_layer.c): LlamaModel.forward takes this path
-#: for every batch of decode/verify-sized sequences up to it (runtime/batch.py plans them); also
-#: runtime/linear.py's BATCH_INVARIANT_M
+#: most tokens of one native forward (PL_MAX_T in cpu_layer.c): a prepared CPU model
+#: (runtime/model.CpuForward) takes this path for every batch of decode/verify-sized sequences
+#: up to it (runtime/batch.py plans them); also runtime/linear.py's BATCH_INVARIANT_M
 MAX_T = _max_tokens()
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _I32 = torch.int64, torch.int32
@@ -181,9 +181,10 @@ def profile(on: bool) -> dict[str, float]:
 
 
 def enabled() -> bool:
-    """Whether the environment lets the fused path run (read per call, as ops.py does)."""
+    """Whether the kernels' switches let the fused path run: PRESCIENT_KERNELS unset/auto and
+    PRESCIENT_CPU_ATTENTION not off (read per call, as ops.py does)."""
     env = os.environ
-    return (env.get(ENV, "1") not in _OFF and env.get("PRESCIENT_KERNELS", "auto") in ("", "auto")
+    return (env.get("PRESCIENT_KERNELS", "auto") in ("", "auto")
             and env.get("PRESCIENT_CPU_ATTENTION", "1") not in _OFF)
 
 
@@ -215,8 +216,7 @@ class FusedLayers:
     ``FusedLayers.build`` (None when the model cannot take this path, the reason in the log at
     debug level) or directly (raises ValueError)."""
 
-    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 per_layer: Optional[bool] = None):
+    def __init__(self, model, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], per_layer: bool = False):
         if not available():
             raise ValueError(f"native layers unavailable: {_why_not}")
         cfg = model.config
@@ -236,7 +236,7 @@ class FusedLayers:
         self.model_layers = layers  # identity checked by fused_layers()
         self.num_layers = n
         self.dtype = dtype
-        self.per_layer = os.environ.get(ENV, "") == "layer" if per_layer is None else per_layer
+        self.per_layer = per_layer  # one pl_layer call per layer instead of one pl_layers call
         self._hidden = cfg.hidden_size
         self._head_dim = D
 
@@ -302,9 +302,9 @@ class FusedLayers:
         self._layer_ptrs = [ctypes.addressof(args[i]) for i in range(n)]
 
     @classmethod
-    def build(cls, model, kv_caches) -> Optional["FusedLayers"]:
+    def build(cls, model, kv_caches, per_layer: bool = False) -> Optional["FusedLayers"]:
         try:
-            return cls(model, kv_caches)
+            return cls(model, kv_caches, per_layer)
         except ValueError as e:
             log.debug("prescient cpu_layer: torch layer loop (%s)", e)
             return None
@@ -397,11 +397,12 @@ class FusedLayers:
         return out
 
 
-def fused_layers(model, kv_caches) -> Optional[FusedLayers]:
-    """The model hook: a FusedLayers for (model.layers, kv_caches) when the environment and
-    the model allow it, else None.  Built on the first call for a given KV cache and cached on
-    the model (a few entries: the engine's cache, a draft's, a calibration's scratch cache;
-    an early-exit draft shares the list, its entries told apart by their layers)."""
+def fused_layers(model, kv_caches, per_layer: bool = False) -> Optional[FusedLayers]:
+    """The model hook: a FusedLayers for (model.layers, kv_caches) when the kernels' switches
+    (``enabled()``) and the model allow it, else None.  Built on the first call for a given KV
+    cache (``per_layer`` applies then: a cached entry keeps its own) and cached on the model (a
+    few entries: the engine's cache, a draft's, a calibration's scratch cache; an early-exit
+    draft shares the list, its entries told apart by their layers)."""
     if not enabled() or not kv_caches:
         return None
     cache = model.__dict__.get("_fused_layers_cache")
@@ -411,7 +412,7 @@ def fused_layers(model, kv_caches) -> Optional[FusedLayers]:
     for entry_layers, k0_ref, fl in cache:
         if entry_layers is layers and k0_ref() is k0 and (fl is None or fl.bound_to(kv_caches)):
             return fl
-    fl = FusedLayers.build(model, kv_caches)
+    fl = FusedLayers.build(model, kv_caches, per_layer)
     cache[:] = [e for e in cache if e[1]() is not None][-7:]  # entries whose KV cache is gone go
     cache.append((layers, weakref.ref(k0), fl))
     return fl

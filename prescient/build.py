@@ -1,9 +1,11 @@
 """The one way to build an engine: `build_engine(EngineSpec(...))`.
 
 It sits above runtime/ and speculative/ because it assembles both: the model (from the
-converted-weights cache, runtime/weights_cache.py), the engine's configs, and the speculator,
-handed to the `Engine` as an argument. The CLI, the server, latency_bench and every script build
-engines here (tests also assemble small engines by hand, with hand-set cost tables).
+converted-weights cache, runtime/weights_cache.py, its transformations applied here:
+runtime/model.prepare_for_cpu, or tp_worker.launch's tensor-parallel shards), the engine's
+configs, and the speculator, handed to the `Engine` as an argument. The CLI, the server,
+latency_bench and every script build engines here (tests also assemble small engines by hand,
+with hand-set cost tables).
 
     spec   = EngineSpec(model=None, dtype="bfloat16", speculate="ngram")
     loaded = load_model(spec)                  # optional: share one model between engines
@@ -21,7 +23,7 @@ import torch
 from prescient.runtime.config import CacheConfig, SchedulerConfig
 from prescient.runtime.engine import DTYPES, Engine, EngineConfig
 from prescient.runtime.loader import QUANTIZE
-from prescient.runtime.model import LlamaModel
+from prescient.runtime.model import LlamaModel, ModelRunner, prepare_for_cpu
 from prescient.runtime.weights_cache import WEIGHTS, load_model_files
 
 SPECULATE = ("ngram", "draft", "off")
@@ -112,7 +114,7 @@ class LoadedModel:
     from a checkpoint; a script with random weights makes one directly (identity None: its
     verify-cost table is measured, never cached)."""
 
-    model: LlamaModel
+    model: ModelRunner  # a LlamaModel, or a TensorParallelModel under --tp
     tokenizer: object | None  # runtime.tokenizer.Tokenizer
     eos_token_ids: tuple[int, ...]
     identity: str | None  # weights content hash + weights mode + dtype (runtime/weights_cache.py)
@@ -159,14 +161,16 @@ def load_model(spec: EngineSpec) -> LoadedModel:
                                  weights=spec.weights, quantize=spec.quantize)
         kwargs = dict(dtype=DTYPES[spec.dtype], weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],
                       weights_mode=weights_label(spec))
-        if spec.tp > 1:  # rank 0's shard; the workers load their own (the cache just written, mapped)
+        if spec.tp > 1:  # rank 0's shard (sharded, then prepared); the workers load theirs (the cache, mapped)
             from prescient.runtime.tp_worker import CheckpointSource, launch
 
             source = CheckpointSource(spec.model, spec.dtype, spec.weights_cache, spec.weights, spec.quantize)
             model = launch(source, spec.tp, kwargs, device=spec.device, rank0_weights=(files.config, files.weights),
                            progress=spec.progress)
         else:
-            model = LlamaModel(files.config, files.weights, device=spec.device, **kwargs)
+            # the reference model, then the CPU transformation (a no-op on CUDA)
+            model = LlamaModel(files.config, files.weights, device=spec.device, **kwargs, prepare=False)
+            model = prepare_for_cpu(model)
     if spec.progress:
         print(f"prescient: {memory_line(model, spec.kv_dtype)}", file=sys.stderr, flush=True)
     if spec.device == "cpu":
@@ -181,7 +185,7 @@ def load_model(spec: EngineSpec) -> LoadedModel:
     return LoadedModel(model, files.tokenizer, files.eos_token_ids, files.identity, files.config)
 
 
-def memory_line(model: LlamaModel, kv_dtype: str = "auto") -> str:
+def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token"."""
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB; "
@@ -217,7 +221,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
         raise ValueError(f"the loaded model's weights are {loaded.model.weights_mode}, the spec asks for "
                          f"{weights_label(spec)}")
     if (config is not None and config.cache.kv_dtype == "int8"
-            and str(getattr(loaded.model, "device", "cpu")).startswith("cuda")):
+            and str(loaded.model.device).startswith("cuda")):
         raise ValueError(KV_INT8_ON_CUDA)  # an EngineConfig given directly: the same refusal as the spec's
     config = config or EngineConfig(
         dtype=spec.dtype,
@@ -272,7 +276,7 @@ def start_prefill_worker(spec: EngineSpec, engine: Engine) -> None:
 
     threads = default_threads(2)
     _set_threads(threads)
-    if hasattr(engine.model, "_torch_threads"):  # the threads its prefill-sized forwards get back
+    if not engine.model.is_sharded:  # the threads its prefill-sized forwards get back (model.CpuForward)
         engine.model._torch_threads = threads
     source = CheckpointSource(spec.model, spec.dtype, spec.weights_cache, spec.weights, spec.quantize)
     kwargs = dict(dtype=DTYPES[spec.dtype], weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],

@@ -1,17 +1,35 @@
 """A Llama-family decoder (Llama, SmolLM2, Qwen2) in plain torch, driven by a `ForwardBatch`.
 
-RMSNorm, RoPE (with scaling configs), grouped-query attention over the paged KV cache through
-`prescient.kernels.ops.tree_attention` (so prefill chunks, decode tokens and draft trees all go
-through one call with a per-query mask), SwiGLU MLP, tied or untied embeddings. Q/K/V and
-gate/up are fused into one matrix each so a decode step makes 5 matrix-vector calls per layer.
-Logits are computed only for `batch.logits_indices` (the LM head is the largest GEMV).
+`LlamaModel.forward` is the reference forward: RMSNorm, RoPE (with scaling configs), grouped-query
+attention over the paged KV cache through `prescient.kernels.ops.tree_attention` (so prefill
+chunks, decode tokens and draft trees all go through one call with a per-query mask), SwiGLU MLP,
+tied or untied embeddings. Q/K/V and gate/up are fused into one matrix each so a decode step makes
+5 matrix-vector calls per layer. Logits are computed only for `batch.logits_indices` (the LM head
+is the largest GEMV). The forward itself takes no decision by token count, device or environment
+(the linears, runtime/linear.py, and kernels/ops.py still pick their kernel per call).
+
+Transformations are applied to a built model, as gpt-fast applies them, and leave this forward
+as it is written:
+
+    prepare_for_cpu(model)        # below: decode/verify-sized CPU forwards in the native layers
+                                  # (kernels/cpu_layer.c) and the torch thread policy
+    shard_model(...)              # runtime/tensor_parallel.py: a rank's shard (wrapped linears), then prepared
+
+(Quantization is still chosen at load, runtime/loader.quantize_linears, and by `fast_linear` here:
+blocks kept for the quantized kernels, or dequantized.)
+
+`LlamaModel(...)` applies `prepare_for_cpu` itself unless `prepare=False` (the reference alone);
+prescient/build.py applies it explicitly. Every model the engine can hold (a LlamaModel, prepared
+or not, and runtime/tp_worker.TensorParallelModel) is a `ModelRunner`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import copy
 import math
+import weakref
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -20,6 +38,7 @@ import torch.nn.functional as F
 from prescient.kernels import cpu_layer, ops
 from prescient.runtime.batch import ForwardBatch
 from prescient.runtime.config import ModelConfig
+from prescient.runtime.env import RuntimeEnv, runtime_env
 from prescient.runtime.kv_layer import KVLayer
 from prescient.runtime.linear import Linear, QuantizedLinear, QuantWeight, format_name, fused_linear, make_linear
 from prescient.runtime.rope import Rope
@@ -37,16 +56,51 @@ class _Layer:
     down: Linear
 
 
+class ModelRunner(Protocol):
+    """What the engine, the speculator and prescient/build.py use of a model: a LlamaModel
+    (prepared or not) or runtime/tp_worker.TensorParallelModel. Code asks `is_sharded` where it
+    must tell a tensor-parallel model apart, never hasattr."""
+
+    config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    num_layers: int
+    weights_mode: str
+    is_sharded: bool  # a tensor-parallel shard, or the model over them: every forward involves all ranks
+
+    def forward(self, batch: ForwardBatch, kv_caches) -> torch.Tensor: ...
+
+    def early_exit(self, num_layers: int) -> "ModelRunner": ...
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> list: ...
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int: ...
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+    def weight_bytes(self) -> int: ...
+
+    def weight_formats(self) -> tuple[str, ...]: ...
+
+    def weights_description(self) -> str: ...
+
+
 class LlamaModel:
+    is_sharded = False  # ModelRunner; runtime/tensor_parallel.shard_model sets it on a rank's shard
+    prepared: "CpuForward | None" = None  # the CPU transformation installed on this model, if any
+
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 fast_linear: bool = True, weights_dtype: torch.dtype | None = None, weights_mode: str = ""):
+                 fast_linear: bool = True, weights_dtype: torch.dtype | None = None, weights_mode: str = "",
+                 prepare: bool = True):
         """weights: canonical names (runtime/loader.py) -> float tensors or QuantWeight blocks.
         dtype: the activations, norms, biases and KV cache. weights_dtype: the float dtype the
         linear weights and the embedding are held in (None = dtype). Quantized blocks stay blocks
         on CPU (kernels/quant_linear.py reads them); on another device, or with fast_linear=False
         (the reference path), they are dequantized into weights_dtype. weights_mode: how the
-        weights were loaded ("native", "--weights bfloat16", ...), for weights_description()."""
+        weights were loaded ("native", "--weights bfloat16", ...), for weights_description().
+        prepare: apply `prepare_for_cpu` (a no-op off the CPU); False = the reference forward
+        only, for a caller that applies its transformations itself (prescient/build.py, TP)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -93,21 +147,23 @@ class LlamaModel:
         self.rope.cos = self.rope.cos.to(self.device)
         self.rope.sin = self.rope.sin.to(self.device)
         self.scale = config.head_dim ** -0.5
-        # The packed GEMV kernel runs its own 2-thread pool; torch's OpenMP workers would fight it
-        # for the second core, so forwards small enough for that kernel (decode, draft trees)
-        # run torch's own ops on one thread, and larger ones (prefill) get torch's threads back.
-        self._packed = self.lm_head.packed is not None
-        self._torch_threads = torch.get_num_threads()
+        if prepare:
+            prepare_for_cpu(self)
 
     def early_exit(self, num_layers: int) -> "LlamaModel":
         """A model made of this one's first `num_layers` layers, final norm and LM head, sharing
-        every tensor (no copy): the self-speculative draft when no draft model is given."""
+        every tensor (no copy): the self-speculative draft when no draft model is given. The one
+        way a draft is made from a model (a TensorParallelModel's goes through its shard's): a
+        shallow copy, with this model's transformation (if any) bound to the draft."""
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"early-exit depth must be in [1, {self.num_layers}], got {num_layers}")
-        draft = object.__new__(LlamaModel)
-        draft.__dict__.update(self.__dict__)
+        # shares every attribute: the tensors, the linears, the thread count and the fused-layers
+        # cache (kernels/cpu_layer.fused_layers tells the draft's entries apart by their layers)
+        draft = copy.copy(self)
         draft.layers = self.layers[:num_layers]
         draft.num_layers = num_layers
+        if self.prepared is not None:
+            CpuForward(draft, self.prepared.env).install()
         return draft
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -120,19 +176,11 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """-> logits [num_logits, vocab] float32 (float64 for a float64 model)."""
-        if self._packed:
-            torch.set_num_threads(1 if batch.num_tokens <= cpu_layer.MAX_T else self._torch_threads)
+        """The reference forward -> logits [num_logits, vocab] float32 (float64 for a float64
+        model). A prepared model's `forward` is CpuForward.forward (installed on the instance);
+        `LlamaModel.forward(model, ...)` is always this one."""
         h = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(batch.positions)
-        # decode/verify-sized CPU steps: all layers in native calls, no per-op dispatch
-        # (kernels/cpu_layer.py; PRESCIENT_FUSED_LAYERS=0 keeps the torch loop below)
-        fused = (cpu_layer.fused_layers(self, kv_caches)
-                 if 0 < batch.num_tokens <= cpu_layer.MAX_T and self.device.type == "cpu" else None)
-        if fused is not None:
-            h = fused.forward(h, batch, cos, sin)
-            h = fused.final_norm(h, batch.logits_indices, self.norm)
-            return self._logits(h)
         h = self._layers(h, batch, kv_caches, cos, sin, 0, self.num_layers)
         return self._logits(self._rms_norm(h[batch.logits_indices], self.norm))
 
@@ -144,8 +192,6 @@ class LlamaModel:
         the hidden states [num_tokens, hidden] an earlier call returned. The same ops in the same
         order as `forward`, so a chunk split over several steps gets forward's bits; its logits
         then come from `forward_head`. Each layer writes its K/V as it runs."""
-        if self._packed:
-            torch.set_num_threads(self._torch_threads)
         if h is None:
             h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.tables(batch.positions)
@@ -255,3 +301,76 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, ali
     raw = np.zeros(nbytes + align, dtype=np.uint8)
     offset = -raw.ctypes.data % align
     return torch.from_numpy(raw[offset:offset + nbytes]).view(dtype).view(shape)
+
+
+# ---------------------------------------------------------------- the CPU transformation
+
+class CpuForward:
+    """What `prepare_for_cpu` installs on a CPU model: its `forward` and `forward_layers`. They
+    run the reference's ops, plus the two CPU-only decisions, taken here and nowhere else:
+
+    * threads: the packed GEMV kernel runs its own 2-thread pool; torch's OpenMP workers would
+      fight it for the second core, so forwards small enough for that kernel (num_tokens <=
+      MAX_T: decode, draft trees) run torch's own ops on one thread, and larger ones (prefill,
+      and every `forward_layers` call) get `model._torch_threads` back (torch's count when the
+      model was prepared; the P/D split, prescient/build.py, and the benches set it). Only a
+      model whose LM head is packed (the GEMV kernel loaded) sets threads at all.
+    * the native layers: a forward of 1..MAX_T tokens runs every layer and the final norm in
+      kernels/cpu_layer.c (no per-op dispatch) when the env allows it (RuntimeEnv.fused_layers)
+      and the model can take it (kernels/cpu_layer.fused_layers: float32/bfloat16, every linear
+      with a native descriptor, the kernels' own switches); otherwise the reference forward.
+
+    A bfloat16 model's results are the reference's bit for bit; a float32 one's differ by an ulp
+    here and there on the native path (SiLU's exp, kernels/cpu_layer.py). `env` None: follow the
+    environment (runtime.env.runtime_env(), looked up per forward). The model is held weakly:
+    it holds this object's methods, and must stay free to go when dropped."""
+
+    def __init__(self, model: LlamaModel, env: RuntimeEnv | None = None):
+        self._model = weakref.ref(model)
+        self.env = env
+        self.packed = model.lm_head.packed is not None
+
+    def install(self) -> None:
+        model = self._model()
+        model.prepared, model.forward, model.forward_layers = self, self.forward, self.forward_layers
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches) -> torch.Tensor:
+        """The model's forward -> logits [num_logits, vocab] (see the class)."""
+        model = self._model()
+        num_tokens = batch.num_tokens
+        small = num_tokens <= cpu_layer.MAX_T
+        if self.packed:
+            torch.set_num_threads(1 if small else model._torch_threads)
+        env = runtime_env() if self.env is None else self.env
+        fused = (cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
+                 if small and num_tokens > 0 and env.fused_layers else None)
+        if fused is None:
+            return LlamaModel.forward(model, batch, kv_caches)
+        h = model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        cos, sin = model.rope.tables(batch.positions)
+        h = fused.forward(h, batch, cos, sin)
+        return model._logits(fused.final_norm(h, batch.logits_indices, model.norm))
+
+    def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,
+                       stop: int) -> torch.Tensor:
+        """LlamaModel.forward_layers with torch's threads back (the GEMM path)."""
+        model = self._model()
+        if self.packed:
+            torch.set_num_threads(model._torch_threads)
+        return LlamaModel.forward_layers(model, batch, kv_caches, h, start, stop)
+
+
+def prepare_for_cpu(model: LlamaModel, env: RuntimeEnv | None = None) -> LlamaModel:
+    """Install the CPU transformation (CpuForward) on `model`, in place, and return it; a model
+    on another device is returned as it is (its forward is the reference). The thread count its
+    prefill-sized forwards get back is torch's current one. env: the switches to use; None =
+    the environment's, followed per forward (parsed here once first, so that a malformed
+    variable fails at build rather than at the first forward)."""
+    if model.device.type != "cpu":
+        return model
+    if env is None:
+        runtime_env()
+    model._torch_threads = torch.get_num_threads()
+    CpuForward(model, env).install()
+    return model

@@ -190,7 +190,7 @@ class VocabParallelHead:
 
     def __init__(self, inner, plan: ShardPlan, vocab_size: int, group):
         self.inner, self.plan, self.vocab_size, self.group = inner, plan, vocab_size, group
-        self.packed = inner.packed  # the model's thread policy reads it (runtime/model.py)
+        self.packed = inner.packed  # the CPU thread policy reads it (runtime/model.CpuForward)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h: [num_logits, hidden] -> rank 0: [num_logits, vocab]; others: [num_logits, local vocab]."""
@@ -214,15 +214,18 @@ class VocabParallelHead:
 
 def shard_model(config: ModelConfig, weights: dict, plan: ShardPlan, group, **model_kwargs):
     """This rank's LlamaModel: the sharded weights, O/down wrapped with the all-reduce and the
-    LM head with the gather. model_kwargs: LlamaModel's (dtype, device, weights_dtype, ...)."""
-    from prescient.runtime.model import LlamaModel
+    LM head with the gather, then prepared for the CPU (runtime/model.prepare_for_cpu: its thread
+    policy; the wrapped linears keep it off the native layers). model_kwargs: LlamaModel's
+    (dtype, device, weights_dtype, ...)."""
+    from prescient.runtime.model import LlamaModel, prepare_for_cpu
 
     local_config, local_weights = shard_weights(config, weights, plan)
-    model = LlamaModel(local_config, local_weights, **model_kwargs)
+    model = LlamaModel(local_config, local_weights, **model_kwargs, prepare=False)
     for layer in model.layers:
         layer.o, layer.down = RowParallel(layer.o, group), RowParallel(layer.down, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, config.vocab_size, group)
-    return model
+    model.is_sharded = True
+    return prepare_for_cpu(model)
 
 
 def describe_plan(config: ModelConfig, plans: list[ShardPlan]) -> str:

@@ -20,7 +20,8 @@ workers; they travel with the next forward, the first thing that reads them.
 Process groups: the messages group (gloo) carries the step messages, with a timeout that is each
 process's own: a worker waits for the next message without limit (an idle server), rank 0's
 sends are bounded; the default group only startup's gathers; the compute group (gloo on CPU, NCCL on CUDA) carries the all-reduces and the
-gather. Both are bounded on rank 0 by `step_timeout_s` (10 s, PRESCIENT_TP_STEP_TIMEOUT_S): a
+gather. Both are bounded on rank 0 by `step_timeout_s` (10 s, PRESCIENT_TP_STEP_TIMEOUT_S via
+runtime/env.py, or launch's argument; handed to each worker with its arguments): a
 rank that dies or hangs makes the step raise `TensorParallelError` naming it (a watchdog also
 sees a death between steps), and rank 0's failure handler ends the server. A worker dies with
 rank 0 (PR_SET_PDEATHSIG).
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import os
 import signal
 import sys
 import threading
@@ -45,12 +45,13 @@ import torch.distributed as dist
 
 from prescient.kernels import ops
 from prescient.runtime.batch import ForwardBatch
+from prescient.runtime.env import TP_STEP_TIMEOUT_S, runtime_env
 from prescient.runtime.kv_layer import KVLayer
 from prescient.runtime.tensor_parallel import TensorParallelError, TensorParallelRefusal, default_threads, describe_plan, plan_shards, shard_model
 
 OP_ALLOC, OP_FREE, OP_KV_COPY, OP_FORWARD, OP_STOP = 1, 2, 3, 4, 5
 FRAME_CAPACITY = 4096  # int64 slots broadcast every step: a verify step of a few sequences fits
-STEP_TIMEOUT_S = 10.0
+STEP_TIMEOUT_S = TP_STEP_TIMEOUT_S  # the default (runtime/env.py)
 IDLE_TIMEOUT = timedelta(days=365)  # a worker waits for the next step as long as rank 0 is alive
 
 
@@ -194,11 +195,11 @@ def _set_threads(n: int) -> tuple[int, int | None]:
     return old_torch, old_kernels
 
 
-def _init_groups(rank: int, world: int, store, device: str, startup_timeout_s: float):
+def _init_groups(rank: int, world: int, store, device: str, startup_timeout_s: float, step_timeout_s: float):
     """-> (compute group, messages group). The default group (startup's gathers) waits as long as
     startup may take; a gloo timeout is each process's own, so on the messages group the workers
     wait for the next step without limit while rank 0's sends are bounded like the steps."""
-    startup, step = timedelta(seconds=startup_timeout_s), timedelta(seconds=_step_timeout())
+    startup, step = timedelta(seconds=startup_timeout_s), timedelta(seconds=step_timeout_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=startup)
     dist.barrier()  # every rank here: the groups below meet at once, well within their bound
     backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -207,7 +208,8 @@ def _init_groups(rank: int, world: int, store, device: str, startup_timeout_s: f
 
 
 def _step_timeout() -> float:
-    return float(os.environ.get("PRESCIENT_TP_STEP_TIMEOUT_S", STEP_TIMEOUT_S))
+    """The environment's bound (PRESCIENT_TP_STEP_TIMEOUT_S, runtime/env.py), default 10 s."""
+    return runtime_env().tp_step_timeout_s
 
 
 def _device_of(device: str, rank: int) -> str:
@@ -222,11 +224,10 @@ def _worker_main(rank: int, world: int, port: int, source, model_kwargs: dict, d
     _die_with_parent()
     if setup is not None:
         setup()
-    os.environ["PRESCIENT_TP_STEP_TIMEOUT_S"] = str(step_timeout_s)
     _set_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=120))
     device = _device_of(device, rank)
-    compute, messages = _init_groups(rank, world, store, device, 300.0)
+    compute, messages = _init_groups(rank, world, store, device, 300.0, step_timeout_s)
     local, error = None, None
     try:
         config, weights = source()
@@ -252,6 +253,14 @@ def _worker_main(rank: int, world: int, port: int, source, model_kwargs: dict, d
             pass
 
 
+def _draft_of(models: dict, local, num_layers: int):
+    """The shard's model of `num_layers` layers (itself, or its early-exit draft), made once."""
+    model = models.get(num_layers)
+    if model is None:
+        model = models[num_layers] = local.early_exit(num_layers)
+    return model
+
+
 def serve_steps(local, channel: BroadcastChannel, device: torch.device) -> None:
     """A worker's loop: apply each step message's commands until OP_STOP."""
     caches: dict[int, list[KVLayer]] = {}
@@ -262,7 +271,7 @@ def serve_steps(local, channel: BroadcastChannel, device: torch.device) -> None:
                 return
             if op == OP_ALLOC:
                 cache_id, num_blocks, block_size, int8, num_layers = (int(x) for x in args)
-                model = models.setdefault(num_layers, local.early_exit(num_layers))
+                model = _draft_of(models, local, num_layers)
                 caches[cache_id] = model.allocate_kv_cache(num_blocks, block_size, torch.int8 if int8 else None)
             elif op == OP_FREE:
                 caches.pop(int(args[0]), None)
@@ -273,7 +282,7 @@ def serve_steps(local, channel: BroadcastChannel, device: torch.device) -> None:
                     ops.kv_copy(kv[0], kv[1], src, dst, **kv.scales)
             elif op == OP_FORWARD:
                 cache_id, num_layers, batch = decode_forward(args, device)
-                model = models.setdefault(num_layers, local.early_exit(num_layers))
+                model = _draft_of(models, local, num_layers)
                 model.forward(batch, caches[cache_id])
             else:
                 raise TensorParallelError(f"unknown step command {op}")
@@ -418,6 +427,8 @@ class TensorParallelModel:
     that runs every forward on all ranks. `config` is the whole model's; KV sizes are per rank
     (rank 0 holds the most heads), so `--kv-cache-gb` bounds each rank's cache."""
 
+    is_sharded = True  # runtime/model.ModelRunner
+
     def __init__(self, tp: TPGroup, local, config, plans):
         self.tp, self.local, self.config, self.plans = tp, local, config, plans
         self.dtype, self.device = local.dtype, local.device
@@ -427,12 +438,9 @@ class TensorParallelModel:
 
     def early_exit(self, num_layers: int) -> "TensorParallelModel":
         """The self-speculative draft, sharded like the target: it is the target's first layers,
-        and rank 0 holds only its shard of them (a separate --draft-model runs on rank 0 whole)."""
-        draft = object.__new__(TensorParallelModel)
-        draft.__dict__.update(self.__dict__)
-        draft.local = self.local.early_exit(num_layers)
-        draft.num_layers = num_layers
-        return draft
+        and rank 0 holds only its shard of them (a separate --draft-model runs on rank 0 whole): the
+        same group over the shard's own early-exit draft (LlamaModel.early_exit)."""
+        return TensorParallelModel(self.tp, self.local.early_exit(num_layers), self.config, self.plans)
 
     def forward(self, batch: ForwardBatch, kv_caches: TPKVCache) -> torch.Tensor:
         """-> logits [num_logits, vocab] (gathered from every rank's vocab slice)."""
@@ -514,9 +522,8 @@ def launch(source, world: int, model_kwargs: dict, device: str = "cpu", rank0_we
     for p in procs:
         p.start()
     try:
-        os.environ["PRESCIENT_TP_STEP_TIMEOUT_S"] = str(step_timeout_s)
         dev = _device_of(device, 0)
-        compute, messages = _join(lambda: _init_groups(0, world, store, dev, startup_timeout_s), procs,
+        compute, messages = _join(lambda: _init_groups(0, world, store, dev, startup_timeout_s, step_timeout_s), procs,
                                   startup_timeout_s)
         local, error = None, None
         try:

@@ -78,12 +78,16 @@ class DraftModelConfig:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
+    def early_exit_depth(self) -> int:
+        """The early-exit draft's layers: early_exit_layers, else a quarter of the target's (>= 1)."""
+        assert self.target_model is not None
+        return self.early_exit_layers or max(1, self.target_model.num_layers // 4)
+
     def build_draft(self) -> LlamaModel:
+        """The draft model, or the target's early-exit draft (its `early_exit`, the one constructor)."""
         if self.draft_model is not None:
             return self.draft_model
-        assert self.target_model is not None
-        layers = self.early_exit_layers or max(1, self.target_model.num_layers // 4)
-        return self.target_model.early_exit(layers)
+        return self.target_model.early_exit(self.early_exit_depth())
 
 
 @dataclass
@@ -395,9 +399,7 @@ def self_quantized_draft(target: LlamaModel, weights: dict, name: str) -> LlamaM
 def draft_label(config: DraftModelConfig, draft_model_path: str | None = None) -> str:
     """What the draft is, for messages: "early exit (7 of 30 layers)", "self-int4", a path."""
     if config.draft_model is None:
-        assert config.target_model is not None
-        layers = config.early_exit_layers or max(1, config.target_model.num_layers // 4)
-        return f"early exit ({layers} of {config.target_model.num_layers} layers)"
+        return f"early exit ({config.early_exit_depth()} of {config.target_model.num_layers} layers)"
     return draft_model_path or "a draft model"
 
 

@@ -343,11 +343,7 @@ def make_speculator(model, block_size: int, method: str, draft_model_path: str |
         if cached is not None:
             cached.install(adaptive)
         else:
-            draft = None
-            if method == "draft":
-                cfg = proposer_config
-                draft = cfg.draft_model or cfg.target_model.early_exit(
-                    cfg.early_exit_layers or max(1, cfg.target_model.num_layers // 4))
+            draft = proposer_config.build_draft() if method == "draft" else None
             calibration = Calibration(model, block_size, draft)
     spec = Speculator(proposer, block_size, adaptive, calibration, cache_key, recalibrate=recalibrate, tables=cached)
     if calibrate == "now":

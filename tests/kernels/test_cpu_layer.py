@@ -1,8 +1,8 @@
 """The native decoder layers (kernels/cpu_layer.c via cpu_layer.FusedLayers) against the torch
 layer loop of LlamaModel.forward, on tiny random models.
 
-Each case runs one forward twice on identical KV caches, PRESCIENT_FUSED_LAYERS=0 (the torch
-loop) and on (the native layers), and compares the logits and every layer's KV cache (each
+Each case runs one forward of the prepared model (runtime/model.CpuForward) twice on identical
+KV caches, PRESCIENT_FUSED_LAYERS=0 (the torch loop) and on (the native layers), and compares the logits and every layer's KV cache (each
 layer's roped k and v: its intermediate state), for float and GGUF-block weights, decode and
 verify trees, every ISA tier; greedy generation through Engine.generate must not change.  Both
 paths call the same GEMV and attention kernels, so they differ only in the glue between them.
@@ -26,6 +26,7 @@ import torch
 from prescient.kernels import cpu_layer, cpu_linear
 from prescient.kernels.cpu_linear import ISA_TIERS
 from prescient.runtime.batch import SeqRows, pack_forward_batch
+from prescient.runtime.env import FUSED_LAYERS
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.speculative.tree import DraftTree
@@ -39,7 +40,7 @@ BLOCK = 16
 def _needs_native(monkeypatch):
     if not cpu_layer.available():
         pytest.skip(f"native layers unavailable: {cpu_layer.why_not()}")
-    for var in ("PRESCIENT_KERNELS", "PRESCIENT_CPU_ATTENTION", cpu_layer.ENV):
+    for var in ("PRESCIENT_KERNELS", "PRESCIENT_CPU_ATTENTION", FUSED_LAYERS):
         monkeypatch.delenv(var, raising=False)
     yield
     cpu_linear._set_isa_cap(99)
@@ -91,9 +92,9 @@ def _case(model: LlamaModel, T: int, ctx: int, seed: int, tree: bool):
 
 
 def _run_both(model, kv_torch, kv_fused, batch, monkeypatch):
-    monkeypatch.setenv(cpu_layer.ENV, "0")
+    monkeypatch.setenv(FUSED_LAYERS, "0")
     ref = model.forward(batch, kv_torch)
-    monkeypatch.setenv(cpu_layer.ENV, "1")
+    monkeypatch.setenv(FUSED_LAYERS, "1")
     calls = []
     real = cpu_layer.FusedLayers.forward
     monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda self, *a: calls.append(1) or real(self, *a))
@@ -195,7 +196,9 @@ def test_per_layer_calls_equal_the_all_layers_call(ckpts):
 
 
 def test_hook_conditions(ckpts, monkeypatch):
-    """The model takes the fused path only where it applies, and finds it again per KV cache."""
+    """The model takes the fused path only where it applies, and finds it again per KV cache.
+    (PRESCIENT_FUSED_LAYERS is the runtime's switch, read by the prepared forward:
+    tests/runtime/test_model_reference.py.)"""
     ck = ckpts["llama"]
     model = LlamaModel(ck.config, ck.weights, dtype=torch.float32)
     kv = model.allocate_kv_cache(4, BLOCK)
@@ -205,7 +208,7 @@ def test_hook_conditions(ckpts, monkeypatch):
     assert cpu_layer.fused_layers(model, other) not in (None, fl)
     assert cpu_layer.fused_layers(model, kv) is fl  # both stay cached
     assert cpu_layer.fused_layers(model.early_exit(1), kv) not in (None, fl)  # its own layers
-    for var, value in ((cpu_layer.ENV, "0"), ("PRESCIENT_KERNELS", "reference"), ("PRESCIENT_CPU_ATTENTION", "0")):
+    for var, value in (("PRESCIENT_KERNELS", "reference"), ("PRESCIENT_CPU_ATTENTION", "0")):
         monkeypatch.setenv(var, value)
         assert cpu_layer.fused_layers(model, kv) is None
         monkeypatch.delenv(var)
@@ -269,7 +272,7 @@ def test_greedy_generation_identical(ckpts, dtype, speculate, monkeypatch):
     prompts = [(torch.randint(3, 97, (n,), generator=g).tolist() * 3)[:40] for n in (7, 11, 5)]
     outs = {}
     for mode in ("0", "1"):
-        monkeypatch.setenv(cpu_layer.ENV, mode)
+        monkeypatch.setenv(FUSED_LAYERS, mode)
         config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=BLOCK, num_blocks=64),
                               scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
         spec = EngineSpec(dtype=dtype, speculate=speculate, calibrate="off", progress=False)
