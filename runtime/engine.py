@@ -81,7 +81,7 @@ class Engine:
         self.step_cost = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_seq_len,
                                    reclaim=self.sessions.evict_oldest, cost=self.step_cost,
-                                   num_layers=model.num_layers, layer_split=isinstance(model, LlamaModel))
+                                   num_layers=model.num_layers, layer_split=not model.is_sharded)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding

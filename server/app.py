@@ -171,7 +171,7 @@ def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 
     engine.prefault_kv()  # a server's memory is flat from the start, not growing as the KV cache fills
     app = build_app(AsyncEngine(engine), config)
     server = GracefulServer(uvicorn_config(app, host, port, config))
-    if hasattr(engine.model, "set_failure_handler"):  # --tp: a lost rank ends the server (runtime/tp_worker.py)
+    if engine.model.is_sharded:  # --tp: a lost rank ends the server (runtime/tp_worker.py)
         engine.model.set_failure_handler(lambda message: setattr(server, "should_exit", True))
 
     async def serve() -> None:
@@ -190,6 +190,6 @@ def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 
     asyncio.run(serve())
     if not quiet:
         print("prescient: stopped", file=sys.stderr, flush=True)
-    if getattr(engine.model, "failure", None):  # said on stderr when it happened
+    if engine.model.is_sharded and engine.model.failure:  # said on stderr when it happened
         return 1
     return 0 if server.started else 1
