@@ -1,7 +1,8 @@
-"""`prescient bench --agents`: the tool-calling agent loop against prescient's servers and the peer.
+"""`prescient bench agents`: the tool-calling agent loop against prescient's servers and the peer.
 
-    prescient bench --agents --quick --out DIR     # the <= 10 minute run (closed N=1, N=8, one rate)
-    prescient bench --agents --out DIR             # more tasks, more rounds, three arrival rates
+    prescient bench agents --quick --out DIR     # the <= 10 minute run (closed N=1, N=8, one rate)
+    prescient bench agents --out DIR             # more tasks, more rounds, three arrival rates
+    (`prescient bench --agents ...`, the legacy spelling, is the same: suites.py)
 
 Systems (each a server process on the same GGUF, all started before the first phase):
 
@@ -33,6 +34,7 @@ from pathlib import Path
 from prescient.latency_bench.agent_tasks import load_tasks, load_toolsets
 from prescient.latency_bench.agent_tasks import AgentTask
 from prescient.latency_bench.bench_servers import LlamaCppServer, PeerMissing, PrescientServer, llamacpp_version
+from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.latency_bench.tool_agents import closed_loop, open_loop, run_task
 from prescient.runtime.slo import CPU_INTERACTIVE, SLOConfig
 
@@ -288,10 +290,9 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="prescient bench --agents", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="the <= 10 minute run (unset: the full run)")
-    p.add_argument("--out", default="bench_agents", help="report folder")
-    p.add_argument("--model", default=None, help="a .gguf model for every system (default: SmolLM2-135M-Instruct)")
+    p = suite_parser("agents", __doc__, quick={"help": "the <= 10 minute run (unset: the full run)"},
+                     out={"default": "bench_agents"}, model={"help": "a .gguf model for every system "
+                                                             "(default: SmolLM2-135M-Instruct)"})
     p.add_argument("--tasks", default=None, help="a tasks JSONL (default: latency_bench/agent_tasks.jsonl)")
     p.add_argument("--systems", default=None, help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--no-peer", action="store_true", help="do not start llama_cpp.server")
@@ -302,18 +303,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help=f"max_tokens of each turn (default {QUICK.max_tokens})")
     p.add_argument("--tool-latency", type=float, default=None,
                    help=f"seconds each tool takes to answer (default {QUICK.tool_latency_s})")
-    p.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help=f"TTFT bound of the SLO (default {QUICK.slo_ttft_s * 1e3:g}, the CPU preset)")
-    p.add_argument("--itl-slo-ms", type=float, default=None, help="bound on each turn's p99 per-emission ITL "
-                   f"(default {QUICK.slo_itl_s * 1e3:g}, the CPU preset)")
+    add_shared(p, ttft_slo_ms=True, itl_slo_ms=True)
     p.add_argument("--price-per-core-hour", type=float, default=None,
                    help=f"USD per CPU core-hour for the cost figures (default {QUICK.price_per_core_hour})")
-    p.add_argument("--peer-threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
-    p.add_argument("--peer-pythonpath", default=os.environ.get("PRESCIENT_PEER_PYTHONPATH"),
-                   help="extra PYTHONPATH for llama_cpp.server's web stack when installed apart "
-                   "(default: $PRESCIENT_PEER_PYTHONPATH)")
-    p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
-    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    add_shared(p, peer_threads=True, peer_pythonpath=True, no_plots=True, no_progress=True)
     return p
 
 
@@ -322,7 +315,7 @@ def config_from_args(args: argparse.Namespace) -> AgentBenchConfig:
     systems = tuple(s for s in args.systems.split(",") if s) if args.systems else cfg.systems
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
-        raise SystemExit(f"prescient bench --agents: unknown systems {unknown} (choose from {', '.join(SYSTEMS)})")
+        raise SystemExit(f"prescient bench agents: unknown systems {unknown} (choose from {', '.join(SYSTEMS)})")
     if args.no_peer:
         systems = tuple(s for s in systems if s != "llamacpp")
     over = {"out": args.out, "model": args.model, "tasks_file": args.tasks, "systems": systems,
@@ -336,12 +329,12 @@ def config_from_args(args: argparse.Namespace) -> AgentBenchConfig:
     return replace(cfg, plots=not args.no_plots, progress=not args.no_progress)
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = config_from_args(_parser().parse_args(argv))
-    run_agent_bench(cfg, ["prescient", "bench", "--agents", *argv])
+    run_agent_bench(cfg, ["prescient", "bench", "agents", *argv])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

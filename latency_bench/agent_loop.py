@@ -9,7 +9,7 @@ process, the engine thread included) per task.
 
 This free-text loop is the in-process load shape of `prescient bench`'s load phases. The agent
 benchmark proper (`tools` + `tool_choice`, a tool simulator, settlement rules, servers and the
-peer) is `prescient bench --agents`: tool_agents.py, agent_bench.py.
+peer) is `prescient bench agents`: tool_agents.py, agent_bench.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from prescient.latency_bench.batch1 import Batch1Record
 from prescient.latency_bench.efficiency import decode_efficiency
 from prescient.latency_bench.modes import ModeSpec
 from prescient.latency_bench.workloads import KINDS
-from prescient.runtime.slo import SLOConfig, request_metrics, summarize
+from prescient.runtime.slo import SLOConfig, percentile, request_metrics, summarize
 
 
 def _summary(records: list[Batch1Record], slo: SLOConfig) -> dict:
@@ -153,11 +153,7 @@ def _e2e(records: list[Batch1Record], slo: SLOConfig) -> list[float]:
 
 
 def _median(xs):
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return percentile([x for x in xs if x is not None], 50)
 
 
 def _mean(xs):

@@ -28,17 +28,18 @@ torch ops between them) under torch intra-op threads 1 and 2, which is how to ch
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 from prescient.kernels import cpu_linear
+from prescient.latency_bench.suites import suite_parser
 
 DT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 MS = (1, 4, 8, 16)
@@ -195,12 +196,11 @@ def decode_sim_ms(dtype, use_kernel: bool, reps: int, ctx: int = 256) -> float:
     return t * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=4, help="passes per measurement (best is kept)")
+def cli(argv: list[str] | None = None) -> int:
+    ap = suite_parser("gemv", __doc__, reps={"default": 4, "help": "passes per measurement (best is kept)"})
     ap.add_argument("--mats", type=int, default=32, help="distinct 1536x576 matrices streamed")
     ap.add_argument("--decode", action="store_true", help="add the decode-step simulation")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
     info = cpu_linear.kernel_info()
@@ -261,7 +261,8 @@ def main() -> None:
                       f"cpu_linear {ours:6.1f}")
         torch.set_num_threads(saved)
     print(f"\n({time.perf_counter() - t_start:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

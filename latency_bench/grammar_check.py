@@ -2,7 +2,7 @@
 n-gram speculation + forced spans, n-gram alone, grammar alone, against plain decoding (bf16,
 greedy, batch 1; the four modes interleaved per prompt, `--reps` times).
 
-    .venv/bin/python -m prescient.latency_bench.grammar_check [--reps 2]
+    prescient bench grammar [--reps 2]      # = python -m prescient.latency_bench.grammar_check
 
 The grammar is each prompt's tool-call schema (its declared tools' parameters,
 workloads.Workload.constraint). Prints tok/s, the ratio to plain and the forced-token share.
@@ -10,18 +10,15 @@ workloads.Workload.constraint). Prints tok/s, the ratio to plain and the forced-
 
 from __future__ import annotations
 
-import argparse
-
 from prescient.grammar import spec_from_response_format
 from prescient.latency_bench.workloads import load_workloads
 from prescient.build import EngineSpec, build_engine, load_model
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.latency_bench.suites import suite_parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--reps", type=int, default=2)
+def cli(argv: list[str] | None = None) -> int:
+    parser = suite_parser("grammar", __doc__, dtype=True, reps={"default": 2, "help": "passes over the workloads"})
     args = parser.parse_args(argv)
     loaded = load_model(EngineSpec(dtype=args.dtype))
     plain = build_engine(EngineSpec(dtype=args.dtype, speculate="off"), loaded)
@@ -54,4 +51,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

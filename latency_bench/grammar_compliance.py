@@ -16,14 +16,12 @@ see its README.md); `--data DIR` reads the full JSONSchemaBench files from DIR i
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib.util
 import json
 import os
 import pathlib
 import random
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -40,6 +38,8 @@ from prescient.grammar import (
     allocate_bitmask,
 )
 from prescient.latency_bench.bundled import JSONSCHEMABENCH
+from prescient.latency_bench.suites import add_shared, suite_parser
+from prescient.runtime.slo import percentile
 
 DEFAULT_FILES = ("maskbench_bfcl.jsonl", "Glaiveai2K.jsonl", "Github_trivial.jsonl",
                  "Github_easy.jsonl", "Github_medium.jsonl", "Github_hard.jsonl")
@@ -83,12 +83,11 @@ def random_walk(matcher, rng: random.Random, max_chars: int) -> str | None:
 
 
 def _percentiles(values: list[float]) -> dict:
+    """p50 / p99 / max in ms, runtime/slo.py's percentiles (linear interpolation)."""
     if not values:
         return {}
-    ordered = sorted(values)
-    return {"p50_ms": 1e3 * statistics.median(ordered),
-            "p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))],
-            "max_ms": 1e3 * ordered[-1]}
+    return {"p50_ms": 1e3 * percentile(values, 50), "p99_ms": 1e3 * percentile(values, 99),
+            "max_ms": 1e3 * max(values)}
 
 
 def run(config: ComplianceConfig, tokenizer: GrammarTokenizer) -> dict:
@@ -233,16 +232,16 @@ def refusal_table(report: dict) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(argv: list[str] | None = None) -> int:
+    parser = suite_parser("grammar-compliance", __doc__)
     parser.add_argument("--data", default=ComplianceConfig.data_dir,
                         help="folder of JSONSchemaBench .jsonl files (default: the bundled sample)")
-    parser.add_argument("--files", default=",".join(DEFAULT_FILES))
-    parser.add_argument("--limit", type=int, default=None, help="schemas per file")
+    parser.add_argument("--files", default=",".join(DEFAULT_FILES), help="comma-separated .jsonl files in --data")
+    parser.add_argument("--limit", type=int, default=None, help="schemas per file (default: all)")
     parser.add_argument("--walks", type=int, default=3, help="random walks per schema")
     parser.add_argument("--time-limit", type=float, default=CompilerConfig.time_limit_s,
                         help="compile time limit in seconds (the server's default)")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    add_shared(parser, out={"help": "write the JSON report here (unset: Markdown on stdout only)"})
     args = parser.parse_args(argv)
     config = ComplianceConfig(data_dir=args.data, files=tuple(args.files.split(",")),
                               limit=args.limit, walks_per_schema=args.walks, time_limit_s=args.time_limit)
@@ -258,4 +257,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -2,8 +2,8 @@
 plain decoding, and each request alone against the same request inside a batch, on the shared
 workloads, per weights format and ISA tier.
 
-    .venv/bin/python -m prescient.latency_bench.invariance_check [--weights native,bfloat16]
-        [--isa all|avx2,...] [--max-tokens N] [--batch 32]
+    prescient bench invariance [--weights native,bfloat16] [--isa all|avx2,...] [--max-tokens N] [--batch 32]
+    (= python -m prescient.latency_bench.invariance_check ...)
 
 Prints one line per (weights, tier): how many workloads gave identical tokens with speculation,
 and how many of the batch's requests gave the same tokens as alone, with the first divergence of
@@ -15,13 +15,13 @@ runs it with fewer tokens.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 from prescient.build import EngineSpec, build_engine, load_model
 from prescient.kernels import cpu_linear
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.latency_bench.suites import suite_parser
 
 
 def _run(engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
@@ -83,11 +83,11 @@ def check(weights: str, tiers: list[str], max_tokens: int | None, batch: int, dt
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cli(argv: list[str] | None = None) -> int:
+    p = suite_parser("invariance", __doc__, full_doc=True)
     p.add_argument("--weights", default="native,bfloat16", help="comma-separated --weights modes")
     p.add_argument("--isa", default="all", help="'all' (every tier this CPU runs) or comma-separated tiers")
-    p.add_argument("--max-tokens", type=int, default=None, help="cap each workload's max_tokens")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap each workload's max_tokens (unset: no cap)")
     p.add_argument("--batch", type=int, default=32, help="requests in the batched run")
     args = p.parse_args(argv)
     tiers = cpu_linear.machine_tiers() if args.isa == "all" else args.isa.split(",")
@@ -100,4 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

@@ -1,9 +1,10 @@
-"""`prescient bench --load`: cold-prompt clients and a long-prompt injector through each server.
+"""`prescient bench load`: cold-prompt clients and a long-prompt injector through each server.
 
 N closed-loop clients and the injector reach every system through the same HTTP client.
 
-    prescient bench --load --quick --out DIR      # N = 1 and 8, 30 s each (about 3-4 minutes)
-    prescient bench --load --out DIR              # N = 1, 4, 8, 16, 60 s each
+    prescient bench load --quick --out DIR      # N = 1 and 8, 30 s each (about 3-4 minutes)
+    prescient bench load --out DIR              # N = 1, 4, 8, 16, 60 s each
+    (`prescient bench --load ...`, the legacy spelling, is the same: suites.py)
 
 Systems, each a server process on the same GGUF (the default: SmolLM2-135M's Q4_1), all cores:
 
@@ -34,6 +35,7 @@ from prescient.latency_bench.bench_servers import (LlamaCppServer, PeerMissing, 
                                                    model_tokenizer)
 from prescient.latency_bench.load_driver import run_load
 from prescient.latency_bench.load_report import build_report, phase_figures, phase_samples, write
+from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.latency_bench.workloads import load_workloads, long_prompt, with_fresh_prefix
 from prescient.runtime.slo import CPU_INTERACTIVE, SLOConfig
 
@@ -184,14 +186,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from prescient.help_format import DefaultsHelpFormatter
-
-    p = argparse.ArgumentParser(prog="prescient bench --load", description=__doc__.splitlines()[0],
-                                formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="N = 1 and 8, 30 s each (unset: the full run)")
-    p.add_argument("--out", default="bench_load", help="report folder")
-    p.add_argument("--model", default=None, help="a .gguf model for every system (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workloads", default=None, help="workloads.jsonl (default: the one bundled with the package)")
+    p = suite_parser("load", __doc__, quick={"help": "N = 1 and 8, 30 s each (unset: the full run)"},
+                     out={"default": "bench_load"}, model={"help": "a .gguf model for every system "
+                                                           "(default: SmolLM2-135M-Instruct)"}, workloads=True)
     p.add_argument("--concurrency", default=None, help="closed-loop client counts, comma-separated "
                    f"(default: quick {','.join(map(str, QUICK.concurrencies))}, "
                    f"full {','.join(map(str, FULL.concurrencies))})")
@@ -207,16 +204,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="run llama_cpp.server beside prescient (needs the `peers` extra)")
     p.add_argument("--speculate", default=None, help=f"prescient serve's --speculate (default {QUICK.speculate})")
-    p.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help=f"TTFT bound of the SLO (default {QUICK.slo_ttft_s * 1e3:g}, the CPU preset)")
-    p.add_argument("--itl-slo-ms", type=float, default=None, help="bound on each request's p99 per-emission ITL "
-                   f"(default {QUICK.slo_itl_s * 1e3:g}, the CPU preset)")
-    p.add_argument("--peer-threads", type=int, default=None, help="llama.cpp threads (default: all cores)")
-    p.add_argument("--peer-pythonpath", default=os.environ.get("PRESCIENT_PEER_PYTHONPATH"),
-                   help="extra PYTHONPATH for llama_cpp.server's web stack when installed apart "
-                   "(default: $PRESCIENT_PEER_PYTHONPATH)")
-    p.add_argument("--no-plots", action="store_true", help="write no PNG plots")
-    p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    add_shared(p, ttft_slo_ms=True, itl_slo_ms=True,
+               peer_threads=True, peer_pythonpath=True, no_plots=True, no_progress=True)
     return p
 
 
@@ -234,16 +223,16 @@ def config_from_args(args: argparse.Namespace) -> LoadBenchConfig:
     if not args.peers:
         cfg = replace(cfg, systems=tuple(s for s in cfg.systems if s != "llamacpp"))
     if not cfg.concurrencies or min(cfg.concurrencies) < 1:
-        raise SystemExit(f"prescient bench --load: --concurrency needs counts >= 1, got {args.concurrency!r}")
+        raise SystemExit(f"prescient bench load: --concurrency needs counts >= 1, got {args.concurrency!r}")
     return replace(cfg, plots=not args.no_plots, progress=not args.no_progress)
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = config_from_args(_parser().parse_args(argv))
-    run_load_bench(cfg, ["prescient", "bench", "--load", *argv])
+    run_load_bench(cfg, ["prescient", "bench", "load", *argv])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

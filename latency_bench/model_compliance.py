@@ -27,11 +27,9 @@ see its README.md); `--data DIR` reads the full JSONSchemaBench files from DIR i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 
@@ -42,6 +40,8 @@ from prescient.latency_bench.grammar_compliance import ComplianceConfig, _percen
 from prescient.build import EngineSpec, build_engine
 from prescient.runtime.engine import Engine
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.runtime.slo import percentile
+from prescient.latency_bench.suites import add_shared, suite_parser
 
 FILES = ("Glaiveai2K.jsonl", "Github_trivial.jsonl", "Github_easy.jsonl", "Github_medium.jsonl",
          "Github_hard.jsonl")
@@ -180,11 +180,11 @@ def run_file(engine: Engine, path: pathlib.Path, limit: int | None, max_tokens: 
 
 
 def mask_figures(engine: Engine, step_seconds: float) -> dict:
-    per_row = sorted(engine.grammar_step.stats.mask_seconds_per_row)
+    per_row = list(engine.grammar_step.stats.mask_seconds_per_row)
     if not per_row:
         return {}
-    return {"mask_us_per_row_p50": 1e6 * statistics.median(per_row),
-            "mask_us_per_row_p99": 1e6 * per_row[int(0.99 * (len(per_row) - 1))],
+    return {"mask_us_per_row_p50": 1e6 * percentile(per_row, 50),
+            "mask_us_per_row_p99": 1e6 * percentile(per_row, 99),
             "mask_share_of_step_time": engine.grammar_step.stats.mask_seconds / step_seconds if step_seconds else None}
 
 
@@ -216,26 +216,26 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(argv: list[str] | None = None) -> int:
+    parser = suite_parser("model-compliance", __doc__)
     parser.add_argument("--data", default=ComplianceConfig.data_dir,
                         help="folder of JSONSchemaBench .jsonl files (default: the bundled sample)")
-    parser.add_argument("--files", default=",".join(FILES))
+    parser.add_argument("--files", default=",".join(FILES), help="comma-separated .jsonl files in --data")
     parser.add_argument("--limit", type=int, default=None, help="schemas per file (default: all)")
-    parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=512, help="max_tokens of each request")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="presence penalty")
     # The 135M default model loops under greedy decoding in unbounded arrays and strings until
     # max_tokens; a frequency penalty ends the loops (GlaiveAI: 102 outputs cut at 512 tokens
     # with presence 1.5, 7 with frequency 1.0). Stated in every report.
-    parser.add_argument("--frequency-penalty", type=float, default=1.0)
-    parser.add_argument("--speculate", default="off", choices=["off", "ngram"])
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--frequency-penalty", type=float, default=1.0, help="frequency penalty")
+    parser.add_argument("--speculate", default="off", choices=["off", "ngram"], help="speculative decoding")
+    add_shared(parser, dtype=True)
     parser.add_argument("--sample", type=int, default=None,
                         help="a seeded uniform draw of this many schemas per file (instead of the first ones)")
     parser.add_argument("--seed", type=int, default=0, help="the --sample draw's seed")
-    parser.add_argument("--out", default=None, help="write the JSON report here")
+    add_shared(parser, out={"help": "write the JSON report (and its .md) here (unset: Markdown on stdout only)"})
     args = parser.parse_args(argv)
     # A batch job, not a server: a request queued behind long prompts' KV waits its turn instead
     # of being refused as overloaded at the server's 30 s (a 100-schema Github_hard draw lost 8)
@@ -270,4 +270,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -8,12 +8,11 @@ speedup of n-gram speculation for that budget: it assumes a verify forward costs
 1-token step. It separates "the proposer cannot guess this text" from "verification costs too
 much".
 
-    python -m prescient.latency_bench.ngram_ceiling --budgets 4,8,16,32,64
+    prescient bench ngram-ceiling --budgets 4,8,16,32,64   # = python -m prescient.latency_bench.ngram_ceiling
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 
 from prescient.latency_bench.workloads import load_workloads
@@ -21,6 +20,7 @@ from prescient.build import EngineSpec, build_engine
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.ngram import NgramConfig, NgramProposer
 from prescient.speculative.proposer import ProposalContext
+from prescient.latency_bench.suites import suite_parser
 
 
 def accepted_along(tree, truth: list[int]) -> int:
@@ -50,10 +50,9 @@ def replay(prompt: list[int], output: list[int], budget: int, config: NgramConfi
     return steps, len(output) - 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--budgets", default="4,8,16,32,64")
+def cli(argv: list[str] | None = None) -> int:
+    parser = suite_parser("ngram-ceiling", __doc__, dtype=True)
+    parser.add_argument("--budgets", default="4,8,16,32,64", help="comma-separated draft budgets to replay")
     args = parser.parse_args(argv)
     engine = build_engine(EngineSpec(dtype=args.dtype, speculate="off"))
     runs = []
@@ -75,4 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

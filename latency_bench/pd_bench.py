@@ -1,7 +1,8 @@
 """Decode ITL while a long prompt is prefilled: a prefill/decode split against co-located engines.
 
-    python -m prescient.latency_bench.pd_bench [--long-tokens 1500] [--decodes 2] [--reps 3]
-    python -m prescient.latency_bench.pd_bench --server      # the same through `prescient serve` (pd_server.py)
+    prescient bench pd [--long-tokens 1500] [--decodes 2] [--reps 3]
+    prescient bench pd --server      # the same through `prescient serve` (pd_server.py)
+    (legacy: `prescient bench --pd-split ...`, `python -m prescient.latency_bench.pd_bench ...`)
 
 Five setups in this process, runs interleaved (the order rotates each rep):
 - colocated-1t: one engine on one thread; the long prompt's chunks share its steps with the decodes;
@@ -16,17 +17,16 @@ TTFT, and for the split its parts (prefill, transfer, first decode). The KV cach
 resident first, as `serve` makes them. Engine-level: the engine's own
 emission stamps, the ones /metrics judges (the server adds the same HTTP cost to every setup).
 The decodes' tokens must be equal across setups (greedy: the split changes no output).
-Percentiles are runtime/slo.py's (linear interpolation), as every other benchmark's.
+Percentiles and medians are runtime/slo.py's (linear interpolation), as every other benchmark's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
 
+from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.runtime.slo import percentile
 
 ENGINE_DECODE_TOKENS = 160
@@ -37,6 +37,10 @@ SERVER_DECODE_TOKENS = 1024
 def _pct(xs: list[float], q: float) -> float:
     p = percentile(xs, 100 * q)
     return float("nan") if p is None else p
+
+
+def _median(xs) -> float:
+    return percentile(list(xs), 50)
 
 
 def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens: int) -> dict:
@@ -76,19 +80,16 @@ def run_once(engine, chats: list[list[int]], long_ids: list[int], decode_tokens:
             "mixed_step_ratio": [took / pred for pred, took in mixed if pred > 0]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--weights", default="native")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--long-tokens", type=int, default=1500)
-    p.add_argument("--decodes", type=int, default=2)
+def cli(argv: list[str] | None = None) -> int:
+    p = suite_parser("pd", __doc__, model=True, weights=True, dtype=True)
+    p.add_argument("--long-tokens", type=int, default=1500, help="tokens of the long prompt")
+    p.add_argument("--decodes", type=int, default=2, help="chat requests decoding beside it")
     p.add_argument("--decode-tokens", type=int, default=None,
                    help=f"max_tokens of each decode (default: {ENGINE_DECODE_TOKENS}, --server {SERVER_DECODE_TOKENS})")
-    p.add_argument("--reps", type=int, default=3)
+    add_shared(p, reps={"help": "runs per setup (their order rotates each rep)"})
     p.add_argument("--server", action="store_true", help="through `prescient serve` over HTTP: co-located vs "
                    "--pd-split, each with the long prompt's TTFT alone (pd_server.py)")
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    add_shared(p, out={"help": "also write the JSON here (unset: stdout only)"})
     args = p.parse_args(argv)
     if args.server:
         from prescient.latency_bench.pd_server import run_server_mode
@@ -145,7 +146,7 @@ def _engine_mode(args) -> int:
             print(f"rep {rep} {name}: gap p99 {_pct(r['gaps_ms'], 0.99):.1f} ms, long TTFT {r['ttft_ms']:.0f} ms",
                   file=sys.stderr, flush=True)
     ref = runs["colocated-1t"][0]["tokens"]
-    alone = {n: statistics.median(r["ttft_ms"] for r in runs.pop(n)) for n in ("alone-1t", "alone-2t")}
+    alone = {n: _median(r["ttft_ms"] for r in runs.pop(n)) for n in ("alone-1t", "alone-2t")}
     # what each setup's long TTFT is judged against: alone on the same cores
     same_cores = {"colocated-1t": "alone-1t", "split": "alone-2t", "colocated-2t": "alone-2t"}
     report = {"model": args.model or "default", "weights": args.weights, "dtype": args.dtype,
@@ -157,7 +158,7 @@ def _engine_mode(args) -> int:
         gaps = [g for r in rs for g in r["gaps_ms"]]
         entry = {"gaps": len(gaps), "itl_p50_ms": round(_pct(gaps, 0.5), 1), "itl_p99_ms": round(_pct(gaps, 0.99), 1),
                  "itl_max_ms": round(max(gaps), 1) if gaps else None,
-                 "long_ttft_ms": round(statistics.median(r["ttft_ms"] for r in rs), 1)}
+                 "long_ttft_ms": round(_median(r["ttft_ms"] for r in rs), 1)}
         steps = [t for r in rs for t in r["mixed_step_ms"]]
         ratios = [x for r in rs for x in r["mixed_step_ratio"]]
         if steps:  # steps with prefill beside decodes: their time, and measured / predicted
@@ -166,7 +167,7 @@ def _engine_mode(args) -> int:
                                     "measured_over_predicted_p50": round(_pct(ratios, 0.5), 2),
                                     "measured_over_predicted_p99": round(_pct(ratios, 0.99), 2)}
         if rs[0]["split"]:
-            entry["long_ttft_split_ms"] = {k.removesuffix("_s"): round(1e3 * statistics.median(r["split"][k] for r in rs), 1)
+            entry["long_ttft_split_ms"] = {k.removesuffix("_s"): round(1e3 * _median(r["split"][k] for r in rs), 1)
                                            for k in rs[0]["split"]}
         entry["long_ttft_vs_alone"] = round(entry["long_ttft_ms"] / alone[same_cores[name]], 2)
         report["setups"][name] = entry
@@ -180,4 +181,4 @@ def _engine_mode(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

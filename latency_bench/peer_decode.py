@@ -19,11 +19,9 @@ streaming probe (torch.sum over 1 GiB, best of 5) run here before and after.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -34,6 +32,8 @@ from pathlib import Path
 import torch
 
 from prescient.latency_bench.bundled import WORKLOADS
+from prescient.latency_bench.suites import add_shared, suite_parser
+from prescient.runtime.slo import percentile
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
@@ -135,23 +135,23 @@ def _summary(rows: list[dict]) -> dict:
     tokens = sum(max(r["tokens"] - 1, 0) for r in rows if r["decode_s"] > 0)
     secs = sum(r["decode_s"] for r in rows if r["decode_s"] > 0)
     per = [(r["tokens"] - 1) / r["decode_s"] for r in rows if r["decode_s"] > 0]
-    return {"decode_tok_s": tokens / secs if secs else None, "median_request_tok_s": statistics.median(per) if per else None,
-            "ttft_s": statistics.median([r["ttft"] for r in rows if r["ttft"] is not None]) if rows else None,
+    return {"decode_tok_s": tokens / secs if secs else None, "median_request_tok_s": percentile(per, 50),
+            "ttft_s": percentile([r["ttft"] for r in rows if r["ttft"] is not None], 50),
             "requests": len(rows)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def cli(argv: list[str] | None = None) -> int:
+    ap = suite_parser("peer-decode", __doc__.split("\n\n")[0], full_doc=True)
     ap.add_argument("--q4-gguf", default=None, help="the Q4_1 GGUF (default: the default model's file)")
     ap.add_argument("--bf16-gguf", default=None, help="a BF16 GGUF of the same model (write_gguf writes one)")
     ap.add_argument("--q8-gguf", default=None, help="a Q8_0 GGUF of the same model")
     ap.add_argument("--isa", default=None, help="PRESCIENT_ISA for the server (portable, avx2, avx512, avx512_bf16)")
     ap.add_argument("--speculate", default="off,ngram", help="prescient modes, comma-separated")
-    ap.add_argument("--reps", type=int, default=2, help="passes over the workloads")
-    ap.add_argument("--workloads", default=None, help="a workloads .jsonl (default: the bundled 11)")
+    add_shared(ap, reps={"default": 2, "help": "passes over the workloads"},
+               workloads={"help": "a workloads .jsonl (default: the bundled 11)"})
     ap.add_argument("--limit", type=int, default=None, help="only the first N workloads (a smoke run)")
     ap.add_argument("--only", default=None, help="only workloads of this kind (chat, tool_call, long_edit)")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    add_shared(ap, out={"help": "write the results as JSON here (unset: stdout only)"})
     args = ap.parse_args(argv)
 
     from prescient.kernels import cpu_linear
@@ -234,4 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

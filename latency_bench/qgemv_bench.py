@@ -22,14 +22,15 @@ buffer.  Weights are random bytes with fixed, finite scales (speed does not depe
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
 import time
 
 import torch
 
 from prescient.kernels import cpu_linear, quant_linear
 from prescient.kernels.quant_reference import QTYPES, row_bytes
+from prescient.latency_bench.suites import suite_parser
 
 SHAPES = [(576, 1536), (1536, 576), (49152, 576)]  # (N, K): out x in
 MS = (1, 8)
@@ -141,11 +142,10 @@ def bench_torch(shape, target: int, reps: int, g) -> list[tuple]:
     return rows
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=3)
+def cli(argv: list[str] | None = None) -> int:
+    ap = suite_parser("qgemv", __doc__.split("\n\n")[0], reps={"help": "passes per measurement (best is kept)"},
+                      quick={"help": "only the 1536x576 shape"})
     ap.add_argument("--mb", type=int, default=96, help="MiB of distinct weights per case (> L3)")
-    ap.add_argument("--quick", action="store_true", help="only the 1536x576 shape")
     ap.add_argument("--formats", default=None, help="comma list (default: every native format)")
     ap.add_argument("--tiers", default=None, help="comma list (default: every tier this CPU runs)")
     ap.add_argument("--threads", type=int, default=None, help="kernel pool size (default: as configured)")
@@ -215,7 +215,8 @@ def main(argv=None) -> None:
         else:
             print("pool: one thread")
     print(f"\n({time.perf_counter() - t_start:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

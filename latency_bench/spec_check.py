@@ -1,8 +1,8 @@
 """Quick check, outside the full report: batch-1 greedy decode tok/s of the default model and
 the speculation speedup per workload kind, plain and speculative interleaved per prompt.
 
-    .venv/bin/python -m prescient.latency_bench.spec_check [--dtype bfloat16]
-    .venv/bin/python -m prescient.latency_bench.spec_check --speculate draft --weights bfloat16
+    prescient bench spec-check [--dtype bfloat16]      # = python -m prescient.latency_bench.spec_check
+    prescient bench spec-check --speculate draft --weights bfloat16
         --draft-model self-int4,self-int8,early-exit --kinds chat --repeats 2 [--force-draft]
 
 Several drafts are each interleaved with plain decoding, prompt by prompt (a shared machine's
@@ -16,19 +16,18 @@ speculative outputs against the plain ones (in bf16 a k-token verify rounds diff
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from prescient.latency_bench.workloads import load_workloads
 from prescient.build import EngineSpec, build_engine, load_model
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.latency_bench.suites import suite_parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--weights", default="native", help="the target's weights mode (EngineSpec.weights)")
-    parser.add_argument("--speculate", default="ngram", choices=("ngram", "draft"))
+def cli(argv: list[str] | None = None) -> int:
+    parser = suite_parser("spec-check", __doc__, full_doc=True, dtype=True,
+                          weights={"help": "the target's weights mode (EngineSpec.weights)"})
+    parser.add_argument("--speculate", default="ngram", choices=("ngram", "draft"), help="the proposer")
     parser.add_argument("--draft-model", default=None,
                         help="for --speculate draft (EngineSpec.draft_model); comma-separated: several drafts, "
                         "each interleaved with plain decoding; 'early-exit' = none given")
@@ -98,4 +97,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(cli())

@@ -1,7 +1,7 @@
 """Start-up time as a user meets it: process start to `/health` answering 200 (`prescient
 serve`) and to the first printed token (`prescient generate`), median of N runs each.
 
-    python -m prescient.latency_bench.startup [--runs 3] [--model PATH]
+    prescient bench startup [--runs 3] [--model PATH]   # = python -m prescient.latency_bench.startup
 
 "first start" runs each process against an empty cache folder (PRESCIENT_CACHE_DIR in a fresh
 temporary directory): the GGUF conversion and the one-time C kernel compile are paid then, as on
@@ -10,17 +10,18 @@ a machine's first start after install. "warm" reuses one cache that a first star
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+from prescient.latency_bench.suites import suite_parser
+from prescient.runtime.slo import percentile
 
 EXE = os.path.join(os.path.dirname(sys.executable), "prescient")
 
@@ -68,10 +69,9 @@ def generate_to_first_token(env: dict, model: list[str]) -> float:
         proc.wait(120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(argv: list[str] | None = None) -> int:
+    p = suite_parser("startup", __doc__, model=True)
     p.add_argument("--runs", type=int, default=3, help="runs per figure (median reported)")
-    p.add_argument("--model", default=None, help="model path (default: the default model)")
     args = p.parse_args(argv)
     model = ["--model", args.model] if args.model else []
     results: dict[str, list[float]] = {}
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(warm_dir, ignore_errors=True)
         results[f"{what}_first_start"] = first
         results[f"{what}_warm"] = warm
-    summary = {k: {"median": statistics.median(v), "runs": v} for k, v in results.items()}
+    summary = {k: {"median": percentile(v, 50), "runs": v} for k, v in results.items()}
     from prescient.kernels.cpu_linear import kernel_info
 
     summary["isa"] = kernel_info().get("isa")
@@ -98,4 +98,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

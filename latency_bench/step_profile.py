@@ -1,7 +1,8 @@
 """Where a CPU decode step's time goes: GEMV, attention, other kernels and host overhead, for the
 torch layer loop and the native fused layers (kernels/cpu_layer.py), plus the k=8 verify step.
 
-    python -m prescient.latency_bench.step_profile [--isa TIER] [--weights W] [--context 1024]
+    prescient bench step-profile [--isa TIER] [--weights W] [--context 1024]
+    (= python -m prescient.latency_bench.step_profile ...)
 
 One sequence with `--context` cached positions (random K/V, written once, so attention reads real
 pages) takes a 1-token decode step and an 8-token chain verify step, in three modes timed in
@@ -30,7 +31,6 @@ loop pays for them, dispatch included). The header names the ISA tier, threads a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -39,6 +39,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from prescient.latency_bench.suites import suite_parser
 
 MODES = {"torch": "0", "fused": "1", "fused/layer": "layer"}
 
@@ -271,18 +273,14 @@ def _ms(x: float | None, mark: str = "") -> str:
     return "-" if x is None else f"{mark}{x * 1e3:.2f}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:
     from prescient.build import EngineSpec, load_model
     from prescient.kernels import cpu_layer, cpu_linear
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--isa", choices=cpu_linear.ISA_TIERS, default=None, help="cap the kernels' ISA tier")
-    p.add_argument("--weights", default=EngineSpec.weights,
-                   help="how the weights are held (EngineSpec.weights: native, bfloat16, float32)")
-    p.add_argument("--dtype", default="bfloat16", help="activations and KV cache")
-    p.add_argument("--model", default=None, help="model path (default: the default model)")
+    p = suite_parser("step-profile", __doc__, weights={"default": EngineSpec.weights}, dtype=True, model=True,
+                     reps={"default": 20, "help": "timed steps per mode and size"})
+    p.add_argument("--isa", choices=cpu_linear.ISA_TIERS, default=None, help="cap the kernels' ISA tier (unset: none)")
     p.add_argument("--context", type=int, default=1024, help="cached positions before the step")
-    p.add_argument("--reps", type=int, default=20, help="timed steps per mode and size")
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = p.parse_args(argv)
 
@@ -359,4 +357,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -1,24 +1,27 @@
 """ms/token of greedy decoding at TP=1 and TP=2 on the same model, interleaved.
 
-    python -m prescient.latency_bench.tp_bench [--weights native] [--dtype bfloat16] [--tokens 64] [--reps 3]
+    prescient bench tp [--weights native] [--dtype bfloat16] [--tokens 64] [--reps 3]
+    (legacy: `prescient bench --tp ...`, `python -m prescient.latency_bench.tp_bench ...`)
 
 Both engines live in this process: TP=1 a plain model on all of this process's cores, TP=2 the
 sharded one (this process is rank 0 on half the cores, one spawned worker on the other half).
 The threads are switched between the two before each run, so TP=1 is not handicapped. Each rep
 runs one request per mode (prefill untimed, speculation off), alternating the order; the figure
-is decode ms/token (first to last token), the median over reps. Printed as JSON, with the
-per-collective cost the difference implies (each step makes 2 all-reduces a layer + 2).
+is decode ms/token (first to last token), the median over reps (runtime/slo.py's percentile).
+Printed as JSON, with the per-collective cost the difference implies (each step makes 2
+all-reduces a layer + 2).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
+
+from prescient.latency_bench.suites import suite_parser
+from prescient.runtime.slo import percentile
 
 
 def _decode_ms_per_token(engine, ids: list[int], tokens: int) -> float:
@@ -33,16 +36,12 @@ def _decode_ms_per_token(engine, ids: list[int], tokens: int) -> float:
     return (stamps[-1] - stamps[0]) * 1e3 / (len(req.output_token_ids) - 1)
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:
     from prescient.build import EngineSpec, build_engine
     from prescient.runtime import tp_worker
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None)
-    p.add_argument("--weights", default="native")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
+    p = suite_parser("tp", __doc__, model=True, weights=True, dtype=True, reps={"help": "runs per mode (median kept)"})
+    p.add_argument("--tokens", type=int, default=64, help="tokens decoded per run")
     args = p.parse_args(argv)
     common = dict(model=args.model, dtype=args.dtype, weights=args.weights, speculate="off", calibrate="off",
                   kv_cache_gb=0.25, progress=False)
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             model._torch_threads = torch.get_num_threads()
             runs[name].append(_decode_ms_per_token(engine, ids, args.tokens))
             print(f"rep {rep} {name}: {runs[name][-1]:.2f} ms/token", file=sys.stderr, flush=True)
-    tp1, tp2 = statistics.median(runs["tp1"]), statistics.median(runs["tp2"])
+    tp1, tp2 = percentile(runs["tp1"], 50), percentile(runs["tp2"], 50)
     collectives = 2 * one.model.num_layers + 2
     print(json.dumps({"weights": args.weights, "dtype": args.dtype, "tokens": args.tokens, "reps": args.reps,
                       "threads": {"tp1": full_threads, "tp2_per_rank": half_threads},
@@ -75,4 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

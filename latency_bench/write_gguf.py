@@ -1,7 +1,8 @@
 """Write BF16, F32 and Q8_0 GGUFs of the default model from its shipped Q4_1 file, so llama.cpp
 and prescient can be compared in each weight format on the same weights.
 
-    python -m prescient.latency_bench.write_gguf --out DIR [--formats bf16,f32,q8_0] [--model PATH]
+    prescient bench write-gguf --out DIR [--formats bf16,f32,q8_0] [--model PATH]
+    (= python -m prescient.latency_bench.write_gguf ...)
 
 Every tensor is dequantized (gguf.quants) and written again with the `gguf` package's GGUFWriter:
 2-D tensors in the asked format (Q8_0 through gguf.quants.quantize), 1-D tensors (the norms) in
@@ -14,12 +15,13 @@ file is not the original model quantized to Q8_0, and is no better than the Q4_1
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from prescient.latency_bench.suites import suite_parser
 
 FORMATS = ("bf16", "f32", "q8_0")
 
@@ -74,11 +76,11 @@ def output_name(src: str, fmt: str) -> str:
     return f"{stem}.{fmt.upper()}.gguf"
 
 
-def main(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None) -> int:
     from prescient.runtime.loader import default_model_path
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="folder to write the GGUFs into (created if missing)")
+    p = suite_parser("write-gguf", __doc__, out={"required": True, "help": "folder to write the GGUFs into "
+                                                 "(created if missing)"})
     p.add_argument("--formats", default=",".join(FORMATS),
                    help=f"comma-separated formats to write, of {', '.join(FORMATS)}")
     p.add_argument("--model", default=None, help="the GGUF to start from; unset = the default model's Q4_1 file")
@@ -99,4 +101,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -2,10 +2,10 @@
 
 `prescient serve` runs the Starlette app (server/) under uvicorn with the default model;
 `prescient generate` streams one completion to stdout (a quick check without a server);
-`prescient bench` runs latency_bench. Flags become an `EngineSpec` (prescient/build.py) and a
-`ServerConfig` here; no argparse object leaves this module. A bad model path, a port in use or
-a bad flag is one line on stderr and a non-zero exit, never a traceback (`PRESCIENT_DEBUG=1`
-shows one).
+`prescient bench [SUITE]` runs a latency_bench suite (latency_bench/suites.py). Flags become an
+`EngineSpec` (prescient/build.py) and a `ServerConfig` here; no argparse object leaves this
+module. A bad model path, a port in use or a bad flag is one line on stderr and a non-zero exit,
+never a traceback (`PRESCIENT_DEBUG=1` shows one).
 """
 
 from __future__ import annotations
@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
 
-    sub.add_parser("bench", help="latency benchmark; see `prescient bench --help`")
+    sub.add_parser("bench", help="the benchmark suites (latency, agents, load, pd, tp, ...); "
+                   "`prescient bench --help` lists them")
     return parser
 
 
@@ -160,36 +161,16 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
                       ttft_target_ms=getattr(args, "slo_ttft_ms", None) or SPEC.ttft_target_ms)
 
 
-def _agents_flag(bench_argv: list[str]) -> bool:
-    """`--agents` given as a bare flag; `--agents N` stays the load phases' agent count."""
-    return any(a == "--agents" and (i + 1 == len(bench_argv) or not bench_argv[i + 1].isdigit())
-               for i, a in enumerate(bench_argv))
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] == ["bench"] and _agents_flag(argv[1:]):
-            # `bench --agents` (no count after it): the tool-calling agent benchmark, its own command line
-            from prescient.latency_bench.agent_bench import main as agents_main
-
-            return agents_main([a for a in argv[1:] if a != "--agents"]) or 0
-        if argv[:1] == ["bench"] and any(a in ("--tp", "--pd-split") for a in argv):
-            # ms/token at TP=1 and TP=2 (tp_bench), or decode ITL under a long prefill with and
-            # without the prefill/decode split (pd_bench): each its own command line
-            if "--tp" in argv:
-                from prescient.latency_bench.tp_bench import main as tp_main
-
-                return tp_main([a for a in argv[1:] if a != "--tp"]) or 0
-            from prescient.latency_bench.pd_bench import main as pd_main
-
-            return pd_main([a for a in argv[1:] if a != "--pd-split"]) or 0
         if argv[:1] == ["bench"]:
-            # latency_bench owns its whole command line (argparse's REMAINDER would refuse a
-            # leading option such as `bench --quick`), so hand it over before parsing
-            from prescient.latency_bench.__main__ import main as bench_main
+            # each suite owns its whole command line (argparse's REMAINDER would refuse a leading
+            # option such as `bench --quick`), so hand it over before parsing: the registry picks
+            # the suite by the first argument (latency_bench/suites.py, legacy flags included)
+            from prescient.latency_bench.suites import dispatch
 
-            return bench_main(argv[1:]) or 0
+            return dispatch(argv[1:])
         args = _parser().parse_args(argv)
         spec = engine_spec(args)
         if args.command == "serve":

@@ -164,7 +164,12 @@ def test_cli_flags_make_the_config():
 
 
 def test_bench_agents_is_a_bare_flag_and_agents_n_stays_the_load_count():
-    from prescient.cli import _agents_flag
+    from prescient.latency_bench.suites import UnknownSuite, resolve
 
-    assert _agents_flag(["--agents", "--quick"]) and _agents_flag(["--quick", "--agents"])
-    assert not _agents_flag(["--agents", "4", "--quick"]) and not _agents_flag(["--quick"])
+    assert resolve(["--agents", "--quick"]) == ("agents", ["--quick"])
+    assert resolve(["agents", "--quick"]) == ("agents", ["--quick"])
+    assert resolve(["--agents", "4", "--quick"]) == ("latency", ["--agents", "4", "--quick"])
+    assert resolve(["--quick", "--agents", "4"]) == ("latency", ["--quick", "--agents", "4"])
+    assert resolve(["--quick"]) == ("latency", ["--quick"])
+    with pytest.raises(UnknownSuite, match="put it first"):  # a suite flag only in the suite name's place
+        resolve(["--quick", "--agents"])
