@@ -10,8 +10,14 @@ step's total:
 
     small = [s for s in seqs if rows(s) <= BATCH_INVARIANT_M]   # decode, verify trees, short chunks
     large = the rest                                            # prefill chunks
-    forwards = [large (one forward, > BATCH_INVARIANT_M rows)] +
+    forwards = [each large chunk alone (> BATCH_INVARIANT_M rows)] +
                [small, packed in order into forwards of <= BATCH_INVARIANT_M rows]
+
+Each prefill chunk runs in a forward of its own: the GEMM's rows need not be independent of
+its row count (on a 2-core AVX-512 machine with AMX, avx512_bf16 tier, twelve prompts' chunks in
+one GEMM gave other bits than each alone; the GEMM library picks its kernel by shape), and a
+chunk's rows are then its own length alone and under load, since the scheduler cuts a prompt
+the same way whatever else runs. The weights are read once per chunk instead of once per step (prefill is compute-bound).
 
 and the logits come back in the sequences' order (a sequence whose logits row came with it, a
 P/D handoff, takes no forward: its row goes in its place). A prefill chunk the scheduler split by layers
@@ -58,7 +64,7 @@ def plan(seqs: list, trees: list) -> list[list[int]]:
     together, then the small ones in order, at most BATCH_INVARIANT_M rows a forward."""
     large = [i for i, (s, t) in enumerate(zip(seqs, trees))
              if seq_rows(s, t) > BATCH_INVARIANT_M and not split(s) and not precomputed(s)]
-    groups = [[i] for i, s in enumerate(seqs) if split(s)] + ([large] if large else [])
+    groups = [[i] for i, s in enumerate(seqs) if split(s)] + [[i] for i in large]
     cur: list[int] = []
     rows = 0
     for i, (s, t) in enumerate(zip(seqs, trees)):

@@ -106,12 +106,12 @@ def test_plan_keeps_decode_and_verify_rows_off_the_prefill_forward():
     seqs = [_seq(1), _seq(1), _seq(300, False), _seq(1), _seq(BATCH_INVARIANT_M), _seq(30), _seq(65)]
     trees = [None, tree17, None, None, None, None, None]
     groups = forward_plan.plan(seqs, trees)
-    assert groups[0] == [2, 6]  # the prefill chunks, together
+    assert groups[:2] == [[2], [6]]  # each prefill chunk alone: its GEMM's rows its own length
     assert sorted(i for g in groups for i in g) == list(range(len(seqs)))
-    for g in groups[1:]:
+    for g in groups[2:]:
         assert g == sorted(g)
         assert sum(forward_plan.seq_rows(seqs[i], trees[i]) for i in g) <= BATCH_INVARIANT_M
-    assert groups[1:] == [[0, 1, 3], [4], [5]]
+    assert groups[2:] == [[0, 1, 3], [4], [5]]
     # the common step (decodes only) stays one forward
     assert forward_plan.plan([_seq(1)] * 8, [None] * 8) == [list(range(8))]
 
