@@ -55,6 +55,8 @@ _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[19:47:55] /project/cpp/
 
 @dataclass(frozen=True)
 class CompilerConfig:
+    # a compile's own run (isolate: from when a worker takes it, not its wait in the queue;
+    # in-process: from submission, since nothing can stop a compile there)
     time_limit_s: float = 10.0
     max_workers: int = 2  # grammars compiled at once
     xgrammar_threads: int = 2  # threads inside one xgrammar compile
@@ -99,9 +101,10 @@ class CompiledGrammar:
 
 
 class PendingGrammar:
-    """A compile in flight (or done); `result()` honors the deadline set at submission."""
+    """A compile in flight (or done); `result()` honors the deadline set at submission (None: the
+    worker process enforces the limit on the compile's own run, so the waiter sets none)."""
 
-    def __init__(self, spec: GrammarSpec, future: Future, deadline: float, time_limit_s: float):
+    def __init__(self, spec: GrammarSpec, future: Future, deadline: float | None, time_limit_s: float):
         self.spec = spec
         self._future = future
         self._deadline = deadline
@@ -112,7 +115,7 @@ class PendingGrammar:
 
     def result(self) -> CompiledGrammar:
         try:
-            return self._future.result(timeout=max(0.0, self._deadline - time.monotonic()))
+            return self._future.result(timeout=self._wait_s())
         except FutureTimeout:
             raise self._late() from None
 
@@ -122,10 +125,13 @@ class PendingGrammar:
         done = asyncio.wrap_future(self._future)
         done.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: no "never retrieved" log
         try:
-            await asyncio.wait_for(asyncio.shield(done), max(0.0, self._deadline - time.monotonic()))
+            await asyncio.wait_for(asyncio.shield(done), self._wait_s())
         except TimeoutError:
             raise self._late() from None
         return self._future.result()
+
+    def _wait_s(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def _late(self) -> GrammarError:
         return GrammarError(f"grammar compile exceeded the {self._time_limit_s:g} s time limit",
@@ -166,7 +172,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
             else:
                 self.misses += 1
-                future = (self._procs.submit(spec, start + self.config.time_limit_s) if self._procs is not None
+                future = (self._procs.submit(spec) if self._procs is not None
                           else self._pool.submit(self.build, spec))
                 self._cache[spec] = future
                 if len(self._cache) > self.config.cache_size:
@@ -175,7 +181,9 @@ class GrammarCompiler:
         if fresh is not None:  # outside the lock: a future already done runs the callback here
             fresh.add_done_callback(lambda f, spec=spec: self._forget_if_timed_out(spec, f))
         limit = self.config.time_limit_s
-        return PendingGrammar(spec, future, start + limit, limit)
+        # in worker processes the limit runs on the compile itself (CompilePool); in-process
+        # nothing can stop a compile, so the waiter's limit runs from submission
+        return PendingGrammar(spec, future, None if self._procs is not None else start + limit, limit)
 
     def _forget_if_timed_out(self, spec: GrammarSpec, future: Future) -> None:
         """A compile killed at the time limit is not cached: the schema is not known to be too

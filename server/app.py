@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -79,6 +80,9 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await warm_up(ctx)
+        if config.warm_grammar and ctx.engine.tokenizer is not None:
+            # in the background: /health need not wait for the workers' imports
+            ctx.warm_grammar_task = asyncio.create_task(ctx.constraints.compiler())
         ctx.ready = True
         try:
             yield
@@ -165,6 +169,8 @@ def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 
 
     sock = listening_socket(host, port)
     from prescient.runtime.memory import tune_allocator
+
+    config = dataclasses.replace(config, warm_grammar=True)  # a server's first grammar waits for no worker start
 
     tune_allocator()  # before the model loads: a server's memory stays flat over days (runtime/memory.py)
     engine = build_engine(spec)

@@ -71,6 +71,10 @@ class ServerConfig:
     # streams, so 100 ms for the p99 of a request's gaps between deliveries. TPOT is off by
     # default: TPOT is a request's mean per-token gap, at most its mean per-emission gap, so the
     # ITL bound nearly implies TPOT <= 100 ms; set it tighter to require a reading speed.
+    # Start the grammar compiler's worker processes with the server (~2.5 s of low-priority CPU
+    # and ~310 MB each, grammar/compile_pool.py) rather than at the first constrained request,
+    # which would otherwise wait for them. `prescient serve` does; apps built in tests do not.
+    warm_grammar: bool = False
     slo_ttft_ms: float | None = 1000.0  # None switches an objective off
     slo_itl_ms: float | None = 100.0  # p99 of a request's per-emission gaps
     slo_tpot_ms: float | None = None
@@ -111,6 +115,7 @@ class ServerContext:
     def __init__(self, aengine, config: ServerConfig = ServerConfig()):
         self.aengine = aengine
         self.engine = aengine.engine
+        self.warm_grammar_task = None  # the compiler's start at boot (ServerConfig.warm_grammar)
         self.config = config
         engine = self.engine
         if engine.tokenizer is None:

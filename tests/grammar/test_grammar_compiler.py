@@ -61,7 +61,7 @@ def test_a_compile_killed_at_the_time_limit_is_compiled_again(toy_tokenizer):
     submitted = []
 
     class KilledPool:  # stands in for the worker processes: every compile dies at the limit
-        def submit(self, spec, deadline):
+        def submit(self, spec):
             future = Future()
             submitted.append(spec)
             future.set_exception(_time_limit(compiler.config.time_limit_s))
