@@ -54,10 +54,12 @@ START_LIMIT_S = 120.0  # a worker not ready by then is killed; its thread compil
 
 
 class CompilePool:
-    def __init__(self, tokenizer, config, make_result: Callable, fallback: Callable):
+    def __init__(self, tokenizer, config, make_result: Callable, fallback: Callable, disk=None):
         """`make_result(spec, handle, compile_s, forced_spans)` builds the CompiledGrammar;
-        `fallback(spec)` compiles in this process when no worker can be started."""
+        `fallback(spec)` compiles in this process when no worker can be started; `disk`: a
+        GrammarDiskCache (disk_cache.py) looked in before a compile and written after one."""
         self._tokenizer = tokenizer
+        self._disk = disk
         self._config = config
         self._make_result = make_result
         self._fallback = fallback
@@ -145,6 +147,10 @@ class CompilePool:
                 spec, future = job
                 if not future.set_running_or_notify_cancel():
                     continue
+                cached = self._disk.load(spec) if self._disk is not None else None
+                if cached is not None:  # compiled before, by an earlier server: no worker needed
+                    self._settle(future, self._receive, spec, "ok", *cached)
+                    continue
                 if proc is None or proc.poll() is not None:
                     self._stop(proc)
                     proc, conn = self._start()
@@ -158,6 +164,8 @@ class CompilePool:
                     future.set_exception(err)
                     proc, conn = self._start()  # now: the next compile should not wait for its start
                 else:
+                    if self._disk is not None and result[0] != "error":
+                        self._disk.store(spec, *result[1:])
                     self._settle(future, self._receive, spec, *result)
         finally:
             self._stop(proc)

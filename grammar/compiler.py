@@ -31,7 +31,9 @@ from dataclasses import dataclass
 
 import xgrammar as xgr
 
+from prescient.cache_dir import cache_dir
 from prescient.grammar.compile_pool import CompilePool
+from prescient.grammar.disk_cache import GrammarDiskCache, fingerprint
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.forced_bound import forced_spans_safe
 from prescient.grammar.matcher import Matcher
@@ -79,10 +81,13 @@ class CompilerConfig:
     # rule, so a pattern or subschema met in an earlier grammar costs nothing in the next one
     # (a schema repeating another's `^[a-zA-Z0-9_]{1,500}$`: 0.85 s -> 7 ms); ~2-4 MB a grammar.
     xgrammar_cache_mb: int = 128
+    # Compiled grammars kept on disk across restarts (grammar/disk_cache.py, cache_dir("grammars"),
+    # least recently used evicted past this many MiB; 0: off). Worker-process compiles only.
+    disk_cache_mb: int = 0
 
     def __post_init__(self) -> None:
         if (self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1 or not 0 <= self.nice <= 19
-                or self.xgrammar_cache_mb < 0):
+                or self.xgrammar_cache_mb < 0 or self.disk_cache_mb < 0):
             raise ValueError(f"invalid CompilerConfig {self}")
 
 
@@ -149,7 +154,11 @@ class GrammarCompiler:
             cache_enabled=config.xgrammar_cache_mb > 0, cache_limit_bytes=config.xgrammar_cache_mb << 20,
         )
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar")
-        self._procs = CompilePool(tokenizer, config, self._result, self.build) if config.isolate else None
+        self.disk = None
+        if config.isolate and config.disk_cache_mb > 0:
+            self.disk = GrammarDiskCache(cache_dir("grammars"), fingerprint(tokenizer.info.serialize_json(), config),
+                                         config.disk_cache_mb << 20)
+        self._procs = CompilePool(tokenizer, config, self._result, self.build, self.disk) if config.isolate else None
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0

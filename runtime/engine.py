@@ -492,7 +492,7 @@ class Engine:
                                                      stop_token_ids=list(self.eos_token_ids))
             # compiles in low-priority worker processes, killed at the time limit: a heavy one
             # must not take the CPU (or the GIL) from the steps (grammar/compile_pool.py)
-            self._grammar_compiler = GrammarCompiler(gtok, CompilerConfig(isolate=True, max_workers=6))
+            self._grammar_compiler = GrammarCompiler(gtok, CompilerConfig(isolate=True, max_workers=6, disk_cache_mb=256))
         return self._grammar_compiler
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:
