@@ -12,7 +12,7 @@ first token) as a distribution (p50 / p99 / max), the long prompt's TTFT under l
 (medians over reps) and their ratio; issue 25's targets are ITL p99 <= 100 ms and ratio <= 1.3.
 The same gaps by the server's own stamps on each chunk (`token_times`) come beside them
 (`server_itl_*`): on a 2-core machine the client (the openai SDK) shares the server's cores, and
-the difference is the client's own scheduling, not the server's delivery.
+the two differ by the client's own delay in reading them.
 """
 
 from __future__ import annotations

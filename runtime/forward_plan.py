@@ -4,29 +4,26 @@ A decode or verify row must get the same bits whatever else the step holds (gree
 speculation equal to plain decoding; a request alone equal to the same request in a batch). The
 kernels give that only within one path: the small-M path (the GEMV kernels MAX_M rows a call,
 the fused native layers, up to `BATCH_INVARIANT_M` tokens a forward) computes a row alike in
-any such forward, and so does the GEMM path (F.linear / the tiled quantized path, above it),
-but the two round differently. So the plan decides the path per *sequence*, never by the
-step's total:
+any such forward; the GEMM path (F.linear / the tiled quantized path, above it) does so only for
+the same row count, since the GEMM library picks its kernel by shape (on a 2-core AVX-512
+machine with AMX, twelve prompts' chunks in one GEMM gave other bits than each alone). So the
+plan decides the path per *sequence*, never by the step's total, and gives each prefill chunk a
+forward of its own:
 
     small = [s for s in seqs if rows(s) <= BATCH_INVARIANT_M]   # decode, verify trees, short chunks
     large = the rest                                            # prefill chunks
     forwards = [each large chunk alone (> BATCH_INVARIANT_M rows)] +
                [small, packed in order into forwards of <= BATCH_INVARIANT_M rows]
 
-Each prefill chunk runs in a forward of its own: the GEMM's rows need not be independent of
-its row count (on a 2-core AVX-512 machine with AMX, avx512_bf16 tier, twelve prompts' chunks in
-one GEMM gave other bits than each alone; the GEMM library picks its kernel by shape), and a
-chunk's rows are then its own length alone and under load, since the scheduler cuts a prompt
-the same way whatever else runs. The weights are read once per chunk instead of once per step (prefill is compute-bound).
-
 and the logits come back in the sequences' order (a sequence whose logits row came with it, a
-P/D handoff, takes no forward: its row goes in its place). A prefill chunk the scheduler split by layers
-(its `layers` set) runs alone through `model.forward_layers`, its hidden states kept on the
-request until its last layer has run (the same ops as one forward: the same bits). A step of only decodes (the common case) is one
-forward, as before; a prefill chunk beside decodes costs one extra forward's dispatch, and more
-than BATCH_INVARIANT_M decode/verify rows cost one weight pass per forward (the price of giving
-up the GEMM for them). A prompt's own chunking still decides its KV bits: the same chunks give
-the same bits, but a token budget that splits a prompt differently may not.
+P/D handoff, takes no forward: its row goes in its place). The scheduler cuts a prompt into the
+same chunks alone and under load, so a chunk's GEMM has the same rows either way; its weights are
+read once per chunk rather than once per step (prefill is compute-bound). A prefill chunk the
+scheduler split by layers (its `layers` set) runs alone through `model.forward_layers`, its
+hidden states kept on the request until its last layer has run (the same ops as one forward: the
+same bits). A step of only decodes (the common case) is one forward; a prefill chunk beside
+decodes costs one extra forward's dispatch, and more than BATCH_INVARIANT_M decode/verify rows
+cost one weight pass per forward (the price of giving up the GEMM for them).
 """
 
 from __future__ import annotations

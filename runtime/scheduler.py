@@ -240,7 +240,9 @@ class Scheduler:
         for seq in decodes:
             r = seq.request
             spec = max(0, min(r.spec_budget, budget, rows, self.max_seq_len - r.num_tokens - 1))
-            if spec and self.blocks.can_allocate(self._blocks_needed(r, 1 + spec)) and self._grow(r, 1 + spec):
+            n = self._blocks_needed(r, 1 + spec) if spec else 0
+            if spec and self.blocks.can_allocate(n):  # free blocks only: never a reclaim for a draft
+                r.block_ids.extend(self.blocks.allocate(n))
                 seq.num_spec_slots = spec
                 budget -= spec
                 rows -= spec

@@ -106,8 +106,9 @@ class StepCostModel:
         """A chunk of `tokens` at mean context `ctx` through `frac` of the layers."""
         if tokens <= 0 or frac <= 0:
             return 0.0
-        per_token = max(self.PREFILL_PRIOR[0] * 0.02,
-                        self.prefill.predict(self._prefill_x(1.0, ctx)))
+        # plain floats, not a numpy dot: the scheduler asks this for every waiting prompt a step
+        p0, p1 = self.prefill.theta.tolist()
+        per_token = max(self.PREFILL_PRIOR[0] * 0.02, p0 + p1 * ctx / 1000)
         return per_token * tokens * frac
 
     def predict(self, shape: StepShape) -> float:

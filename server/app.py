@@ -88,6 +88,9 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
             yield
         finally:
             ctx.ready = False
+            if ctx.warm_grammar_task is not None:  # the compiler must exist before close() stops it
+                with contextlib.suppress(Exception):
+                    await ctx.warm_grammar_task
             ctx.close()
             await asyncio.to_thread(aengine.shutdown)
 
