@@ -161,10 +161,9 @@ def cli(argv: list[str] | None = None) -> int:
     env = {"PRESCIENT_ISA": args.isa} if args.isa else {}
     if args.isa:
         os.environ["PRESCIENT_ISA"] = args.isa
+        if cpu_linear.available():  # loaded before the variable was set: cap it as the server is
+            cpu_linear._set_isa_cap(args.isa)
     tier = cpu_linear.kernel_info().get("isa")
-    if args.isa and args.isa in cpu_linear.ISA_TIERS and tier in cpu_linear.ISA_TIERS:
-        # the server's tier: this process's library may have loaded before the cap was set
-        tier = cpu_linear.ISA_TIERS[min(cpu_linear.ISA_TIERS.index(args.isa), cpu_linear.ISA_TIERS.index(tier))]
     q4 = args.q4_gguf or default_model_path()
     pairs = [("q4_1", q4), ("bf16", args.bf16_gguf), ("q8_0", args.q8_gguf)]
     pairs = [(name, path) for name, path in pairs if path]
