@@ -14,6 +14,9 @@
  *   x = rms_norm(h) * attn_norm; qkv = x @ Wqkv^T (+ bias); rope(q, k); cache[slot] = k, v;
  *   a = tree_attention(q, cache); h += a @ Wo^T;
  *   x = rms_norm(h) * mlp_norm; [g | u] = x @ Wgu^T; h += (silu(g) * u) @ Wdown^T.
+ * Wo and Wdown may come as two column groups (o_b / down_b from input column o_cut /
+ * down_cut: the shards of TP=2): each group's product in fp32, the two added once and
+ * rounded, as the all-reduce of two shards does -- so TP=1 and TP=2 get the same bits.
  * Entry points: pl_layer (one layer: tensor parallelism would all-reduce between calls),
  * pl_layers (every layer in one call), pl_final_norm (the model's last RMSNorm, of the rows
  * whose logits are wanted), pl_profile (section timers for latency_bench/step_profile.py).
@@ -24,9 +27,8 @@
  * it is what torch does too); the RMSNorm's fp32 sum of squares is summed in torch's own order
  * (torch_row_sum) and RoPE's addcmul is a fused multiply-add as in torch.  The one fp32
  * function computed differently is exp() in SiLU: torch's vectorised expf is good to about an
- * ulp, here exp is evaluated in double and rounded (the correctly rounded value).  After
- * SiLU's bf16 rounding no difference was seen, so a bf16 model's layers are torch's bit for
- * bit; an fp32 model's differ by an fp32 ulp in some SiLU outputs.
+ * ulp, here exp is evaluated in double and rounded (the correctly rounded value); the torch
+ * loop calls this file's SiLU (pl_silu_mul) on CPU, so the two paths agree bit for bit.
  *
  * Threads: the linears and the attention use the shared pool (pg_parallel_for); the
  * elementwise work is microseconds and runs on the caller.  No state: scratch space is the
@@ -42,7 +44,7 @@
 #include "cpu_dispatch.h"
 #include "cpu_attention.h"
 
-#define PL_VERSION 3
+#define PL_VERSION 4
 
 /* Most tokens of one call.  The linears run PG_MAX_M rows at a time (the GEMV kernels' M
  * bound): every kernel on this path gives a row the same bits whatever the call's M, so a
@@ -71,6 +73,11 @@ typedef struct {
 typedef struct {
     const pl_step_t *step;
     const pg_weight_t *qkv, *o, *gate_up, *down;
+    /* TP-invariant sums (runtime/linear.ColumnGroups): when o_b / down_b is set, o / down hold
+     * the input columns [0, cut) and o_b / down_b the columns [cut, K); the two fp32 partials
+     * are added once and rounded, as a TP=2 all-reduce of the two ranks' halves adds them. */
+    const pg_weight_t *o_b, *down_b;
+    int64_t o_cut, down_cut;
     const void *attn_norm, *mlp_norm;  /* [hidden] model dtype */
     const void *qkv_bias;              /* [qkv_out] model dtype or NULL: added after the
                                           linear's rounding, as runtime/linear.py does */
@@ -98,6 +105,8 @@ typedef struct {
     char *gu;    /* [T, 2 I] gate | up */
     char *act;   /* [T, I] silu(gate) * up */
     char *sq;    /* [hidden] fp32: one row's squares (RMSNorm), or x * cos (fp32 RoPE) */
+    char *gx;    /* [T, max(H D, I)] fp32: a split linear's input, its column groups one after the other */
+    char *gy;    /* [2, T, hidden] fp32: the split linear's two partial outputs */
 } pl_bufs_t;
 
 static size_t pad64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -106,14 +115,16 @@ static size_t layout(const pl_step_t *s, int64_t T, char *base, pl_bufs_t *b)
 {
     const size_t esz = s->dtype == DT_F32 ? 4 : 2;
     const size_t qkv = (size_t)(s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
-    const size_t sizes[7] = {
+    const size_t sizes[9] = {
         (size_t)T * s->hidden * esz, (size_t)T * qkv * esz,
         (size_t)T * s->num_heads * s->head_dim * esz, (size_t)T * s->hidden * esz,
         (size_t)T * 2 * s->inter * esz, (size_t)T * s->inter * esz,
-        (size_t)(s->hidden > s->head_dim ? s->hidden : s->head_dim) * 4};
-    char **slot[7] = {&b->x, &b->qkv, &b->attn, &b->y, &b->gu, &b->act, &b->sq};
+        (size_t)(s->hidden > s->head_dim ? s->hidden : s->head_dim) * 4,
+        (size_t)T * (size_t)(s->num_heads * s->head_dim > s->inter ? s->num_heads * s->head_dim : s->inter) * 4,
+        (size_t)2 * T * s->hidden * 4};
+    char **slot[9] = {&b->x, &b->qkv, &b->attn, &b->y, &b->gu, &b->act, &b->sq, &b->gx, &b->gy};
     size_t off = 0;
-    for (int i = 0; i < 7; i++) {
+    for (int i = 0; i < 9; i++) {
         *slot[i] = base ? base + off : NULL;
         off += pad64(sizes[i]);
     }
@@ -427,6 +438,68 @@ static void silu_mul(const pl_step_t *s, const char *gu, char *act, int T)
 }
 
 /* ------------------------------------------------------------------------- */
+/* Linears                                                                    */
+/* ------------------------------------------------------------------------- */
+
+/* y[T, N] = x[T, K] @ W^T, x and y of dtype dt, PG_MAX_M rows a call; rows are independent, so
+ * the chunks change no bits.  0, or PL_ENOMEM / PL_ELINEAR. */
+static int run_linear(const pg_weight_t *w, const char *x, char *y, int T, int dt)
+{
+    const size_t esz = dt == DT_F32 ? 4 : 2;
+    for (int r0 = 0; r0 < T; r0 += PG_MAX_M) {
+        const int m = T - r0 < PG_MAX_M ? T - r0 : PG_MAX_M;
+        const int rc = pg_linear_w(w, x + (size_t)r0 * w->K * esz, y + (size_t)r0 * w->N * esz, m, dt);
+        if (rc)
+            return rc == -2 ? PL_ENOMEM : PL_ELINEAR;
+    }
+    return 0;
+}
+
+/* The row-parallel linears (o, down) as two column groups: y = round(x[:, :cut] @ W0^T +
+ * x[:, cut:] @ W1^T), each partial fp32 (its input widened to fp32, exact), the two added once.
+ * A TP=2 step computes the same two partials on its two ranks and all-reduces them (a sum of
+ * two terms: the same bits in either order), so TP=1 and TP=2 round the same value.  w1 NULL:
+ * one linear, as before. */
+static int split_linear(const pl_step_t *s, const pl_bufs_t *b, const pg_weight_t *w0,
+                        const pg_weight_t *w1, int64_t cut, const char *x, char *y, int T)
+{
+    const int dt = (int)s->dtype;
+    if (!w1)
+        return run_linear(w0, x, y, T, dt);
+    const int64_t K = w0->K + w1->K, N = w0->N, K1 = w1->K;
+    if (cut != w0->K || w1->N != N)
+        return PL_EARGS;
+    float *xa = (float *)b->gx, *xb = xa + (size_t)T * cut;
+    for (int t = 0; t < T; t++) {
+        if (dt == DT_F32) {
+            const float *xr = (const float *)x + (size_t)t * K;
+            memcpy(xa + (size_t)t * cut, xr, (size_t)cut * 4);
+            memcpy(xb + (size_t)t * K1, xr + cut, (size_t)K1 * 4);
+        } else {
+            const uint16_t *xr = (const uint16_t *)x + (size_t)t * K;
+            for (int64_t i = 0; i < cut; i++)
+                xa[(size_t)t * cut + i] = bf16_to_f32(xr[i]);
+            for (int64_t i = 0; i < K1; i++)
+                xb[(size_t)t * K1 + i] = bf16_to_f32(xr[cut + i]);
+        }
+    }
+    float *ya = (float *)b->gy, *yb = ya + (size_t)T * N;
+    int rc;
+    if ((rc = run_linear(w0, (const char *)xa, (char *)ya, T, DT_F32)) ||
+        (rc = run_linear(w1, (const char *)xb, (char *)yb, T, DT_F32)))
+        return rc;
+    const size_t n = (size_t)T * N;
+    if (dt == DT_F32) {
+        for (size_t i = 0; i < n; i++)
+            ((float *)y)[i] = ya[i] + yb[i];
+    } else {
+        for (size_t i = 0; i < n; i++)
+            ((uint16_t *)y)[i] = f32_to_bf16(ya[i] + yb[i]);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------- */
 /* Public entry points                                                        */
 /* ------------------------------------------------------------------------- */
 
@@ -493,9 +566,11 @@ int pl_layer(const pl_layer_args *a)
         return PL_EARGS;
     const int64_t D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads;
     const int64_t nqkv = (H + 2 * KVH) * D;
+    const int64_t o_k = a->o->K + (a->o_b ? a->o_b->K : 0);
+    const int64_t down_k = a->down->K + (a->down_b ? a->down_b->K : 0);
     if (a->qkv->N != nqkv || a->qkv->K != s->hidden || a->o->N != s->hidden ||
-        a->o->K != H * D || a->gate_up->N != 2 * s->inter || a->gate_up->K != s->hidden ||
-        a->down->N != s->hidden || a->down->K != s->inter)
+        o_k != H * D || a->gate_up->N != 2 * s->inter || a->gate_up->K != s->hidden ||
+        a->down->N != s->hidden || down_k != s->inter)
         return PL_EARGS;
     pl_bufs_t b;
     layout(s, T, (char *)(intptr_t)s->scratch, &b);
@@ -503,21 +578,16 @@ int pl_layer(const pl_layer_args *a)
     const int prof = g_prof;
     int64_t t = prof ? now_ns() : 0;
     int rc;
-    const size_t esz = dt == DT_F32 ? 4 : 2;
-    /* PG_MAX_M rows a call; rows are independent, so the chunks change no bits */
-#define PL_LINEAR(w, x, y) \
+#define PL_LINEAR(w, w1, cut, x, y) \
     do { \
         PL_LAP(PL_GLUE); \
-        for (int r0 = 0; r0 < T; r0 += PG_MAX_M) { \
-            const int m = T - r0 < PG_MAX_M ? T - r0 : PG_MAX_M; \
-            if ((rc = pg_linear_w((w), (x) + (size_t)r0 * (w)->K * esz, (y) + (size_t)r0 * (w)->N * esz, m, dt))) \
-                return rc == -2 ? PL_ENOMEM : PL_ELINEAR; \
-        } \
+        if ((rc = split_linear(s, &b, (w), (w1), (cut), (x), (y), T))) \
+            return rc; \
         PL_LAP(PL_GEMV); \
     } while (0)
 
     rms_norm(s, h, a->attn_norm, b.x, T, (float *)b.sq);
-    PL_LINEAR(a->qkv, b.x, b.qkv);
+    PL_LINEAR(a->qkv, NULL, 0, b.x, b.qkv);
     if (a->qkv_bias)
         add_rows(dt, b.qkv, a->qkv_bias, T, (int)nqkv, 0);
     rope(s, b.qkv, T, (float *)b.sq);
@@ -539,13 +609,13 @@ int pl_layer(const pl_layer_args *a)
     if ((rc = pa_tree_attention(&pa)))
         return rc;
     PL_LAP(PL_ATTN);
-    PL_LINEAR(a->o, b.attn, b.y);
+    PL_LINEAR(a->o, a->o_b, a->o_cut, b.attn, b.y);
     add_rows(dt, h, b.y, T, (int)s->hidden, (int)s->hidden);
 
     rms_norm(s, h, a->mlp_norm, b.x, T, (float *)b.sq);
-    PL_LINEAR(a->gate_up, b.x, b.gu);
+    PL_LINEAR(a->gate_up, NULL, 0, b.x, b.gu);
     silu_mul(s, b.gu, b.act, T);
-    PL_LINEAR(a->down, b.act, b.y);
+    PL_LINEAR(a->down, a->down_b, a->down_cut, b.act, b.y);
     add_rows(dt, h, b.y, T, (int)s->hidden, (int)s->hidden);
     PL_LAP(PL_GLUE);
     return 0;
@@ -569,6 +639,21 @@ int pl_final_norm(const pl_step_t *s, const void *w, const int64_t *rows, int n,
         rms_norm(s, (const char *)(intptr_t)s->h + (size_t)rows[i] * row, w, (char *)out + i * row, 1,
                  (float *)b.sq);
     }
+    return 0;
+}
+
+/* act[T, I] = silu(gate) * up of gu[T, 2 I] = [gate | up] rows, in dtype dt: the fused layer's
+ * own SiLU for the torch layer loop (runtime/model.py), so that the loop (prefill, and tensor-
+ * parallel ranks) and the fused layer give the same bits in fp32 too.  0, or PL_EARGS. */
+int pl_silu_mul(const void *gu, void *act, int64_t T, int64_t I, int dt)
+{
+    if (T < 0 || I < 1 || (dt != DT_F32 && dt != DT_BF16))
+        return PL_EARGS;
+    pl_step_t s;
+    memset(&s, 0, sizeof(s));
+    s.inter = I;
+    s.dtype = dt;
+    silu_mul(&s, (const char *)gu, (char *)act, (int)T);
     return 0;
 }
 

@@ -43,7 +43,7 @@ from prescient.kernels import cpu_attention, cpu_linear
 log = logging.getLogger(__name__)
 
 _OFF = ("0", "false", "off")
-_C_VERSION = 3  # must match PL_VERSION in cpu_layer.c
+_C_VERSION = 4  # must match PL_VERSION in cpu_layer.c
 
 
 def _max_tokens() -> int:
@@ -70,6 +70,7 @@ _layer_fn = None  # pl_layer, once bound
 _layers_fn = None  # pl_layers
 _norm_fn = None  # pl_final_norm
 _scratch_fn = None  # pl_scratch_bytes
+_silu_fn = None  # pl_silu_mul
 _tried = False
 _why_not: Optional[str] = None
 
@@ -91,8 +92,9 @@ class _Step(ctypes.Structure):
 class _LayerArgs(ctypes.Structure):
     """Mirror of pl_layer_args (cpu_layer.c): one layer's weights and KV cache, and its step."""
     _fields_ = [(name, ctypes.c_void_p) for name in (
-        "step", "qkv", "o", "gate_up", "down", "attn_norm", "mlp_norm", "qkv_bias",
-        "k_cache", "v_cache", "k_scale", "v_scale")]
+        "step", "qkv", "o", "gate_up", "down", "o_b", "down_b")] + [
+        ("o_cut", ctypes.c_int64), ("down_cut", ctypes.c_int64)] + [(name, ctypes.c_void_p) for name in (
+        "attn_norm", "mlp_norm", "qkv_bias", "k_cache", "v_cache", "k_scale", "v_scale")]
 
 
 def _bind() -> None:
@@ -127,6 +129,10 @@ def _bind() -> None:
     lib.pl_scratch_bytes.restype = ctypes.c_int64
     lib.pl_mean_sq.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.pl_mean_sq.restype = ctypes.c_float
+    lib.pl_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.pl_silu_mul.restype = ctypes.c_int
+    global _silu_fn
+    _silu_fn = lib.pl_silu_mul
     lib.pl_final_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.pl_final_norm.restype = ctypes.c_int
     lib.pl_profile.argtypes = [ctypes.c_int, ctypes.c_void_p]
@@ -162,6 +168,21 @@ def available() -> bool:
     if not _tried:
         _bind()
     return _layer_fn is not None
+
+
+def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """gate_up [T, 2 I] = [gate | up] (fp32/bf16, CPU) -> silu(gate) * up [T, I] computed as the
+    fused layer computes it (cpu_layer.c's SiLU), or None when the native layer is unavailable
+    or the tensor is not one it takes (the caller then uses torch's)."""
+    if (not available() or gate_up.dtype not in _DT or not gate_up.is_cpu or gate_up.dim() != 2
+            or gate_up.shape[1] % 2):
+        return None
+    gu = gate_up.contiguous()
+    T, I = gu.shape[0], gu.shape[1] // 2
+    act = torch.empty(T, I, dtype=gu.dtype)
+    if T and _silu_fn(gu.data_ptr(), act.data_ptr(), T, I, _DT[gu.dtype]):
+        raise RuntimeError(f"cpu_layer: pl_silu_mul rejected a [{T}, {2 * I}] {gu.dtype} input")
+    return act
 
 
 def why_not() -> Optional[str]:
@@ -260,6 +281,17 @@ class FusedLayers:
                 raise ValueError(f"layer {i} {what}: {packed!r} has no native kernel")
             return p
 
+        def split_desc(lin, what: str, i: int) -> tuple[int, Optional[int], int]:
+            """(first descriptor, second or None, the cut): a row-parallel linear held as two
+            column groups (runtime/linear.ColumnGroups, TP-invariant sums) or as one."""
+            groups = getattr(lin, "column_groups", None)
+            if groups is None:
+                return desc(lin, what, i), None, 0
+            if len(groups) != 2:
+                raise ValueError(f"layer {i} {what}: {len(groups)} column groups (the native layer takes 1 or 2)")
+            (c0, p0), (c1, p1) = groups
+            return desc(p0, what, i), desc(p1, what, i), c1
+
         def vec(t: Optional[torch.Tensor], what: str, i: int, size: int) -> Optional[int]:
             if t is None:
                 return None
@@ -285,15 +317,16 @@ class FusedLayers:
                     raise ValueError(f"layer {i} KV scales must be contiguous float32 {shape[:3]}")
             a = args[i]
             a.step = ctypes.addressof(step)
-            a.qkv, a.o = desc(layer.qkv, "qkv", i), desc(layer.o, "o", i)
-            a.gate_up, a.down = desc(layer.gate_up, "gate_up", i), desc(layer.down, "down", i)
+            a.qkv, a.gate_up = desc(layer.qkv, "qkv", i), desc(layer.gate_up, "gate_up", i)
+            a.o, a.o_b, a.o_cut = split_desc(layer.o, "o", i)
+            a.down, a.down_b, a.down_cut = split_desc(layer.down, "down", i)
             a.attn_norm = vec(layer.attn_norm, "attn_norm", i, cfg.hidden_size)
             a.mlp_norm = vec(layer.mlp_norm, "mlp_norm", i, cfg.hidden_size)
             a.qkv_bias = vec(_bias_after(layer.qkv, a.qkv, i), "qkv bias", i, nqkv)
             a.k_cache, a.v_cache = k.data_ptr(), v.data_ptr()
             if k_scale is not None:
                 a.k_scale, a.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-            keep.append((layer.qkv.packed, layer.o.packed, layer.gate_up.packed, layer.down.packed))
+            keep.append((layer.qkv, layer.o, layer.gate_up, layer.down))
             # weak: a FusedLayers cached on the model must not keep a dropped KV cache alive
             self._kv_refs.append((weakref.ref(k), weakref.ref(v)))
         self._keep = keep

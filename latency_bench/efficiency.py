@@ -100,9 +100,9 @@ def machine_info() -> dict:
 def prescient_model_bytes(model) -> int:
     """Weight bytes one forward reads: every linear (the LM head included; a tied head is the
     embedding table, read in full once) and the norms. Embedding lookups read one row: ignored."""
-    total = sum(t.nbytes for layer in model.layers
-                for t in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight,
-                          layer.attn_norm, layer.mlp_norm))
+    total = sum(lin.weight_bytes for layer in model.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    total += sum(t.nbytes for layer in model.layers for t in (layer.attn_norm, layer.mlp_norm))
     return total + model.lm_head.weight.nbytes + model.norm.nbytes
 
 

@@ -1,11 +1,12 @@
 """Where a CPU decode step's time goes: GEMV, attention, other kernels and host overhead, for the
-torch layer loop and the native fused layers (kernels/cpu_layer.py), plus the k=8 verify step.
+torch layer loop and the native fused layers (kernels/cpu_layer.py), plus chain verify steps.
 
-    prescient bench step-profile [--isa TIER] [--weights W] [--context 1024]
+    prescient bench step-profile [--isa TIER] [--weights W] [--context 1024] [--verify 8]
     (= python -m prescient.latency_bench.step_profile ...)
 
 One sequence with `--context` cached positions (random K/V, written once, so attention reads real
-pages) takes a 1-token decode step and an 8-token chain verify step, in three modes timed in
+pages) takes a 1-token decode step and chain verify steps of `--verify` tokens (default 8; a list such
+as 2,4,8,16 gives the verify / step ratio per size), in three modes timed in
 alternation (so background load hits all alike): `torch` (PRESCIENT_FUSED_LAYERS=0, ~30 torch ops
 per layer), `fused` (one native call for all layers) and `fused/layer` (one native call per
 layer). Reported per mode and step size:
@@ -173,7 +174,10 @@ def _split(model, kv, batch, mode: str, reps: int) -> dict:
 def _linears(model) -> list:
     """(descriptor address, in, out, weight bytes) of every linear a step runs, in step order."""
     out = []
-    for lin in [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]:
+    lins = [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+    # a row-parallel linear held as TP-invariant column groups (runtime/linear.ColumnGroups): its parts
+    lins = [p for lin in lins for _, p in (getattr(lin, "column_groups", None) or [(0, lin)])]
+    for lin in lins:
         packed = getattr(lin, "packed", None)
         dptr = getattr(packed, "_dptr", None)
         if dptr is None:
@@ -281,8 +285,15 @@ def cli(argv: list[str] | None = None) -> int:
                      reps={"default": 20, "help": "timed steps per mode and size"})
     p.add_argument("--isa", choices=cpu_linear.ISA_TIERS, default=None, help="cap the kernels' ISA tier (unset: none)")
     p.add_argument("--context", type=int, default=1024, help="cached positions before the step")
+    p.add_argument("--verify", default="8", help="verify step sizes in tokens, comma-separated (e.g. 2,4,8,16)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = p.parse_args(argv)
+    try:
+        sizes = sorted({int(x) for x in args.verify.split(",") if x.strip()})
+    except ValueError:
+        p.error(f"--verify takes token counts such as 2,4,8, got {args.verify!r}")
+    if not sizes or min(sizes) < 2:
+        p.error("--verify sizes must be >= 2 tokens")
 
     t_start = time.perf_counter()
     loaded = load_model(EngineSpec(model=args.model, dtype=args.dtype, weights=args.weights, speculate="off",
@@ -300,7 +311,7 @@ def cli(argv: list[str] | None = None) -> int:
         print(f"native layers unavailable ({cpu_layer.why_not()}): the fused modes run the torch loop",
               file=sys.stderr)
     kv = _kv_cache(model, args.context)
-    batches = {1: _batch(model, args.context, 1), 8: _batch(model, args.context, 8)}
+    batches = {1: _batch(model, args.context, 1), **{t: _batch(model, args.context, t) for t in sizes}}
     fused_ok = cpu_layer.fused_layers(model, kv) is not None
     os.environ.pop("PRESCIENT_FUSED_LAYERS", None)
 
@@ -348,8 +359,12 @@ def cli(argv: list[str] | None = None) -> int:
         report["steps"][f"alone|{t}"] = {"gemv_ms": None if g is None else g[0] * 1e3,
                                          "gemv_bytes": None if g is None else g[2],
                                          "attention_ms": a["attention"] * 1e3, "torch_glue_ms": a["torch_glue"] * 1e3}
-    print("\nverify cost, 8 tokens vs 1: " + ", ".join(
-        f"{m} {statistics.median(steps[(m, 8)]) / statistics.median(steps[(m, 1)]):.2f}x" for m in MODES))
+    print("\nverify cost vs a 1-token step (median step times):")
+    report["verify_ratio"] = {}
+    for t in sizes:
+        ratios = {m: statistics.median(steps[(m, t)]) / statistics.median(steps[(m, 1)]) for m in MODES}
+        report["verify_ratio"][t] = ratios
+        print(f"  {t:>3} tokens: " + ", ".join(f"{m} {r:.2f}x" for m, r in ratios.items()))
     print(f"({time.perf_counter() - t_start:.0f} s)")
     if args.json:
         print(json.dumps(report, indent=1))

@@ -213,6 +213,63 @@ class ConcatLinear:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
+class ColumnGroups:
+    """A row-parallel linear (O, down) as fixed groups of input columns: y = (sum over groups, in
+    order, of part_g(x[:, cols_g]) in fp32), rounded once to x's dtype. The groups are the cuts a
+    TP=2 split makes (runtime/tensor_parallel.column_cuts), so TP=1 adds the very partials that
+    TP=2's ranks all-reduce: two fp32 terms, the same sum in either order, and the same bits at
+    either TP degree (a single accumulation over all columns would round differently). The parts
+    hold the columns themselves (no second copy of the weight); the fused native layer takes them
+    as two descriptors (kernels/cpu_layer.py)."""
+
+    def __init__(self, parts: list, starts: list[int]):
+        self.parts, self.starts = parts, starts  # starts[g]: group g's first input column
+        self.packed = None  # no single descriptor; column_groups gives the native layer its parts
+        self.bias = None
+
+    @property
+    def column_groups(self) -> list[tuple[int, object]]:
+        return list(zip(self.starts, self.parts))
+
+    @property
+    def out_features(self) -> int:
+        return self.parts[0].out_features
+
+    @property
+    def in_features(self) -> int:
+        return sum(p.in_features for p in self.parts)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.weight_bytes for p in self.parts)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f for p in self.parts for f in p.formats))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, in_features] -> [num_tokens, out_features]. A half-type x is widened
+        (exactly) so each partial stays fp32, as RowParallel does on a rank."""
+        xf = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        ends = self.starts[1:] + [self.in_features]
+        y = None
+        for a, b, part in zip(self.starts, ends, self.parts):
+            yp = part(xf[:, a:b].contiguous())
+            y = yp if y is None else y + yp
+        return y.to(x.dtype)
+
+
+def column_split(w: torch.Tensor | QuantWeight, starts: list[int], fast_path: bool = True,
+                 dequantize_to: torch.dtype = torch.float32) -> ColumnGroups:
+    """A ColumnGroups over w's input columns cut at `starts` (starts[0] == 0; block formats: at
+    block boundaries, which runtime/tensor_parallel.column_cuts guarantees)."""
+    from prescient.runtime.tensor_parallel import _cols
+
+    ends = starts[1:] + [w.shape[1]]
+    return ColumnGroups([make_linear(_cols(w, a, b), fast_path=fast_path, dequantize_to=dequantize_to)
+                         for a, b in zip(starts, ends)], list(starts))
+
+
 def make_linear(w: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None, fast_path: bool = True,
                 dequantize_to: torch.dtype = torch.float32):
     """The layer for one weight: blocks run the quantized kernel, except with `fast_path=False`

@@ -40,8 +40,10 @@ from prescient.runtime.batch import ForwardBatch
 from prescient.runtime.config import ModelConfig
 from prescient.runtime.env import RuntimeEnv, runtime_env
 from prescient.runtime.kv_layer import KVLayer
-from prescient.runtime.linear import Linear, QuantizedLinear, QuantWeight, format_name, fused_linear, make_linear
+from prescient.runtime.linear import (Linear, QuantizedLinear, QuantWeight, column_split, format_name, fused_linear,
+                                      make_linear)
 from prescient.runtime.rope import Rope
+from prescient.runtime.tensor_parallel import column_cuts
 
 
 @dataclass
@@ -85,6 +87,17 @@ class ModelRunner(Protocol):
     def weights_description(self) -> str: ...
 
 
+def _silu_mul(gate_up: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; on the CPU the fused native layer's own SiLU (kernels/cpu_layer.silu_mul:
+    its exp is correctly rounded, torch's vectorised one an ulp off now and then), so that the
+    torch loop (prefill chunks, TP ranks) and the fused layer agree bit for bit in fp32 too."""
+    if gate_up.is_cpu and gate_up.dtype in (torch.float32, torch.bfloat16):
+        act = cpu_layer.silu_mul(gate_up)
+        if act is not None:
+            return act
+    return F.silu(gate) * up
+
+
 class LlamaModel:
     is_sharded = False  # ModelRunner; runtime/tensor_parallel.shard_model sets it on a rank's shard
     prepared: "CpuForward | None" = None  # the CPU transformation installed on this model, if any
@@ -92,7 +105,7 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor | QuantWeight],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  fast_linear: bool = True, weights_dtype: torch.dtype | None = None, weights_mode: str = "",
-                 prepare: bool = True):
+                 prepare: bool = True, tp_invariant: bool = True):
         """weights: canonical names (runtime/loader.py) -> float tensors or QuantWeight blocks.
         dtype: the activations, norms, biases and KV cache. weights_dtype: the float dtype the
         linear weights and the embedding are held in (None = dtype). Quantized blocks stay blocks
@@ -100,7 +113,10 @@ class LlamaModel:
         (the reference path), they are dequantized into weights_dtype. weights_mode: how the
         weights were loaded ("native", "--weights bfloat16", ...), for weights_description().
         prepare: apply `prepare_for_cpu` (a no-op off the CPU); False = the reference forward
-        only, for a caller that applies its transformations itself (prescient/build.py, TP)."""
+        only, for a caller that applies its transformations itself (prescient/build.py, TP).
+        tp_invariant: on the CPU fast path, hold O and down as the column groups a TP=2 split
+        makes (runtime/linear.ColumnGroups), so that TP=1 sums what TP=2's all-reduce sums and
+        greedy output is the same bits at either degree; False for a TP shard (one group)."""
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -130,6 +146,13 @@ class LlamaModel:
             self.lm_head = make_linear(embed if tied else lw("lm_head"), fast_path=fast_linear)
         self.norm = w("norm")
         self.layers: list[_Layer] = []
+        cuts = column_cuts(config, weights) if tp_invariant and keep_blocks else None
+
+        def row_parallel(name: str, which: str):
+            if cuts is None:
+                return make_linear(lw(name), fast_path=fast_linear)
+            return column_split(lw(name), cuts[which], fast_path=fast_linear)
+
         for i in range(self.num_layers):
             p = f"layers.{i}."
             qkv_bias = None
@@ -138,10 +161,10 @@ class LlamaModel:
             self.layers.append(_Layer(
                 attn_norm=w(p + "attn_norm"),
                 qkv=fused_linear([lw(p + "q"), lw(p + "k"), lw(p + "v")], qkv_bias, fast_linear),
-                o=make_linear(lw(p + "o"), fast_path=fast_linear),
+                o=row_parallel(p + "o", "o"),
                 mlp_norm=w(p + "mlp_norm"),
                 gate_up=fused_linear([lw(p + "gate"), lw(p + "up")], fast_path=fast_linear),
-                down=make_linear(lw(p + "down"), fast_path=fast_linear),
+                down=row_parallel(p + "down", "down"),
             ))
         self.rope = Rope(config, dtype)
         self.rope.cos = self.rope.cos.to(self.device)
@@ -223,7 +246,7 @@ class LlamaModel:
             x = self._rms_norm(h, layer.mlp_norm)
             gate_up = layer.gate_up(x)  # [num_tokens, 2 * intermediate]
             gate, up = gate_up.chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + layer.down(_silu_mul(gate_up, gate, up))
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

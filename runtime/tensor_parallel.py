@@ -117,6 +117,19 @@ def plan_shards(config: ModelConfig, weights: dict, world: int) -> list[ShardPla
     return plans
 
 
+def column_cuts(config: ModelConfig, weights: dict) -> dict[str, list[int]] | None:
+    """The input-column groups of the row-parallel linears at a TP=2 split: {"o": [0, c_o],
+    "down": [0, c_down]}, which a TP=1 model sums as two fp32 partials (runtime/linear.ColumnGroups)
+    so that its output is TP=2's bit for bit. None when TP=2 cannot split this model (one KV
+    head, a block format whose cut falls inside a block): there is nothing to be invariant to."""
+    try:
+        plans = plan_shards(config, weights, 2)
+    except TensorParallelRefusal:
+        return None
+    second = plans[1]
+    return {"o": [0, second.q_heads[0] * config.head_dim], "down": [0, second.intermediate[0]]}
+
+
 def _rows(w, ranges: list[tuple[int, int]]):
     """The rows [a, b) of each range, concatenated (blocks: whole rows of blocks)."""
     if isinstance(w, QuantWeight):
@@ -220,7 +233,8 @@ def shard_model(config: ModelConfig, weights: dict, plan: ShardPlan, group, **mo
     from prescient.runtime.model import LlamaModel, prepare_for_cpu
 
     local_config, local_weights = shard_weights(config, weights, plan)
-    model = LlamaModel(local_config, local_weights, **model_kwargs, prepare=False)
+    # one column group per rank: the all-reduce adds the groups (tp_invariant is TP=1's side)
+    model = LlamaModel(local_config, local_weights, **model_kwargs, prepare=False, tp_invariant=False)
     for layer in model.layers:
         layer.o, layer.down = RowParallel(layer.o, group), RowParallel(layer.down, group)
     model.lm_head = VocabParallelHead(model.lm_head, plan, config.vocab_size, group)
@@ -246,5 +260,5 @@ def default_threads(world: int) -> int:
     return max(1, cores // world)
 
 
-__all__ = ["ShardPlan", "TensorParallelError", "TensorParallelRefusal", "plan_shards", "shard_weights", "shard_model", "RowParallel",
+__all__ = ["ShardPlan", "TensorParallelError", "TensorParallelRefusal", "plan_shards", "column_cuts", "shard_weights", "shard_model", "RowParallel",
            "VocabParallelHead", "describe_plan", "default_threads"]

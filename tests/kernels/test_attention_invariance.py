@@ -183,6 +183,39 @@ def test_tree_chain_nodes_get_the_decode_steps_bits(tier, kind, shape):
 
 @tiers
 @kinds
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+def test_wide_tree_over_a_long_context_gets_the_decode_steps_bits(tier, kind, shape):
+    """A 17-node verify tree over a 2000-position prefix (eight 256-position pieces, which a
+    lone row block spreads over several work items): the kernel reads each K/V chunk once for
+    all 17 x G query rows of the sequence, and every row must still get exactly the bits of
+    its own lone decode step.  Checked for a 17-deep chain and for a tree whose accepted path
+    is nodes 0-8 with eight side branches hanging off it (side nodes: against the reference)."""
+    _tier(tier)
+    n, prefix = 17, 2000
+    cache = Cache(kind, shape, 2 * (prefix + n) + 4 * BLOCK, seed=4)
+    table, q = cache.table(prefix + n), cache.q(n)
+    lone = _decodes(cache, q, table, prefix + n)
+    chain = _masks([-1] + list(range(n - 1)))
+    path = 9  # nodes 0-8: the accepted path; 9-16 hang off it (and off each other)
+    parents = [-1] + list(range(path - 1)) + [0, 2, 2, 4, 9, 6, 11, 8]
+    assert len(parents) == n
+    branched = _masks(parents)
+    with _threads(2):
+        as_chain = cache.attend([(q, table, prefix + n)], chain)
+    with _threads(1):
+        as_tree = cache.attend([(q, table, prefix + n)], branched)
+    for j in range(n):
+        _same_bits(as_chain[j], lone[j], f"17-chain node {j}")
+    for j in range(path):
+        _same_bits(as_tree[j], lone[j], f"branched tree, path node {j}")
+    # The side nodes see gaps (other branches' positions), so no decode step matches them bit
+    # for bit; they must still be right.
+    ref = cache.reference(q, table, prefix + n, branched)
+    _close_to_reference(as_tree[path:], ref[path:], kind.q_dtype)
+
+
+@tiers
+@kinds
 def test_prefill_chunk_rows_get_the_decode_steps_bits(tier, kind):
     """A 45-token causal chunk (three token blocks of one sequence) crossing a piece
     boundary: every row is the decode step at its own position."""

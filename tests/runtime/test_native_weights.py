@@ -181,7 +181,10 @@ def test_native_load_keeps_the_blocks_and_their_bytes(tiny_gguf):
     model = LlamaModel(ckpt.config, ckpt.weights, dtype=torch.float32, weights_mode="native")
     layer = model.layers[1]
     assert isinstance(layer.qkv, QuantizedLinear) and isinstance(layer.gate_up, QuantizedLinear)
-    assert isinstance(layer.o, QuantizedLinear) and isinstance(layer.down, QuantizedLinear)
+    # O and down as TP=2's column groups (TP-invariant sums), each group's blocks native too
+    for lin, name in ((layer.o, "attn_output"), (layer.down, "ffn_down")):
+        assert len(lin.column_groups) == 2 and all(isinstance(p, QuantizedLinear) for _, p in lin.column_groups)
+        assert lin.weight_bytes == size[f"blk.1.{name}.weight"]
     assert layer.qkv.weight_bytes == sum(size[f"blk.1.attn_{x}.weight"] for x in "qkv")
     assert layer.gate_up.weight_bytes == size["blk.1.ffn_gate.weight"] + size["blk.1.ffn_up.weight"]
     assert model.lm_head is model._embed_q  # tied: the embedding's one copy of blocks
@@ -322,6 +325,12 @@ def test_the_cache_stores_blocks_and_keys_by_weights_mode(tiny_gguf, cache, no_t
 
 # ---------------------------------------------------------------- --quantize
 
+def _parts(lin) -> list:
+    """A linear's kernels: itself, or the parts of its column groups."""
+    groups = getattr(lin, "column_groups", None)
+    return [p for _, p in groups] if groups else [lin]
+
+
 def test_quantize_turns_a_float_checkpoints_linears_into_blocks(tiny_llama_dir, no_tokenizer, act_mode):
     """Each quantized weight is within half a quantization step of the float one; the model runs
     them as a float model over the dequantized weights would; int4 strays further than int8."""
@@ -337,11 +346,13 @@ def test_quantize_turns_a_float_checkpoints_linears_into_blocks(tiny_llama_dir, 
         model = load_model(spec).model
         for layer, ref_layer in zip(model.layers, ref.layers):
             for name in ("qkv", "o", "gate_up", "down"):
-                lin, w = getattr(layer, name), getattr(ref_layer, name).weight
-                assert isinstance(lin, QuantizedLinear) and lin.formats == (qtype,)
-                deq = lin.qweight.dequantize()
-                err = (deq - w).abs().reshape(w.shape[0], -1, 32).amax(-1)
-                assert (err <= max_block_error(w, qtype)).all(), (quantize, name)
+                # O and down come as column groups (runtime/linear.ColumnGroups): part by part
+                for lin, ref_lin in zip(_parts(getattr(layer, name)), _parts(getattr(ref_layer, name))):
+                    w = ref_lin.weight
+                    assert isinstance(lin, QuantizedLinear) and lin.formats == (qtype,)
+                    deq = lin.qweight.dequantize()
+                    err = (deq - w).abs().reshape(w.shape[0], -1, 32).amax(-1)
+                    assert (err <= max_block_error(w, qtype)).all(), (quantize, name)
         assert isinstance(model.embed, torch.Tensor) and isinstance(model.lm_head, Linear)  # left as they were
         assert torch.equal(model.embed, ref.embed) and torch.equal(model.lm_head.weight, ref.lm_head.weight)
         assert set(model.weight_formats()) == {"f32", qtype}
