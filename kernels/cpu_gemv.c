@@ -1,7 +1,7 @@
 /*
  * cpu_gemv.c -- bandwidth-bound small-M linear (y = x @ W^T + b) for CPU decode.
  *
- * Role: batch-1 decode (M = 1) and speculative verification (M <= 16) on CPU are
+ * Role: batch-1 decode (M = 1) and speculative verification (M <= PG_MAX_M) on CPU are
  * streams of matrix-vector products whose speed is set by how fast the weights
  * stream out of DRAM.  torch's F.linear at M = 1 runs on one core at about a third
  * of DRAM bandwidth; this file streams each weight matrix exactly once per call,
@@ -13,7 +13,7 @@
  * through ctypes with tensor data pointers.
  *
  * Layout: W is row-major [N, K] (the ordinary torch layout), fp32 or bf16.  Keeping
- * the torch layout means the M > 16 fallback (a real GEMM in torch) can use the very
+ * the torch layout means the M > PG_MAX_M fallback (a real GEMM in torch) can use the very
  * same tensor, so a packed model holds one copy of its weights, not two.  Row-major
  * costs a horizontal reduction per (row, input) pair, which is cheap next to the K/32
  * dot-product steps it ends.
@@ -321,7 +321,7 @@ static inline __attribute__((always_inline)) void store_2x2(const job_t *j, int 
 /*                                                                            */
 /* Tile: NR weight rows x MR input rows, MR * NR <= 16 zmm accumulators (see */
 /* PG_ROWS_DRIVER for the shapes).  Each 64-byte weight chunk is loaded once  */
-/* and used MR times; the x chunks come from L1 (x is at most 16 x K).  Four  */
+/* and used MR times; the x chunks come from L1/L2 (x is at most 64 x K). Four */
 /* rows give four independent accumulator chains at M = 1.  The epilogue     */
 /* reduces four accumulators at a time into one __m128 (for NR = 4 that is    */
 /* y[m, n..n+3], four contiguous outputs stored in one go).                   */

@@ -21,11 +21,11 @@ Public API::
     library()                                     # the .so (also cpu_attention's), or None
     kernel_info()                                 # ISA tier in use, threads, .so path, or why not
     machine_tiers()                               # ISA tiers this CPU runs, lowest first
-    prefill_mode()                                # how a bf16 weight's M > 16 call runs now
+    prefill_mode()                                # how a bf16 weight's M > MAX_M call runs now
     set_num_threads(n), set_spin(spin_us, yield_us)
 
 The weight keeps torch's [out, in] row-major layout (no copy when it is already contiguous and
-of the requested dtype), so M > 16 calls (prefill) use the same tensor with ``F.linear`` and a
+of the requested dtype), so M > MAX_M calls (prefill) use the same tensor with ``F.linear`` and a
 tied LM head can share the embedding table.  Prefill of a bf16 weight below the avx512_bf16
 tier does not use a bf16 GEMM: without AVX512_BF16, oneDNN's bf16 GEMM is several times
 slower than fp32 (150 vs 34 ms for 512x576 @ 576x3072, one thread, oneDNN capped at AVX2),
@@ -56,6 +56,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -71,8 +72,16 @@ from prescient.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
-#: Largest number of input rows the kernel handles; more rows go to F.linear (a GEMM).
-MAX_M = 16
+
+def _max_m() -> int:
+    """PG_MAX_M of cpu_runtime.h, the one place it is written (the loaded library is checked
+    against it): read from the header, so that no import has to build the library."""
+    src = Path(__file__).with_name("cpu_runtime.h").read_text()
+    return int(re.search(r"^#define PG_MAX_M (\d+)", src, re.M).group(1))
+
+
+#: Largest number of input rows one kernel call handles; more rows go to F.linear (a GEMM).
+MAX_M = _max_m()
 
 # Every C source of the .so (one library, one thread pool): all are hashed and compiled.  In
 # layer order, lowest first (each file uses only the ones before it; tests/kernels/
@@ -410,7 +419,7 @@ def prefill_mode() -> str:
 
 class PackedLinear:
     """A weight ready for the small-M kernel.  ``__call__(x)``: x [..., in_features] fp32 or
-    bf16 on CPU -> y [..., out_features] of x's dtype; M = prod(x.shape[:-1]).  M <= 16 runs
+    bf16 on CPU -> y [..., out_features] of x's dtype; M = prod(x.shape[:-1]).  M <= MAX_M runs
     the C kernel (fp32 accumulation), larger M a GEMM (``fallback``: F.linear, or the fp32
     row-block GEMM for a bf16 weight below avx512_bf16); other devices/dtypes or autograd use
     F.linear.

@@ -1,5 +1,5 @@
 /*
- * cpu_qgemv.c -- small-M linear (y = x @ W^T + b, M <= 16) over the 32-element GGUF block
+ * cpu_qgemv.c -- small-M linear (y = x @ W^T + b, M <= PG_MAX_M) over the 32-element GGUF block
  * formats Q8_0 / Q4_0 / Q4_1, streamed in their blocks: the family's generic reference (the
  * portable row kernel and the exact dequantizer every SIMD tier must match), the activation
  * prep and the float / int8 path choice.  The SIMD tiers are cpu_qgemv_avx2.c and

@@ -1,7 +1,7 @@
 /*
  * cpu_qgemv_k.c -- the K-quant formats (cpu_formats.h, cpu_qgemv_k.h): small-M linear (y = x @ W^T + b,
- * M <= 16) over GGUF Q4_K / Q5_K / Q6_K weights kept in their 256-element super-blocks, and a
- * row dequantizer to fp32 for the prefill path (M > 16, a GEMM in torch).  The reference is
+ * M <= PG_MAX_M) over GGUF Q4_K / Q5_K / Q6_K weights kept in their 256-element super-blocks, and a
+ * row dequantizer to fp32 for the prefill path (M > PG_MAX_M, a GEMM in torch).  The reference is
  * kernels/quant_reference_k.py; tests/kernels/test_qgemv_k.py checks every tier against it.
  *
  * Formats (ggml's; little-endian; d/dmin fp16, sc/m the per-sub-block scales and mins):

@@ -26,8 +26,10 @@ enum {
     ISA_COUNT
 };
 
-/* Rows of x the small-M kernels handle in registers; more -> the caller uses a GEMM. */
-#define PG_MAX_M 16
+/* Rows of x one small-M kernel call takes (decode batches, verify trees, short chunks: up to
+ * the fused layer's PL_MAX_T), each weight tile read once for all of them; the rows are worked
+ * 4 at a time in registers, so a row's bits do not depend on M.  More rows: a GEMM. */
+#define PG_MAX_M 64
 
 /* Activation (and float weight) dtypes.  Codes >= DT_Q_FIRST are the block formats of
  * cpu_formats.h. */

@@ -279,7 +279,7 @@ def test_pool_split_is_bitwise_identical(lib, tier, qtype):
     g = torch.Generator().manual_seed(14)
     N, K = 1001, 1536
     blocks = _blocks(qtype, N, K, "real", g)
-    for M in (1, 7, 16):
+    for M in (1, 7, 16, 33):
         x = _x(M, K, "real", g)
         assert torch.equal(_run(lib, qtype, blocks, x, flags=0), _run(lib, qtype, blocks, x, flags=2))
 
@@ -294,7 +294,7 @@ def test_through_pg_linear_w(lib, tier, qtype):
     bias = torch.randn(N, generator=g)
     desc = cpu_linear._WeightDesc(blocks.data_ptr(), bias.data_ptr(), R.DT_CODES[qtype], N, K)
     ref = _Ref(blocks, qtype, K)
-    for M in (1, 5, 16):
+    for M in (1, 5, 16, 64):
         for xdt in (torch.float32, torch.bfloat16):
             x = _x(M, K, "real", g).to(xdt)
             y = torch.empty(M, N, dtype=xdt)
@@ -344,9 +344,12 @@ def test_dequantize_rows_exact(lib, tier, qtype):
 
 def test_entry_rejects_bad_arguments(lib):
     w = torch.zeros(4, 144, dtype=torch.uint8)
-    x = torch.zeros(17, 256)
-    y = torch.empty(17, 4)
-    assert lib.pqk_linear_entry(R.DT_CODES["q4_k"], w.data_ptr(), None, 4, 256, x.data_ptr(), 17, y.data_ptr(), 0, 0) == -1
+    from prescient.kernels.cpu_linear import MAX_M
+
+    x = torch.zeros(MAX_M + 1, 256)
+    y = torch.empty(MAX_M + 1, 4)
+    assert lib.pqk_linear_entry(R.DT_CODES["q4_k"], w.data_ptr(), None, 4, 256, x.data_ptr(), MAX_M + 1,
+                                y.data_ptr(), 0, 0) == -1
     assert lib.pqk_linear_entry(R.DT_CODES["q4_k"], w.data_ptr(), None, 4, 100, x.data_ptr(), 1, y.data_ptr(), 0, 0) == -1
     assert lib.pqk_linear_entry(16, w.data_ptr(), None, 4, 256, x.data_ptr(), 1, y.data_ptr(), 0, 0) == -1
     assert lib.pqk_linear_entry(R.DT_CODES["q4_k"], w.data_ptr(), None, 4, 256, x.data_ptr(), 1, y.data_ptr(), 0, 0) == 0

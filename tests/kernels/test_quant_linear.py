@@ -26,7 +26,7 @@ from prescient.kernels import cpu_linear, quant_linear as ql, quant_reference as
 from prescient.kernels.quant_linear import QuantLinear
 
 FORMATS = list(qr.QTYPES)
-MS = [1, 2, 3, 5, 8, 16]
+MS = [1, 2, 3, 5, 8, 16, 17, 64]  # to PG_MAX_M: decode batches and verify trees in one call
 DTYPES = [torch.float32, torch.bfloat16]
 # (N, K) for the 32-element formats: odd N (4-row tiles + 1-row tails); K / 32 = 1, 5, 11, 15,
 # 18, 48 blocks covers every group shape of the int8 layouts (full 16- and 8-lane groups,
@@ -306,7 +306,7 @@ def test_native_dequantize_is_exact(tier_cap, qtype):
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_prefill_path(qtype, monkeypatch):
-    """M > 16: fp32 activations, W dequantized tile by tile (a tiny tile budget forces many
+    """M > MAX_M: fp32 activations, W dequantized tile by tile (a tiny tile budget forces many
     tiles and a ragged last one); with and without bias, fp32 and bf16, leading dims."""
     _require(qtype)
     g = torch.Generator().manual_seed(7)
@@ -318,12 +318,13 @@ def test_prefill_path(qtype, monkeypatch):
     monkeypatch.setattr(ql, "_TILE_BYTES", 16 * K * 4)  # 16-row tiles: 5 tiles, the last 13 rows
     for lin in (QuantLinear(b, qtype, N, K), QuantLinear(b, qtype, N, K, bias=bias)):
         for dt in DTYPES:
-            x = torch.randn(2, 20, K, generator=g).to(dt)
+            half = ql.MAX_M // 2 + 4  # 2 x half rows > MAX_M
+            x = torch.randn(2, half, K, generator=g).to(dt)
             y = lin(x)
-            assert y.shape == (2, 20, N) and y.dtype == dt
+            assert y.shape == (2, half, N) and y.dtype == dt
             # a bf16 x where the tier has AVX512_BF16: bf16 tiles and oneDNN's bf16 GEMM
             bf16_tiles = dt == torch.bfloat16 and cpu_linear._bf16_gemm_native()
-            _check(y.reshape(40, N), x.reshape(40, K), W, mag, 0, bias=lin.bias,
+            _check(y.reshape(2 * half, N), x.reshape(2 * half, K), W, mag, 0, bias=lin.bias,
                    w_round=2.0 ** -8 if bf16_tiles else 0.0)
     x = torch.randn(0, K)
     assert QuantLinear(b, qtype, N, K)(x).shape == (0, N)
