@@ -174,8 +174,9 @@ def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     """gate_up [T, 2 I] = [gate | up] (fp32/bf16, CPU) -> silu(gate) * up [T, I] computed as the
     fused layer computes it (cpu_layer.c's SiLU), or None when the native layer is unavailable
     or the tensor is not one it takes (the caller then uses torch's)."""
-    if (not available() or gate_up.dtype not in _DT or not gate_up.is_cpu or gate_up.dim() != 2
-            or gate_up.shape[1] % 2):
+    # (the tensor's checks first: a CUDA model never touches the CPU library)
+    if (not gate_up.is_cpu or gate_up.dtype not in _DT or gate_up.dim() != 2 or gate_up.shape[1] % 2
+            or not available()):
         return None
     gu = gate_up.contiguous()
     T, I = gu.shape[0], gu.shape[1] // 2

@@ -183,14 +183,28 @@ class QuantizedLinear:
         return self.packed.dequantize_rows(ids).to(dtype)
 
 
-class ConcatLinear:
+class _PartsLinear:
+    """A linear made of other linears (`parts`, each in its own format): what they hold together."""
+
+    parts: list
+    packed = None  # no single descriptor
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.weight_bytes for p in self.parts)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f for p in self.parts for f in p.formats))
+
+
+class ConcatLinear(_PartsLinear):
     """Layers side by side: y = cat([part(x) for part in parts], -1). A fused q/k/v or gate/up
     whose parts are stored in different formats (rare: a GGUF whose quantizer kept one of them at
     higher precision) keeps each part in its own format instead of converting one."""
 
     def __init__(self, parts: list):
         self.parts = parts
-        self.packed = None
 
     @property
     def out_features(self) -> int:
@@ -200,20 +214,12 @@ class ConcatLinear:
     def in_features(self) -> int:
         return self.parts[0].in_features
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.weight_bytes for p in self.parts)
-
-    @property
-    def formats(self) -> tuple[str, ...]:
-        return tuple(f for p in self.parts for f in p.formats)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]."""
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-class ColumnGroups:
+class ColumnGroups(_PartsLinear):
     """A row-parallel linear (O, down) as fixed groups of input columns: y = (sum over groups, in
     order, of part_g(x[:, cols_g]) in fp32), rounded once to x's dtype. The groups are the cuts a
     TP=2 split makes (runtime/tensor_parallel.column_cuts), so TP=1 adds the very partials that
@@ -224,8 +230,7 @@ class ColumnGroups:
 
     def __init__(self, parts: list, starts: list[int]):
         self.parts, self.starts = parts, starts  # starts[g]: group g's first input column
-        self.packed = None  # no single descriptor; column_groups gives the native layer its parts
-        self.bias = None
+        self.bias = None  # (column_groups gives the native layer its parts' descriptors)
 
     @property
     def column_groups(self) -> list[tuple[int, object]]:
@@ -238,14 +243,6 @@ class ColumnGroups:
     @property
     def in_features(self) -> int:
         return sum(p.in_features for p in self.parts)
-
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.weight_bytes for p in self.parts)
-
-    @property
-    def formats(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(f for p in self.parts for f in p.formats))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features]. A half-type x is widened

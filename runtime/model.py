@@ -91,11 +91,8 @@ def _silu_mul(gate_up: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> to
     """silu(gate) * up; on the CPU the fused native layer's own SiLU (kernels/cpu_layer.silu_mul:
     its exp is correctly rounded, torch's vectorised one an ulp off now and then), so that the
     torch loop (prefill chunks, TP ranks) and the fused layer agree bit for bit in fp32 too."""
-    if gate_up.is_cpu and gate_up.dtype in (torch.float32, torch.bfloat16):
-        act = cpu_layer.silu_mul(gate_up)
-        if act is not None:
-            return act
-    return F.silu(gate) * up
+    act = cpu_layer.silu_mul(gate_up)  # None where the native layer does not take it
+    return act if act is not None else F.silu(gate) * up
 
 
 class LlamaModel:

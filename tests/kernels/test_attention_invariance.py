@@ -185,11 +185,11 @@ def test_tree_chain_nodes_get_the_decode_steps_bits(tier, kind, shape):
 @kinds
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
 def test_wide_tree_over_a_long_context_gets_the_decode_steps_bits(tier, kind, shape):
-    """A 17-node verify tree over a 2000-position prefix (eight 256-position pieces, which a
-    lone row block spreads over several work items): the kernel reads each K/V chunk once for
-    all 17 x G query rows of the sequence, and every row must still get exactly the bits of
-    its own lone decode step.  Checked for a 17-deep chain and for a tree whose accepted path
-    is nodes 0-8 with eight side branches hanging off it (side nodes: against the reference)."""
+    """A 17-node verify tree (17 x G query rows sharing each K/V chunk) over a 2000-position
+    prefix (eight 256-position pieces, spread over several work items): every row gets exactly
+    the bits of its own lone decode step.  Checked for a 17-deep chain and for a tree whose
+    accepted path is nodes 0-8 with eight side branches hanging off it (side nodes: against the
+    reference)."""
     _tier(tier)
     n, prefix = 17, 2000
     cache = Cache(kind, shape, 2 * (prefix + n) + 4 * BLOCK, seed=4)
