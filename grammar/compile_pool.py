@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import socket
 import subprocess
@@ -51,6 +52,10 @@ log = logging.getLogger("prescient.grammar")
 WARM_WORKERS = 2  # started with the pool, and kept
 IDLE_EXIT_S = 60.0  # a worker beyond those ends after idling this long
 START_LIMIT_S = 120.0  # a worker not ready by then is killed; its thread compiles in this process
+# The limit counts a compile's CPU time; a worker the engine leaves no CPU (nice 10 under full
+# decode load gets ~10% of a core) is still stopped after this many limits of wall time.
+STARVED_WALL_FACTOR = 6.0
+CPU_POLL_S = 0.05  # how often a running compile's CPU time is read (an answer ends the wait at once)
 
 
 class CompilePool:
@@ -158,7 +163,7 @@ class CompilePool:
                     self._settle(future, self._fallback, spec)
                     continue
                 try:
-                    result = self._run(conn, spec, time.monotonic() + self._config.time_limit_s)
+                    result = self._run(proc, conn, spec)
                 except GrammarError as err:  # over the limit, or the worker died
                     self._stop(proc)
                     future.set_exception(err)
@@ -170,12 +175,28 @@ class CompilePool:
         finally:
             self._stop(proc)
 
-    def _run(self, conn, spec: GrammarSpec, deadline: float) -> tuple:
+    def _run(self, proc, conn, spec: GrammarSpec) -> tuple:
+        """The worker's answer, or a time-limit refusal once its compile has had `time_limit_s`
+        of its own run: CPU time (over its xgrammar threads) where /proc gives it, so a worker
+        starved by the engine's decoding (it runs at nice 10) is not refused for waiting on the
+        CPU; wall time is a backstop (STARVED_WALL_FACTOR limits) and the rule without /proc."""
+        limit = self._config.time_limit_s
+        threads = max(1, self._config.xgrammar_threads)
+        cpu0 = _cpu_seconds(proc.pid)
+        start = time.monotonic()
+        wall_limit = limit * (STARVED_WALL_FACTOR if cpu0 is not None else 1.0)
         try:
             conn.send((spec.kind, spec.source))
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                raise _time_limit(self._config.time_limit_s)
-            return conn.recv()
+            while True:
+                left = wall_limit - (time.monotonic() - start)
+                if conn.poll(max(0.0, min(CPU_POLL_S, left))):
+                    return conn.recv()
+                if left <= 0:
+                    raise _time_limit(limit)
+                if cpu0 is not None:
+                    cpu = _cpu_seconds(proc.pid)
+                    if cpu is None or (cpu - cpu0) / threads >= limit:
+                        raise _time_limit(limit)
         except (EOFError, OSError):  # killed from outside: most likely out of memory
             raise GrammarError("the grammar compile's worker process died (out of memory?)",
                                feature="compile") from None
@@ -234,6 +255,21 @@ class CompilePool:
                 proc.kill()
                 proc.wait(1.0)
         return None
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (all its threads), from /proc; None where
+    there is no /proc (macOS) or the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": state is field 3
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14, 15
 
 
 def _time_limit(limit_s: float) -> GrammarError:

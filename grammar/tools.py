@@ -86,7 +86,9 @@ def spec_from_tool_choice(
     body = {
         "mode": mode,
         "parallel": bool(parallel_tool_calls),
-        "tools": [{"name": t.name, "parameters": t.parameters} for t in chosen],
+        # by name: the same tool set in another order is the same grammar (the calls are an
+        # alternation), so an agent's later turns find its compile in the cache (memory or disk)
+        "tools": [{"name": t.name, "parameters": t.parameters} for t in sorted(chosen, key=lambda t: t.name)],
     }
     return GrammarSpec("tool_calls", canonical_json(body))
 

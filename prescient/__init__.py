@@ -5,3 +5,7 @@ server/, latency_bench/) through setuptools' package-dir; code imports `prescien
 """
 
 __version__ = "0.1.0"
+
+from prescient import import_shadow as _import_shadow
+
+_import_shadow.install()  # before anything imports transformers: see import_shadow.py

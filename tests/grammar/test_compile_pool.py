@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -117,5 +118,50 @@ def test_the_limit_counts_the_compile_not_its_wait_in_the_queue(real_tokenizer):
         assert time.monotonic() - start > 1.0  # it waited past the limit, and was not refused for it
         with pytest.raises(GrammarError, match="time limit"):
             slow.result()
+    finally:
+        compiler.close()
+
+
+def _one_ready_worker(compiler: GrammarCompiler):
+    deadline = time.monotonic() + 60
+    while compiler._procs.ready_workers < 1:
+        assert time.monotonic() < deadline, "the compile worker did not start"
+        time.sleep(0.05)
+    (proc,) = compiler._procs._procs
+    return proc
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the CPU-time limit reads /proc")
+def test_a_compile_left_no_cpu_is_not_refused_for_the_wait(real_tokenizer):
+    """The limit counts the compile's CPU time: a worker frozen for twice the limit (as a fully
+    loaded machine leaves a nice'd worker waiting for a core) still compiles once it runs."""
+    compiler = GrammarCompiler(real_tokenizer, CompilerConfig(isolate=True, max_workers=1, time_limit_s=1.0))
+    try:
+        proc = _one_ready_worker(compiler)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            pending = compiler.submit(GrammarSpec("regex", "[a-f]{5}z"))
+            time.sleep(2.0)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert pending.result().spec.source == "[a-f]{5}z"
+    finally:
+        compiler.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="the CPU-time limit reads /proc")
+def test_a_worker_that_never_runs_is_refused_at_the_wall_backstop(real_tokenizer):
+    from prescient.grammar.compile_pool import STARVED_WALL_FACTOR
+
+    limit = 0.3
+    compiler = GrammarCompiler(real_tokenizer, CompilerConfig(isolate=True, max_workers=1, time_limit_s=limit))
+    try:
+        proc = _one_ready_worker(compiler)
+        os.kill(proc.pid, signal.SIGSTOP)  # killed (not continued) by the refusal
+        start = time.monotonic()
+        with pytest.raises(GrammarError, match="time limit"):
+            compiler.submit(GrammarSpec("regex", "[a-f]{6}y")).result()
+        waited = time.monotonic() - start
+        assert limit * STARVED_WALL_FACTOR <= waited < limit * STARVED_WALL_FACTOR + 2.0
     finally:
         compiler.close()

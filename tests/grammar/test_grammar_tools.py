@@ -190,3 +190,16 @@ def test_stream_parser_holds_back_a_possible_trigger():
     assert parser.feed("hello <tool") == [ContentDelta("hello ")]
     assert parser.feed("box>") == [ContentDelta("<toolbox>")]
     assert parser.finish() == []
+
+
+def test_a_tool_set_compiles_once_whatever_the_turn_or_order(toy_compiler, toy_tokenizer):
+    """An agent's later turns resend its tool set (rebuilt, perhaps reordered): the grammar
+    comes from the compiler's cache, and still accepts either tool's call."""
+    first = grammar(toy_compiler, "auto")
+    misses = toy_compiler.misses
+    again = spec_from_tool_choice(tools_from_request(json.loads(json.dumps([ADD, WEATHER]))), "auto")
+    assert toy_compiler.compile(again) is first
+    assert toy_compiler.misses == misses
+    assert accepts_text(first.matcher(), toy_tokenizer, A1) and accepts_text(first.matcher(), toy_tokenizer, W1)
+    required = spec_from_tool_choice(TOOLS, "required")  # another choice is another grammar
+    assert toy_compiler.compile(required) is not first
