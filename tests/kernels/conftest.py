@@ -36,3 +36,18 @@ def backend(request, monkeypatch) -> str:
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture(scope="session")
+def generic_so(tmp_path_factory):
+    """The kernels' .so built without -march=native (per-function targets, run-time ISA
+    choice), compiled once for the tests that check that build is complete (~40 s a build on
+    2 cores)."""
+    from prescient.kernels import cpu_linear
+
+    cc = cpu_linear._compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    so = tmp_path_factory.mktemp("generic") / "generic.so"
+    cpu_linear._compile(cc, [f for f in cpu_linear._flag_sets()[-1] if "march" not in f], so)
+    return so

@@ -411,15 +411,10 @@ def _pack_args(q, k, v, bt, ctx, cu, scale, *, out, k_scale=None, v_scale=None):
         kv_dt, scale)
 
 
-def test_generic_build_runs_every_path(tmp_path):
+def test_generic_build_runs_every_path(generic_so):
     """Built without -march=native (per-function targets, run-time ISA choice) the attention
     kernel is complete too, at every tier this CPU runs, for fp32, bf16 and int8 caches."""
-    cc = cpu_linear._compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    so = tmp_path / "generic.so"
-    cpu_linear._compile(cc, [f for f in cpu_linear._flag_sets()[-1] if "march" not in f], so)
-    lib = ctypes.CDLL(str(so))
+    lib = ctypes.CDLL(str(generic_so))
     lib.pa_tree_attention.argtypes = [ctypes.c_char_p]
     lib.pg_set_isa_cap.argtypes = [ctypes.c_int]
     for dtype, kv in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)):
