@@ -1,7 +1,7 @@
 """The import layers of docs/ARCHITECTURE.md, enforced: every `prescient` import in the package,
 module-level or inside a function, goes from a layer to the same or a lower one.
 
-    leaves (cache_dir, help_format, speculative/tree.py) < kernels < grammar < runtime < speculative
+    leaves (cache_dir, help_format, import_shadow, speculative/tree.py) < kernels < grammar < runtime < speculative
         < build (prescient/build.py) < server < latency_bench < cli
 """
 
@@ -18,7 +18,7 @@ FOLDERS = {"prescient": "prescient", "runtime": "prescient.runtime", "speculativ
            "latency_bench": "prescient.latency_bench"}
 RANKS = {"leaf": 0, "kernels": 1, "grammar": 2, "runtime": 3, "speculative": 4, "build": 5, "server": 6,
          "latency_bench": 7, "cli": 8}
-LEAVES = ("prescient.cache_dir", "prescient.help_format", "prescient.speculative.tree")
+LEAVES = ("prescient.cache_dir", "prescient.help_format", "prescient.import_shadow", "prescient.speculative.tree")
 
 
 def layer(module: str) -> str:
