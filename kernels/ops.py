@@ -188,3 +188,15 @@ def apply_token_bitmask(
 ) -> None:
     impl = _triton_module("triton_bitmask") if use_triton(logits.device) else reference
     return impl.apply_token_bitmask(logits, bitmask, indices)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden], bfloat16 / float16 (a float32 model calls F.rms_norm)
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden], x's dtype
+    """RMSNorm in half precision: one fused Triton launch on CUDA (kernels/triton_rmsnorm.py), the
+    reference's eight torch ops elsewhere (the CPU's bits are the reference's)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and use_triton(x.device):
+        return _triton_module("triton_rmsnorm").rms_norm(x, weight, eps)
+    return reference.rms_norm(x, weight, eps)

@@ -353,6 +353,15 @@ def rejection_sample(
     return accept_len, accepted_nodes, next_token
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden], weight: [hidden] -> [..., hidden] in x's dtype: normalised in float32
+    (float64 for a float64 x), rounded to x's dtype, then scaled by the weight in x's dtype (the
+    model's half-precision RMSNorm; a float32 model calls F.rms_norm instead)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
 def apply_token_bitmask(
     logits: torch.Tensor,  # [num_rows, vocab]
     bitmask: torch.Tensor,  # [num_selected, ceil(vocab / 32)] int32, bit set = allowed

@@ -19,9 +19,12 @@ Sections, in order (`default_sections`; each one's code in latency_bench/gpu_sec
    float32); 0 when the outputs are identical.
 Later: slo (gpu_sections_slo): 32 concurrent multi-turn agents on the real 135M model (the
    section errors, naming why, when it cannot load: random weights are never passed off as it)
-   and an 8B-shaped random Llama, greedy and sampled without speculation and greedy with n-gram
-   speculation; TTFT p50/p99, per-emission ITL p99 and the largest gap (ITL max) against the
-   seed SLO (200 ms / 25 ms), reported, no tolerance. tensor_parallel (gpu_sections_tp): TP=2
+   and an 8B-shaped random Llama, greedy and sampled, n-gram speculation off and on, each eager
+   and with CUDA graphs (EngineConfig.cuda_graphs, which only this section turns on), on the
+   device step path (one forward and one sync a step; --cpu-smoke runs that path on the CPU,
+   graph rows skipped); TTFT p50/p99, per-emission ITL p99 and the largest gap (ITL max) against
+   the seed SLO (200 ms / 25 ms), reported in the section's `slo_verdict` (every row's budgets, the
+   rows that missed, graphs / eager ITL p99), no tolerance. tensor_parallel (gpu_sections_tp): TP=2
    over two GPUs (NCCL) against TP=1, logits and decode ms/token; skipped with a line saying so
    below two GPUs. Tolerance: relative logit error <= 5e-2 in bf16.
 
@@ -89,8 +92,9 @@ _DEFAULT_PACKAGE_DIRS = {
 
 # Seconds per section (their sum is the default --time-limit). The kernel tests are the GPU op
 # tests only; the long sections stop their loops at their deadline and keep what they measured.
-DEFAULT_BUDGETS_S = {"kernel_tests": 80.0, "tree_attention": 40.0, "decode": 60.0, "slo": 80.0,
-                     "tensor_parallel": 40.0}
+# The SLO section has the most: two models x four runs x eager and CUDA graphs.
+DEFAULT_BUDGETS_S = {"kernel_tests": 80.0, "tree_attention": 30.0, "decode": 50.0, "slo": 110.0,
+                     "tensor_parallel": 30.0}
 # At most 300 s, so that a failed first run can be rerun within 15 minutes of device time,
 # machine start-up included.
 DEFAULT_TIME_LIMIT_S = 300.0
@@ -540,7 +544,8 @@ def default_sections(args, cuda: bool, alias: str | None) -> list[Section]:
         Section("slo", "Seed SLOs under 32 concurrent agents (TTFT <= 200 ms, ITL p99 <= 25 ms; ITL max shown)",
                 run=lambda ctx: slo.run(ctx, device, dtype, slo.default_models(device, dtype, smoke),
                                         **(dict(agents=4, turns=2, prefix_len=32, user_len=8, turn_tokens=8,
-                                                tool_tokens=8, kv_cache_bytes=8 << 20) if smoke else {})),
+                                                tool_tokens=8, kv_cache_bytes=8 << 20, step_path="device")
+                                           if smoke else {})),
                 budget_s=DEFAULT_BUDGETS_S["slo"], min_s=30.0, needs_cuda=not smoke, render=slo.render),
         Section("tensor_parallel", "Tensor parallel TP=2 vs TP=1 (two GPUs, NCCL)",
                 run=lambda ctx: tensor_parallel.run(ctx, dtype, device.type,

@@ -7,13 +7,18 @@ under the agent's session id (so its KV is reused), for `turns` turns. Token ids
 models: the real SmolLM2-135M (the default model's GGUF) and an 8B-shaped random-weight Llama.
 When the real model cannot be loaded its rows fail with the loader's reason, and the section ends
 as an error: random weights are never measured under the real model's name. Each model runs
-`RUNS`: greedy and sampled decoding without speculation, and greedy with n-gram speculation (its
-verify-cost table measured on the model before the run), each after a short warm-up round
-(Triton compiles each new shape on first use). Every figure is runtime/slo.py's over
+`RUNS`: greedy and sampled decoding, each with n-gram speculation off and on (its verify-cost
+table measured on the model before the run), each after a short warm-up round (Triton compiles
+each new shape on first use), and all of them once eagerly and once with CUDA graphs
+(`GRAPH_MODES`; EngineConfig.cuda_graphs, off by default: this section is where it is measured
+against eager; without CUDA those rows are skipped, saying so). The engines run the device step
+path on CUDA (runtime/step_path.py: one forward and one sync a step). Every figure is runtime/slo.py's over
 RequestTrace objects stamped on this thread after each engine step: TTFT p50/p99, the
 per-emission ITL p99 (the reader's gap) beside the largest gap of the run (ITL max: one stall
 a p99 over thousands of gaps hides), and the share of requests meeting both seed bounds. The
-section reports; it does not fail on a missed SLO (that is a performance finding, not an error).
+section reports; it does not fail on a missed SLO (that is a performance finding, not an error):
+its `slo_verdict` says whether every measured row met the seed budgets, which did not, and each
+(model, sampling, speculation) triple's ITL p99 with graphs over eager.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from prescient.latency_bench.gpu_sections_common import failure, fmt, sync, tabl
 
 SEED_TTFT_S, SEED_ITL_S = 0.200, 0.025
 # (sampling, speculation) per model, in order; runs sharing a speculation mode share an engine.
-RUNS = (("greedy", "off"), ("t=0.8", "off"), ("greedy", "ngram"))
+RUNS = (("greedy", "off"), ("t=0.8", "off"), ("greedy", "ngram"), ("t=0.8", "ngram"))
+# eager first: the default, and what graphs are judged against
+GRAPH_MODES = ("eager", "graphs")
 
 
 def llama_8b_config(name: str = "Llama-8B-shaped (random init)"):
@@ -38,7 +45,8 @@ def llama_8b_config(name: str = "Llama-8B-shaped (random init)"):
                        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False, name=name)
 
 
-def _engine(model, kv_cache_bytes: int, max_num_seqs: int, speculate: str = "off"):
+def _engine(model, kv_cache_bytes: int, max_num_seqs: int, speculate: str = "off", cuda_graphs: bool = False,
+            step_path: str = "auto"):
     """An engine through the one builder; with speculation, its verify-cost table measured now
     (before any timed run: measuring in idle moments would land inside the run)."""
     from prescient.build import EngineSpec, LoadedModel, build_engine
@@ -48,7 +56,8 @@ def _engine(model, kv_cache_bytes: int, max_num_seqs: int, speculate: str = "off
     dtype = str(model.dtype).replace("torch.", "")
     spec = EngineSpec(dtype=dtype, device=str(model.device), speculate=speculate, calibrate="now", progress=False)
     config = EngineConfig(dtype=dtype, cache=CacheConfig(block_size=16, kv_cache_bytes=kv_cache_bytes),
-                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048))
+                          scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+                          cuda_graphs=cuda_graphs, step_path=step_path)
     return build_engine(spec, LoadedModel(model, None, (), None), config=config)
 
 
@@ -110,13 +119,35 @@ def _summary(traces: list, slo) -> dict:
             "slo_attainment": sum(m.met_all for m in ms) / len(ms) if ms else None}
 
 
+def _verdict(rows: list[dict]) -> dict:
+    """Every measured row against the seed budgets, and graphs over eager per triple."""
+    measured = [r for r in rows if r.get("status") == "ok"]
+    missed = [f"{r['model']} {r['sampling']} {r['speculation']} {r['graphs']}" for r in measured
+              if not r["meets_seed_slo"]]
+    by_key = {(r["model"], r["sampling"], r["speculation"], r["graphs"]): r for r in measured}
+    compare = []
+    for (model, sampling, mode, graphs), r in by_key.items():
+        eager = by_key.get((model, sampling, mode, "eager"))
+        if graphs != "graphs" or eager is None:
+            continue
+        e99, g99 = eager["itl_emission_s"]["p99"], r["itl_emission_s"]["p99"]
+        compare.append({"model": model, "sampling": sampling, "speculation": mode, "itl_p99_eager_s": e99,
+                        "itl_p99_graphs_s": g99, "graphs_over_eager": g99 / e99 if e99 and g99 is not None else None})
+    return {"budgets": {"ttft_s": SEED_TTFT_S, "itl_emission_p99_s": SEED_ITL_S},
+            "rows_measured": len(measured), "rows_meeting": len(measured) - len(missed), "missed": missed,
+            "meets_seed_slo": bool(measured) and not missed, "graphs_vs_eager": compare}
+
+
 def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 32, turns: int = 3,
         prefix_len: int = 384, user_len: int = 64, turn_tokens: int = 64, tool_tokens: int = 48,
         tool_latency_s: float = 0.02, kv_cache_bytes: int = 8 << 30, seed: int = 0,
-        runs: tuple[tuple[str, str], ...] = RUNS) -> dict:
+        runs: tuple[tuple[str, str], ...] = RUNS, graph_modes: tuple[str, ...] = GRAPH_MODES,
+        step_path: str = "auto") -> dict:
     """`models`: (name, () -> LlamaModel) pairs, built one at a time (an 8B model is 16 GB).
     `runs`: (sampling, speculation) pairs, sampling "greedy" or "t=0.8", speculation "off" or
-    "ngram"."""
+    "ngram"; each run once per graph mode ("eager", "graphs": CUDA graphs, CUDA only).
+    step_path: the engines' (runtime/step_path.py); "auto" = the device path on CUDA, and
+    --cpu-smoke passes "device" so that the CPU runs the path a GPU takes."""
     import torch
 
     from prescient.runtime.sampling_params import SamplingParams
@@ -126,15 +157,17 @@ def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 3
     slo = SLOConfig(name="seed", ttft_s=SEED_TTFT_S, itl_emission_p99_s=SEED_ITL_S, tpot_s=None, e2e_s=None)
     samplings = {"greedy": dict(temperature=0.0), "t=0.8": dict(temperature=0.8, top_p=0.95, seed=seed)}
     rows, errors = [], {}
+    plan = [(graphs, sampling, mode) for graphs in graph_modes for sampling, mode in runs]
     result = {"agents": agents, "turns": turns, "turn_tokens": turn_tokens, "slo": slo.to_dict(),
-              "dtype": str(dtype).replace("torch.", ""), "runs": [list(r) for r in runs], "rows": rows,
-              "errors": errors, "measured_error": None}
-    runs_left = len(models) * len(runs)
+              "dtype": str(dtype).replace("torch.", ""), "runs": [list(r) for r in runs],
+              "graph_modes": list(graph_modes), "rows": rows, "errors": errors, "measured_error": None,
+              "slo_verdict": _verdict(rows)}
+    runs_left = len(models) * len(plan)
     for name, build in models:
         if ctx.expired():
-            rows += [{"model": name, "sampling": sp, "speculation": mode, "status": "skipped: time limit"}
-                     for sp, mode in runs]
-            runs_left -= len(runs)
+            rows += [{"model": name, "sampling": sp, "speculation": mode, "graphs": g, "status": "skipped: time limit"}
+                     for g, sp, mode in plan]
+            runs_left -= len(plan)
             continue
         model = engine = None
         done = 0
@@ -146,19 +179,23 @@ def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 3
             weights = model.weights_description() if hasattr(model, "weights_description") else None
             vocab = model.config.vocab_size
             engine_mode = None
-            for sampling, mode in runs:
+            for graphs, sampling, mode in plan:
                 runs_left -= 1
                 done += 1
-                if ctx.expired():
-                    rows.append({"model": name, "sampling": sampling, "speculation": mode,
-                                 "status": "skipped: time limit"})
+                head = {"model": name, "sampling": sampling, "speculation": mode, "graphs": graphs}
+                if graphs == "graphs" and device.type != "cuda":
+                    rows.append({**head, "status": "skipped: CUDA graphs need CUDA"})
                     continue
-                if mode != engine_mode:
+                if ctx.expired():
+                    rows.append({**head, "status": "skipped: time limit"})
+                    continue
+                if (mode, graphs) != engine_mode:
                     engine = None  # the previous mode's KV goes before the next engine's is allocated
                     gc.collect()
                     t0 = time.perf_counter()
-                    engine = _engine(model, kv_cache_bytes, max(agents, 8), mode)
-                    engine_s, engine_mode = time.perf_counter() - t0, mode
+                    engine = _engine(model, kv_cache_bytes, max(agents, 8), mode, cuda_graphs=graphs == "graphs",
+                                     step_path=step_path)
+                    engine_s, engine_mode = time.perf_counter() - t0, (mode, graphs)
                 params = SamplingParams(max_tokens=turn_tokens, ignore_eos=True, **samplings[sampling])
                 common = dict(agents=agents, prefix_len=prefix_len, user_len=user_len, tool_tokens=tool_tokens,
                               params=params, vocab=vocab, tool_latency_s=tool_latency_s)
@@ -176,7 +213,10 @@ def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 3
                                     tag=f"slo-{sampling}-{mode}", deadline=deadline, **common)
                 s = _summary(traces, slo)
                 stats = engine.speculator.stats if engine.speculator is not None else None
-                rows.append({"model": name, "weights": weights, "sampling": sampling, "speculation": mode,
+                runner = engine._graphs
+                rows.append({**head, "weights": weights, "step_path": engine.path.name,
+                             "graph_replays": runner.num_replays if runner is not None else None,
+                             "graphs_captured": len(runner.graphs) if runner is not None else None,
                              "status": "ok", "model_build_s": build_s, "engine_build_s": engine_s,
                              "warmup_s": warm_s, "run_s": time.perf_counter() - t0, **s,
                              "acceptance_rate": stats.acceptance_rate if stats else None,
@@ -184,13 +224,15 @@ def run(ctx, device, dtype, models: list[tuple[str, object]], *, agents: int = 3
                              "meets_seed_slo": (s["ttft_s"]["p99"] is not None and s["ttft_s"]["p99"] <= SEED_TTFT_S
                                                 and s["itl_emission_s"]["p99"] is not None
                                                 and s["itl_emission_s"]["p99"] <= SEED_ITL_S)})
+                result["slo_verdict"] = _verdict(rows)
                 ctx.checkpoint(result)
         except Exception as e:
             errors[name] = failure(e)
             # this model's runs not measured: the failing one and those after it
-            rows += [{"model": name, "sampling": sp, "speculation": mode, "status": "failed",
-                      "error": errors[name]["error"]} for sp, mode in runs[max(done - 1, 0):]]
-            runs_left -= len(runs) - done
+            rows += [{"model": name, "sampling": sp, "speculation": mode, "graphs": g, "status": "failed",
+                      "error": errors[name]["error"]} for g, sp, mode in plan[max(done - 1, 0):]]
+            runs_left -= len(plan) - done
+            result["slo_verdict"] = _verdict(rows)
             ctx.checkpoint(result)
         finally:
             model = engine = None  # frees the weights and KV before the next model
@@ -243,16 +285,24 @@ def render(d: dict) -> list[str]:
     body = []
     for r in rows:
         if r.get("status") != "ok":
-            body.append([r["model"], r.get("sampling", "-"), r.get("speculation", "-"), f"**{r['status']}**",
-                         *[""] * 7])
+            body.append([r["model"], r.get("sampling", "-"), r.get("speculation", "-"), r.get("graphs", "eager"),
+                         f"**{r['status']}**", *[""] * 7])
             continue
         itl = r["itl_emission_s"]
-        body.append([r["model"], r["sampling"], r["speculation"], r["requests"], ms(r["ttft_s"]["p50"]),
+        body.append([r["model"], r["sampling"], r["speculation"], r.get("graphs", "eager"), r["requests"],
+                     ms(r["ttft_s"]["p50"]),
                      ms(r["ttft_s"]["p99"]), ms(itl["p99"]), ms(itl["max"]), fmt(r.get("mean_accepted_length"), 2),
                      fmt(r["slo_attainment"], 2), "yes" if r["meets_seed_slo"] else "**no**"])
-    out.append(table(["model", "sampling", "speculation", "requests", "TTFT p50 ms", "TTFT p99 ms",
+    out.append(table(["model", "sampling", "speculation", "graphs", "requests", "TTFT p50 ms", "TTFT p99 ms",
                       "ITL/emission p99 ms", "ITL max ms", "mean accepted len", "attainment", "meets seed SLO"],
                      body))
+    verdict = d.get("slo_verdict") or {}
+    if verdict.get("rows_measured"):
+        out += ["", f"Verdict: {verdict['rows_meeting']} of {verdict['rows_measured']} measured rows meet the seed "
+                f"SLO" + (f"; missed: {', '.join(verdict['missed'])}." if verdict["missed"] else ".")]
+        for c in verdict.get("graphs_vs_eager") or []:
+            out.append(f"- {c['model']} {c['sampling']} {c['speculation']}: ITL p99 with graphs / eager = "
+                       f"{fmt(c['graphs_over_eager'], 2)}")
     for name, err in (d.get("errors") or {}).items():
         out += ["", f"{name} failed: {err['error']}"]
     return out

@@ -99,12 +99,18 @@ def build_forward_batch(
     trees: list,  # per seq: None or its DraftTree (node 0 = the last sampled token)
     block_size: int,
     device: torch.device,
+    pack=None,  # (rows, block_size, device) -> ForwardBatch; None = pack_forward_batch
 ) -> ForwardBatch:
     """Flatten the scheduled requests into one forward. A request's new tokens occupy the slots
     of positions `num_computed .. num_computed + n - 1`; draft-tree node i (node 0 = the last
     sampled token) occupies the slot of position `num_computed + i` and has RoPE position
     `num_computed + depth[i]`. Logits come back for every tree node, and for the last new token
     of a request whose step samples (not for an unfinished prefill chunk)."""
+    return (pack or pack_forward_batch)(scheduled_rows(seqs, trees), block_size, device)
+
+
+def scheduled_rows(seqs: list, trees: list) -> list[SeqRows]:
+    """build_forward_batch's rows before packing (the CUDA graphs pack them padded to a bucket)."""
     rows = []
     for seq, tree in zip(seqs, trees):
         r = seq.request
@@ -116,7 +122,7 @@ def build_forward_batch(
         else:
             rows.append(SeqRows(tree.tokens, [start + d for d in tree.depth], start, r.block_ids,
                                 tree.mask_bits(), range(len(tree.tokens))))
-    return pack_forward_batch(rows, block_size, device)
+    return rows
 
 
 def _mask_bits(rows: list[SeqRows], cu: list[int]) -> torch.Tensor:

@@ -24,6 +24,13 @@ hidden states kept on the request until its last layer has run (the same ops as 
 same bits). A step of only decodes (the common case) is one forward; a prefill chunk beside
 decodes costs one extra forward's dispatch, and more than BATCH_INVARIANT_M decode/verify rows
 cost one weight pass per forward (the price of giving up the GEMM for them).
+
+That plan is the CPU's (runtime/step_path.CpuStepPath). On a GPU a forward's launch and sync
+overhead, not its weight pass, is what a split costs, and its GEMMs are not batch invariant
+anyway; the device path (DeviceStepPath) takes `plan_one`: every sequence that needs a forward
+in one forward, whatever its rows. Batch invariance is then not promised there (as in vLLM and
+SGLang without their deterministic modes): greedy speculation and a request alone vs in a batch
+may differ where two logits are within a rounding of each other.
 """
 
 from __future__ import annotations
@@ -78,23 +85,33 @@ def plan(seqs: list, trees: list) -> list[list[int]]:
     return groups
 
 
-def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int) -> torch.Tensor:
+def plan_one(seqs: list, trees: list) -> list[list[int]]:
+    """The device plan: every sequence that needs a forward in one (a chunk split by layers,
+    which the device path's scheduler never makes, would still run alone)."""
+    groups = [[i] for i, s in enumerate(seqs) if split(s)]
+    rest = [i for i, s in enumerate(seqs) if not split(s) and not precomputed(s)]
+    return groups + [rest] if rest else groups
+
+
+def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path=None) -> torch.Tensor:
     """One step's target logits [num_logits, vocab], sequences in order (as one
-    build_forward_batch forward would return them), computed in the planned forwards."""
-    groups = plan(seqs, trees)
+    build_forward_batch forward would return them), computed in the planned forwards.
+    path: the engine's runtime/step_path object (its plan and its packing); None = the CPU's."""
+    groups = path.plan(seqs, trees) if path is not None else plan(seqs, trees)
+    pack = path.pack if path is not None else None
     if len(groups) == 1 and len(groups[0]) == len(seqs) and not split(seqs[groups[0][0]]):
-        batch = build_forward_batch(seqs, trees, block_size, model.device)
+        batch = build_forward_batch(seqs, trees, block_size, model.device, pack=pack)
         return model.forward(batch, kv_caches)
     # per sequence: its logits rows (a handed-off prompt's came with it)
     parts: list[torch.Tensor | None] = [s.logits if precomputed(s) else None for s in seqs]
     for group in groups:
         if split(seqs[group[0]]):
-            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size)
+            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack)
             if logits is not None:
                 parts[group[0]] = logits
             continue
         batch: ForwardBatch = build_forward_batch([seqs[i] for i in group], [trees[i] for i in group],
-                                                  block_size, model.device)
+                                                  block_size, model.device, pack=pack)
         logits = model.forward(batch, kv_caches)  # [group's logits rows, vocab]
         row = 0
         for i in group:
@@ -107,7 +124,7 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int) -> t
     return torch.cat(kept)
 
 
-def _forward_split(model, kv_caches, seq, block_size: int) -> torch.Tensor | None:
+def _forward_split(model, kv_caches, seq, block_size: int, pack=None) -> torch.Tensor | None:
     """Layers [start, stop) of a chunk split by layers; its logits [1, vocab] when this step
     runs its last layer and it samples, else None. The chunk's batch (built once, with the
     logits row it will need) and hidden states wait on the request between steps."""
@@ -115,7 +132,7 @@ def _forward_split(model, kv_caches, seq, block_size: int) -> torch.Tensor | Non
     start, stop = seq.layers
     if start == 0:
         whole = ScheduledSeq(request, seq.num_new_tokens, 0)  # as the chunk's last step will see it
-        batch, h = build_forward_batch([whole], [None], block_size, model.device), None
+        batch, h = build_forward_batch([whole], [None], block_size, model.device, pack=pack), None
     else:
         batch, h = request.chunk_state
     h = model.forward_layers(batch, kv_caches, h, start, stop)  # [chunk_tokens, hidden]

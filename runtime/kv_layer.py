@@ -26,3 +26,21 @@ class KVLayer(tuple):
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self, *(t for t in (self.k_scale, self.v_scale) if t is not None)]
+
+
+class StackedKV(list):
+    """Every layer's KVLayer as views of one tensor [num_layers, 2, num_blocks, block_size,
+    num_kv_heads, head_dim] (the device path, runtime/step_path.py): the KV moves after a verify
+    step are then one gather and one scatter over all layers (`copy_slots`, the hook the
+    speculator calls, as it does a tensor-parallel cache's) instead of one op pair per layer."""
+
+    def __init__(self, stack: torch.Tensor):
+        super().__init__(KVLayer(stack[i, 0], stack[i, 1]) for i in range(stack.shape[0]))
+        self.stack = stack
+
+    def copy_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """src_slots, dst_slots: [n] int64 on the cache's device. Every source is read (the
+        gather copies) before any destination is written, so overlapping moves are safe."""
+        num_layers, two, num_blocks, block_size = self.stack.shape[:4]
+        flat = self.stack.view(num_layers, two, num_blocks * block_size, *self.stack.shape[4:])
+        flat[:, :, dst_slots] = flat[:, :, src_slots]

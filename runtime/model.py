@@ -39,7 +39,7 @@ from prescient.kernels import cpu_layer, ops
 from prescient.runtime.batch import ForwardBatch
 from prescient.runtime.config import ModelConfig
 from prescient.runtime.env import RuntimeEnv, runtime_env
-from prescient.runtime.kv_layer import KVLayer
+from prescient.runtime.kv_layer import KVLayer, StackedKV
 from prescient.runtime.linear import (Linear, QuantizedLinear, QuantWeight, column_split, format_name, fused_linear,
                                       make_linear)
 from prescient.runtime.rope import Rope
@@ -189,10 +189,9 @@ class LlamaModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # torch's fused kernel: one op instead of six
             return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
-        # Normalise in float32 (as the reference does for half types), scale in the model dtype.
-        xf = x.float() if x.dtype != torch.float64 else x
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        # Normalise in float32 (as the reference does for half types), scale in the model dtype:
+        # kernels/reference.rms_norm on CPU (the same ops as ever), one fused Triton launch on CUDA
+        return ops.rms_norm(x, weight, self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -250,11 +249,16 @@ class LlamaModel:
         logits = self.lm_head(h)
         return logits if logits.dtype == torch.float64 else logits.float()
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None) -> list[KVLayer]:
-        """Per layer a KVLayer; `kv_dtype` None = the model dtype, or torch.int8 (+ fp32 scales)."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
+                          stacked: bool = False) -> list[KVLayer]:
+        """Per layer a KVLayer; `kv_dtype` None = the model dtype, or torch.int8 (+ fp32 scales).
+        stacked: the layers as views of one tensor (runtime/kv_layer.StackedKV, the device path's:
+        its verify KV moves are one copy for all layers); an int8 cache is never stacked."""
         cfg = self.config
         kv_dtype = kv_dtype or self.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if stacked and kv_dtype != torch.int8:
+            return StackedKV(_zeros((self.num_layers, 2, *shape), kv_dtype, self.device))
         if kv_dtype != torch.int8:
             return [KVLayer(_zeros(shape, kv_dtype, self.device), _zeros(shape, kv_dtype, self.device))
                     for _ in range(self.num_layers)]

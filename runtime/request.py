@@ -46,7 +46,8 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # the CPU path's draws (runtime/step_path.CpuStepPath)
+    rng_seed: int | None = None  # the device path's counter-RNG seed (DeviceStepPath), set at admission
     num_preemptions: int = 0
     num_overtaken: int = 0  # later requests admitted past it while it did not fit (scheduler)
     # speculation: draft-token budget granted by the adaptive controller for the next step

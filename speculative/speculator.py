@@ -50,7 +50,7 @@ from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from prescient.speculative.grammar_drafts import grammar_draft_paths, grammar_tree, tree_size
 from prescient.speculative.proposer import ProposalContext, Proposer
 from prescient.speculative.tree import DraftTree
-from prescient.speculative.verify import VerifyOutcome, verify
+from prescient.speculative.verify import VerifyOutcome, verify, verify_on_device
 from prescient.speculative.verify_cost import Calibration, CostTables, DriftMonitor, load_cached, save_cached
 
 log = logging.getLogger("prescient.speculative")
@@ -165,15 +165,21 @@ class Speculator:
         return tree if tree is not None and 1 < tree.num_nodes <= budget + 1 else None
 
     def verify(self, seqs, trees: list[DraftTree | None], logits: torch.Tensor,
-               kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[SeqResult | None]:
+               kv_caches: list[tuple[torch.Tensor, torch.Tensor]], path=None) -> list[SeqResult | None]:
         """logits: [num_logits, vocab], rows in batch order: a tree's nodes, or one row for a
-        request whose step samples, none for an unfinished prefill chunk."""
+        request whose step samples, none for an unfinished prefill chunk. path: the engine's
+        device step path (runtime/step_path.DeviceStepPath), with which the verdict is read once
+        (verify_on_device), the draws are counter-based and the KV moves go up in one
+        non-blocking copy; None on the CPU path (each request's generator, as ever)."""
         t0 = time.perf_counter()
         self._observe_forward(seqs, trees, t0)
         sampling = [i for i, seq in enumerate(seqs) if seq.samples]
         full_trees = [trees[i] or DraftTree.chain(seqs[i].request.all_token_ids[-1], []) for i in sampling]
         requests = [seqs[i].request for i in sampling]
-        outcomes = verify(full_trees, logits, [r.params for r in requests], [r.generator for r in requests])
+        if path is not None:
+            outcomes = verify_on_device(full_trees, logits, [r.params for r in requests], requests, path)
+        else:
+            outcomes = verify(full_trees, logits, [r.params for r in requests], [r.generator for r in requests])
         results: list[SeqResult | None] = [None] * len(seqs)
         src_slots: list[int] = []
         dst_slots: list[int] = []
@@ -193,13 +199,19 @@ class Speculator:
                 logits=rows[list(outcome.accepted_nodes)] if request.params.logprobs is not None else None,
             )
         if src_slots:
-            as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=logits.device)  # noqa: E731
-            copy_slots = getattr(kv_caches, "copy_slots", None)  # a cache spread over processes (TP)
+            if path is not None:  # one non-blocking upload for both lists, shared by every layer
+                src_t, dst_t = path.upload([src_slots, dst_slots])
+            else:
+                src_t, dst_t = (torch.tensor(xs, dtype=torch.int64, device=logits.device)
+                                for xs in (src_slots, dst_slots))
+            # a cache spread over processes (TP) or stacked over layers (the device path's) moves
+            # all layers at once
+            copy_slots = getattr(kv_caches, "copy_slots", None)
             if copy_slots is not None:
-                copy_slots(as_long(src_slots), as_long(dst_slots))
+                copy_slots(src_t, dst_t)
             else:
                 for kv in kv_caches:
-                    ops.kv_copy(kv[0], kv[1], as_long(src_slots), as_long(dst_slots), **getattr(kv, "scales", {}))
+                    ops.kv_copy(kv[0], kv[1], src_t, dst_t, **getattr(kv, "scales", {}))
         num_base = sum(seq.num_new_tokens for seq in seqs)  # what the next step carries without drafts
         context = max((r.num_tokens for r in requests), default=None)
         budgets = self.adaptive.plan([r.request_id for r in requests], num_base, context,

@@ -242,3 +242,87 @@ def _node_index(num_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.repeat_interleave(torch.arange(len(num_nodes), device=device), num_nodes)
     starts = num_nodes.cumsum(0) - num_nodes
     return rows, torch.arange(len(rows), device=device) - starts[rows]
+
+
+def verify_on_device(
+    trees: Sequence[DraftTree],
+    target_logits: torch.Tensor,  # [sum(num_nodes), vocab]: each tree's nodes, trees in order
+    params: Sequence[SamplingParams],
+    requests: Sequence,  # per tree its Request: the counter RNG's seed (rng_seed) and position
+    path,  # runtime/step_path.DeviceStepPath: upload, keys, read
+) -> list[VerifyOutcome]:
+    """`verify` for the device path, with one device-to-host read. The trees' layout, the node
+    rows and the counter-RNG keys go up in one non-blocking copy; greedy and sampled requests
+    are decided on the device (the same kernel ops, no data-dependent shapes), and the verdict
+    [num_seqs, 2 + max_nodes] (accept_len, next_token, accepted path) comes back in one read.
+    The draws are runtime/counter_rng.py's at each request's position: the noise stream is the
+    one plain device sampling uses at that position (so a 1-node tree emits what plain decoding
+    would), one acceptance uniform per node (column c judges node c). Exact by the same
+    argument as `verify`; one-hot (deterministic) drafts only."""
+    from prescient.runtime.counter_rng import NOISE, UNIFORM, counter_exponential, counter_uniform
+
+    num_seqs = len(trees)
+    sizes = [t.num_nodes for t in trees]
+    max_nodes = max(sizes, default=1)
+    pad = lambda xs, n: [*xs, *(-1,) * (max_nodes - n)]  # noqa: E731
+    draft_flat = [x for t in trees for x in pad(t.tokens, t.num_nodes)]
+    parents_flat = [x for t in trees for x in pad(t.parents, t.num_nodes)]
+    # where each flat logits row sits in the [num_seqs, max_nodes] layout
+    node_slot = [s * max_nodes + c for s, n in enumerate(sizes) for c in range(n)]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    groups: dict[SamplingParams, list[int]] = {}  # sampled requests by params
+    for i in sampled:
+        groups.setdefault(params[i], []).append(i)
+    order = [i for seqs in groups.values() for i in seqs]  # sampled requests, group by group
+    starts, row = [], 0
+    for n in sizes:
+        starts.append(row)
+        row += n
+    # per group: the flat logits rows of its nodes and their slots in the sampled layout
+    group_rows = [[starts[i] + c for i in seqs for c in range(sizes[i])] for seqs in groups.values()]
+    position = {i: k for k, i in enumerate(order)}
+    group_slots = [[position[i] * max_nodes + c for i in seqs for c in range(sizes[i])] for seqs in groups.values()]
+    chosen = [requests[i] for i in order]
+    parts = [draft_flat, parents_flat, sizes, node_slot, order,
+             path.keys(chosen, NOISE), path.keys(chosen, UNIFORM),
+             *(x for pair in zip(group_rows, group_slots) for x in pair)]
+    dev = path.upload(parts)
+    draft_tokens = dev[0].view(num_seqs, max_nodes)
+    parents = dev[1].view(num_seqs, max_nodes)
+    num_nodes, node_slot_t, order_t = dev[2], dev[3], dev[4]
+    noise_keys, uniform_keys = dev[5].view(-1, 2), dev[6].view(-1, 2)
+    vocab, device = target_logits.shape[1], target_logits.device
+    accept_len = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    accepted_nodes = torch.full((num_seqs, max_nodes), -1, dtype=torch.int64, device=device)
+    next_token = torch.zeros(num_seqs, dtype=torch.int64, device=device)
+    if greedy:
+        # argmax at every node (all requests: a sampled one's rows are simply overwritten below)
+        target_argmax = torch.zeros(num_seqs * max_nodes, dtype=torch.int64, device=device)
+        target_argmax[node_slot_t] = target_logits.argmax(-1)
+        accept_len, accepted_nodes, next_token = ops.greedy_verify(
+            draft_tokens, parents, num_nodes, target_argmax.view(num_seqs, max_nodes))
+    if sampled:
+        num_sampled = len(order)
+        target_probs = torch.zeros(num_sampled * max_nodes, vocab, device=device)  # [num_sampled * max_nodes, vocab]
+        for k, request_params in enumerate(groups):
+            rows_t, slots_t = dev[7 + 2 * k], dev[8 + 2 * k]
+            target_probs[slots_t] = target_probs_from_logits(target_logits[rows_t], request_params)
+        uniform = counter_uniform(uniform_keys, max_nodes)  # [num_sampled, max_nodes]
+        recovery_noise = counter_exponential(noise_keys, vocab)  # [num_sampled, vocab]
+        s_len, s_nodes, s_next = ops.rejection_sample(
+            draft_tokens[order_t], parents[order_t], num_nodes[order_t],
+            target_probs.view(num_sampled, max_nodes, vocab), None, uniform, recovery_noise)
+        if greedy:
+            accept_len[order_t], accepted_nodes[order_t], next_token[order_t] = s_len, s_nodes, s_next
+        else:
+            accept_len, accepted_nodes, next_token = s_len, s_nodes, s_next
+    verdict = path.read(torch.cat([accept_len[:, None], next_token[:, None], accepted_nodes], 1))
+    outcomes = []
+    for tree, (n, token, *nodes) in zip(trees, verdict):
+        path_nodes = tuple(nodes[:n + 1])
+        last = path_nodes[-1]
+        recovered = any(p == last for p in tree.parents[1:])  # its children were all rejected
+        outcomes.append(VerifyOutcome(path_nodes, tuple(tree.tokens[c] for c in path_nodes[1:]), token,
+                                      RECOVERED if recovered else BONUS, tree.num_nodes - 1))
+    return outcomes

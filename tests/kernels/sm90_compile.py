@@ -58,11 +58,11 @@ def signature(fn, args, kwargs) -> tuple[dict, dict]:
 
 
 def record_launches() -> list[tuple[Recorder, tuple, dict]]:
-    from prescient.kernels import triton_bitmask, triton_kv, triton_tree_attention, triton_verify
+    from prescient.kernels import triton_bitmask, triton_kv, triton_rmsnorm, triton_tree_attention, triton_verify
     from prescient.kernels.reference import pack_bits
 
     recorders = []
-    for module in (triton_kv, triton_tree_attention, triton_verify, triton_bitmask):
+    for module in (triton_kv, triton_tree_attention, triton_verify, triton_bitmask, triton_rmsnorm):
         for name in dir(module):
             if isinstance(getattr(module, name), triton.runtime.JITFunction) and name.endswith("_kernel"):
                 recorder = Recorder(getattr(module, name))
@@ -89,6 +89,9 @@ def record_launches() -> list[tuple[Recorder, tuple, dict]]:
         bitmask = torch.zeros(2, 2, dtype=torch.int32)
         triton_bitmask.apply_token_bitmask(logits, bitmask)
         triton_bitmask.apply_token_bitmask(logits, bitmask[:1], torch.tensor([1]))
+
+    for dtype in (torch.bfloat16, torch.float16):
+        triton_rmsnorm.rms_norm(torch.zeros(3, 576, dtype=dtype), torch.ones(576, dtype=dtype), 1e-5)
 
     tokens = torch.zeros(2, 3, dtype=torch.int64)
     num_nodes = torch.tensor([3, 1])

@@ -66,8 +66,8 @@ def test_cpu_smoke_runs_from_a_plain_checkout(tmp_path):
     sections = report["sections"]
     tests = sections["kernel_tests"]
     assert tests["status"] == "ok", tests
-    assert "6 passed" in tests["summary"]
-    assert tests["counts"]["passed"] == 6 and tests["counts"]["failed"] == 0 and tests["collected"] == 6
+    assert "7 passed" in tests["summary"]  # test_cpu_tensors_run_the_reference: one per op
+    assert tests["counts"]["passed"] == 7 and tests["counts"]["failed"] == 0 and tests["collected"] == 7
     # the GPU op test files only, ops first; the CPU-only suites and the sm_90 cross-compile not
     kernel_dir = str(REPO / "tests" / "kernels")
     files = [Path(a).name for a in tests["command"] if a.startswith(kernel_dir)]
@@ -95,12 +95,28 @@ def test_cpu_smoke_runs_from_a_plain_checkout(tmp_path):
 
     slo = sections["slo"]
     assert slo["status"] == "ok", slo
-    assert {(r["sampling"], r["speculation"]): r["status"] for r in slo["rows"]} == {
-        ("greedy", "off"): "ok", ("t=0.8", "off"): "ok", ("greedy", "ngram"): "ok"}
+    # every run eagerly on the device step path (the CPU told to take it); graph rows need CUDA
+    statuses = {(r["sampling"], r["speculation"], r["graphs"]): r["status"] for r in slo["rows"]}
+    assert statuses == {**{(sp, mode, "eager"): "ok" for sp, mode in slo_runs()},
+                        **{(sp, mode, "graphs"): "skipped: CUDA graphs need CUDA" for sp, mode in slo_runs()}}
     for row in slo["rows"]:
+        if row["status"] != "ok":
+            continue
+        assert row["step_path"] == "device"
         itl = row["itl_emission_s"]
         assert itl["max"] is not None and itl["max"] >= itl["p99"]
+    verdict = slo["slo_verdict"]
+    assert verdict["budgets"] == {"ttft_s": 0.2, "itl_emission_p99_s": 0.025}
+    assert verdict["rows_measured"] == 4 and verdict["rows_meeting"] + len(verdict["missed"]) == 4
+    for record in sections.values():  # every section's budget is in the JSON
+        assert record["budget_s"] and record["budget_s"] > 0, record
     assert "| ITL/emission p99 ms | ITL max ms |" in out
+
+
+def slo_runs():
+    from prescient.latency_bench import gpu_sections_slo as slo
+
+    return slo.RUNS
 
 
 def test_alias_reaches_child_processes(tmp_path):
@@ -532,8 +548,8 @@ def test_slo_fails_when_the_real_model_does_not_load(check, monkeypatch, capsys)
     record = report["sections"]["slo"]
     assert record["status"] == "error"
     assert "no GGUF on this machine" in record["error"] and "no random weights" in record["error"]
-    assert [(r["sampling"], r["speculation"], r["status"]) for r in record["rows"]] == [
-        (sampling, mode, "failed") for sampling, mode in slo.RUNS]
+    assert [(r["sampling"], r["speculation"], r["graphs"], r["status"]) for r in record["rows"]] == [
+        (sampling, mode, graphs, "failed") for graphs in slo.GRAPH_MODES for sampling, mode in slo.RUNS]
     assert report["summary"]["error"] == ["slo"]
     out = capsys.readouterr().out
     assert "**error**: SmolLM2-135M: ModelLoadError: the real SmolLM2-135M did not load" in out
@@ -543,14 +559,14 @@ def test_slo_fails_when_the_real_model_does_not_load(check, monkeypatch, capsys)
 def test_slo_table_shows_the_max_gap_beside_p99_and_an_ngram_row():
     from prescient.latency_bench import gpu_sections_slo as slo
 
-    assert ("greedy", "ngram") in slo.RUNS and ("greedy", "off") in slo.RUNS
-    row = {"model": "m", "sampling": "greedy", "speculation": "ngram", "status": "ok", "requests": 3,
+    assert ("greedy", "ngram") in slo.RUNS and ("greedy", "off") in slo.RUNS and ("t=0.8", "ngram") in slo.RUNS
+    row = {"model": "m", "sampling": "greedy", "speculation": "ngram", "graphs": "eager", "status": "ok", "requests": 3,
            "ttft_s": {"p50": 0.010, "p99": 0.020}, "itl_emission_s": {"p99": 0.020, "max": 0.500},
            "mean_accepted_length": 1.5, "slo_attainment": 1.0, "meets_seed_slo": True}
     lines = "\n".join(slo.render({"agents": 2, "turns": 1, "turn_tokens": 4, "dtype": "float32", "rows": [row]}))
-    assert ("| model | sampling | speculation | requests | TTFT p50 ms | TTFT p99 ms | ITL/emission p99 ms | "
+    assert ("| model | sampling | speculation | graphs | requests | TTFT p50 ms | TTFT p99 ms | ITL/emission p99 ms | "
             "ITL max ms |") in lines
-    assert "| m | greedy | ngram | 3 | 10.0 | 20.0 | 20.0 | 500.0 | 1.50 | 1.00 | yes |" in lines
+    assert "| m | greedy | ngram | eager | 3 | 10.0 | 20.0 | 20.0 | 500.0 | 1.50 | 1.00 | yes |" in lines
 
 
 def test_kv_int8_is_refused_on_cuda(monkeypatch):

@@ -16,7 +16,8 @@ import torch
 from prescient.kernels import ops, reference
 from tests.kernels.conftest import HAS_TRITON
 
-OPS = ["store_kv", "tree_attention", "kv_copy", "greedy_verify", "rejection_sample", "apply_token_bitmask"]
+OPS = ["store_kv", "tree_attention", "kv_copy", "greedy_verify", "rejection_sample", "apply_token_bitmask",
+       "rms_norm"]
 TRITON_MODULE = {
     "store_kv": "triton_kv",
     "kv_copy": "triton_kv",
@@ -24,6 +25,7 @@ TRITON_MODULE = {
     "greedy_verify": "triton_verify",
     "rejection_sample": "triton_verify",
     "apply_token_bitmask": "triton_bitmask",
+    "rms_norm": "triton_rmsnorm",
 }
 
 
@@ -52,6 +54,7 @@ def _cpu_args(op: str) -> tuple:
         "rejection_sample": (tokens, tokens - 1, torch.tensor([1]), torch.full((1, 2, 4), 0.25), None,
                              torch.zeros(1, 2), torch.ones(1, 4)),
         "apply_token_bitmask": (torch.zeros(1, 40), torch.zeros(1, 2, dtype=i32)),
+        "rms_norm": (torch.ones(1, 16, dtype=torch.bfloat16), torch.ones(16, dtype=torch.bfloat16), 1e-5),
     }[op]
 
 

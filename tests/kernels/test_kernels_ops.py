@@ -192,3 +192,22 @@ def test_apply_token_bitmask_leaves_uncovered_columns(backend, device):
     bitmask = torch.zeros(2, 2, dtype=torch.int32, device=device)  # covers 64 tokens, none allowed
     ops.apply_token_bitmask(logits, bitmask)
     assert torch.isinf(logits[:, :64]).all() and (logits[:, 64:] == 0).all()
+
+
+@pytest.mark.parametrize("hidden", [64, 576, 1000], ids=lambda h: f"hidden{h}")  # 576: SmolLM2; 1000: masked tail
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_rms_norm_half_precision(backend, device, hidden, dtype):
+    """The fused RMSNorm (Triton) and the reference's eight ops agree with a float64 RMSNorm to
+    the output's rounding, and with each other to at most one rounding of the output."""
+    torch.manual_seed(hidden)
+    x = (torch.randn(7, hidden) * 3).to(dtype)
+    w = (torch.rand(hidden) + 0.5).to(dtype)
+    got = ops.rms_norm(x.to(device), w.to(device), 1e-5).cpu()
+    assert got.dtype == dtype and got.shape == x.shape
+    xd = x.double()
+    exact = w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    # normalised row rounded once, the weight product rounded again: two roundings at most
+    assert ((got.double() - exact).abs() <= 2 * ulp * exact.abs() + 1e-6).all()
+    ref = ops.reference.rms_norm(x, w, 1e-5)
+    assert ((got.double() - ref.double()).abs() <= ulp * ref.double().abs() + 1e-6).all()
