@@ -1,4 +1,4 @@
-"""prescient.grammar: grammar-constrained decoding on xgrammar.
+"""prescient.grammar: grammar-constrained decoding on xgrammar (or llguidance: llg_backend.py).
 
 Data flow for one constrained request:
 
@@ -20,6 +20,8 @@ from prescient.grammar.compiler import (
 )
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.formats import spec_from_response_format
+from prescient.grammar.llg_backend import BACKENDS as GRAMMAR_BACKENDS
+from prescient.grammar.llg_backend import llguidance_available
 from prescient.grammar.matcher import BatchMaskFiller, Matcher, allocate_bitmask
 from prescient.grammar.pattern import check_pattern
 from prescient.grammar.schema.check import check_schema
@@ -45,6 +47,7 @@ __all__ = [
     "CompilerConfig",
     "ContentDelta",
     "GrammarCompiler",
+    "GRAMMAR_BACKENDS",
     "GrammarError",
     "GrammarSpec",
     "GrammarTokenizer",
@@ -63,6 +66,7 @@ __all__ = [
     "call_header",
     "check_pattern",
     "check_schema",
+    "llguidance_available",
     "parse_tool_calls",
     "prune_tree",
     "spec_from_response_format",

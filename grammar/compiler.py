@@ -15,6 +15,13 @@ a form xgrammar enforces exactly (schema/lower.py), passes `check_schema` (schem
 nothing is silently weakened), then has its declared objects closed (schema/closed_objects.py)
 and is converted to EBNF (patterns through pattern.py), rewritten to compile faster in the same
 language (open_keys.py, rule_dedupe.py) before xgrammar compiles it.
+
+`CompilerConfig.backend` picks the engine: "xgrammar" (all of the above), "llguidance"
+(llg_backend.py: the same prepared schema, compiled in-process on the thread pool in
+milliseconds, strict; kinds it cannot translate exactly are refused by name) or "auto" (llguidance
+first for JSON schemas and json_object, xgrammar, by its usual path, for whatever llguidance
+refuses and for regex, EBNF and tool calls). Either way the result is a CompiledGrammar whose
+matchers share one interface.
 """
 
 from __future__ import annotations
@@ -36,6 +43,15 @@ from prescient.grammar.compile_pool import CompilePool
 from prescient.grammar.disk_cache import GrammarDiskCache, fingerprint
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.forced_bound import forced_spans_safe
+from prescient.grammar.llg_backend import (
+    BACKENDS,
+    LLGGrammar,
+    LLGMatcher,
+    compile_llguidance,
+    layout,
+    llg_tokenizer,
+    llguidance_available,
+)
 from prescient.grammar.matcher import Matcher
 from prescient.grammar.pattern import (
     check_pattern,
@@ -84,24 +100,35 @@ class CompilerConfig:
     # Compiled grammars kept on disk across restarts (grammar/disk_cache.py, cache_dir("grammars"),
     # least recently used evicted past this many MiB; 0: off). Worker-process compiles only.
     disk_cache_mb: int = 0
+    # Grammar engine (llg_backend.py): "xgrammar"; "llguidance" (faster compiles, slower masks,
+    # refuses what it cannot enforce exactly, tool calls and EBNF included); "auto" (llguidance
+    # where it accepts the grammar exactly, else xgrammar).
+    backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
         if (self.time_limit_s <= 0 or self.max_workers < 1 or self.cache_size < 1 or not 0 <= self.nice <= 19
-                or self.xgrammar_cache_mb < 0 or self.disk_cache_mb < 0):
+                or self.xgrammar_cache_mb < 0 or self.disk_cache_mb < 0 or self.backend not in BACKENDS):
             raise ValueError(f"invalid CompilerConfig {self}")
 
 
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     spec: GrammarSpec
-    handle: xgr.CompiledGrammar
+    handle: xgr.CompiledGrammar | LLGGrammar
     tokenizer: GrammarTokenizer
     compile_s: float
     # False when the grammar may force runs too long to look up each step (forced_bound.py):
     # its matchers then propose no forced spans.
     forced_spans: bool = True
 
+    @property
+    def backend(self) -> str:
+        """The engine that compiled it: "xgrammar" or "llguidance"."""
+        return "llguidance" if isinstance(self.handle, LLGGrammar) else "xgrammar"
+
     def matcher(self) -> Matcher:
+        if isinstance(self.handle, LLGGrammar):
+            return LLGMatcher(self.handle, self.tokenizer, forced_spans=self.forced_spans)
         return Matcher(self.handle, self.tokenizer, forced_spans=self.forced_spans)
 
 
@@ -155,10 +182,14 @@ class GrammarCompiler:
         )
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="grammar")
         self.disk = None
-        if config.isolate and config.disk_cache_mb > 0:
+        if config.isolate and config.backend != "llguidance" and config.disk_cache_mb > 0:
             self.disk = GrammarDiskCache(cache_dir("grammars"), fingerprint(tokenizer.info.serialize_json(), config),
                                          config.disk_cache_mb << 20)
-        self._procs = CompilePool(tokenizer, config, self._result, self.build, self.disk) if config.isolate else None
+        # worker processes serve xgrammar compiles only: under "llguidance" none are started
+        isolate = config.isolate and config.backend != "llguidance"
+        self._procs = CompilePool(tokenizer, config, self._result, self.build, self.disk) if isolate else None
+        if config.backend != "xgrammar" and llguidance_available():
+            llg_tokenizer(tokenizer)  # its vocabulary scan (~0.6 s) now, not in the first compile
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -181,8 +212,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
             else:
                 self.misses += 1
-                future = (self._procs.submit(spec) if self._procs is not None
-                          else self._pool.submit(self.build, spec))
+                future = self._start(spec)
                 self._cache[spec] = future
                 if len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
@@ -191,8 +221,44 @@ class GrammarCompiler:
             fresh.add_done_callback(lambda f, spec=spec: self._forget_if_timed_out(spec, f))
         limit = self.config.time_limit_s
         # in worker processes the limit runs on the compile itself (CompilePool); in-process
-        # nothing can stop a compile, so the waiter's limit runs from submission
-        return PendingGrammar(spec, future, None if self._procs is not None else start + limit, limit)
+        # nothing can stop a compile, so the waiter's limit runs from submission. (An llguidance
+        # compile is in-process but bounded by its own limits: under "auto" with worker processes
+        # the limit is the xgrammar fallback's.)
+        in_process = self._procs is None or self._backend_for(spec) == "llguidance"
+        return PendingGrammar(spec, future, start + limit if in_process else None, limit)
+
+    def _backend_for(self, spec: GrammarSpec) -> str:
+        """The backend that compiles `spec`: "auto" stays "auto" only where llguidance may serve."""
+        backend = self.config.backend
+        if backend == "auto" and spec.kind not in ("json_schema", "json_object"):
+            # regex / EBNF / tool calls: xgrammar's dialects and structural tags, its own path
+            return "xgrammar"
+        return backend
+
+    def _xgrammar_future(self, spec: GrammarSpec) -> Future:
+        return self._procs.submit(spec) if self._procs is not None else self._pool.submit(self.build, spec)
+
+    def _start(self, spec: GrammarSpec) -> Future:
+        backend = self._backend_for(spec)
+        if backend == "xgrammar":
+            return self._xgrammar_future(spec)
+        if backend == "llguidance":
+            return self._pool.submit(self.build_llguidance, spec)
+        # auto: llguidance (milliseconds, in-process); on its refusal, xgrammar's compile
+        outer: Future = Future()
+
+        def copy(done: Future) -> None:
+            err = done.exception()
+            outer.set_exception(err) if err is not None else outer.set_result(done.result())
+
+        def fall_back(first: Future) -> None:
+            if first.exception() is None:
+                outer.set_result(first.result())
+            else:  # refused (or crashed): xgrammar decides, its own refusal is the answer
+                self._xgrammar_future(spec).add_done_callback(copy)
+
+        self._pool.submit(self.build_llguidance, spec).add_done_callback(fall_back)
+        return outer
 
     def _forget_if_timed_out(self, spec: GrammarSpec, future: Future) -> None:
         """A compile killed at the time limit is not cached: the schema is not known to be too
@@ -234,6 +300,25 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {message}",
                                feature=spec.kind) from err
         return self._result(spec, handle, time.perf_counter() - start, forced_spans_safe(str(handle.grammar)))
+
+    def build_llguidance(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile `spec` with llguidance in the calling thread (GrammarError if it cannot serve
+        it exactly). Forced spans are offered: llguidance computes each forced run itself, and
+        Matcher caps the text it tokenizes (MAX_FORCED_CHARS)."""
+        start = time.perf_counter()
+        if not llguidance_available():
+            raise GrammarError("the llguidance grammar backend needs llguidance (pip install prescient[llguidance])",
+                               feature="llguidance")
+        try:
+            handle = compile_llguidance(spec, self.tokenizer,
+                                        json_options=layout(self.config.any_whitespace, self.config.max_whitespace),
+                                        prepare_schema=self.prepare_schema)
+        except GrammarError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise GrammarError(f"llguidance refused the {spec.kind.replace('_', ' ')}: {err}",
+                               feature="llguidance") from err
+        return CompiledGrammar(spec, handle, self.tokenizer, time.perf_counter() - start)
 
     def _schema_failure(self, source: str, err: Exception) -> GrammarError:
         try:

@@ -27,8 +27,9 @@ from dataclasses import asdict
 log = logging.getLogger("prescient.grammar")
 
 # CompilerConfig fields that change no compiled grammar (scheduling, limits, caches)
+# (backend too: the disk cache holds xgrammar compiles only, the same under "auto" and "xgrammar")
 _RUNTIME_FIELDS = {"time_limit_s", "max_workers", "xgrammar_threads", "isolate", "cache_size", "nice",
-                   "xgrammar_cache_mb", "disk_cache_mb"}
+                   "xgrammar_cache_mb", "disk_cache_mb", "backend"}
 
 
 def fingerprint(tokenizer_info_json: str, config) -> str:

@@ -1,4 +1,5 @@
-"""Matcher: one per constrained request, a thin wrapper around xgrammar.GrammarMatcher.
+"""Matcher: one per constrained request, a thin wrapper around xgrammar.GrammarMatcher (or, for
+grammars compiled by llguidance, llg_backend.LLGHandle, which offers the same methods).
 
 The engine advances it with every committed token (`accept_token`), undoes rejected speculation
 with `rollback`, and asks it for the next-token mask of its row in the batch bitmask
@@ -242,7 +243,8 @@ class Matcher:
         return None if self.handle.is_terminated() else self._only_stop_after(self.handle)
 
     def fork(self) -> "Matcher":
-        twin = Matcher(self._compiled, self.tokenizer, _handle=self.handle.fork(), forced_spans=self.forced_spans)
+        # type(self): an llguidance matcher (llg_backend.LLGMatcher) forks into its own kind
+        twin = type(self)(self._compiled, self.tokenizer, _handle=self.handle.fork(), forced_spans=self.forced_spans)
         twin.num_tokens = self.num_tokens
         return twin
 
@@ -265,8 +267,12 @@ class BatchMaskFiller:
         if rows is not None and len(rows) != len(matchers):
             raise ValueError("rows and matchers differ in length")
         rows = list(range(len(matchers))) if rows is None else list(rows)
-        if len(matchers) < self.min_rows_for_threads:
-            for matcher, row in zip(matchers, rows):
-                matcher.fill_bitmask(bitmask, row)
-            return
-        self._batch.batch_fill_next_token_bitmask([m.handle for m in matchers], bitmask, rows)
+        # xgrammar's batch takes its own matchers only; llguidance ones (llg_backend.py) fill alone
+        native = [i for i, m in enumerate(matchers) if isinstance(m.handle, xgr.GrammarMatcher)]
+        if len(native) < self.min_rows_for_threads:
+            native = []
+        for i in sorted(set(range(len(matchers))) - set(native)):
+            matchers[i].fill_bitmask(bitmask, rows[i])
+        if native:
+            self._batch.batch_fill_next_token_bitmask([matchers[i].handle for i in native], bitmask,
+                                                      [rows[i] for i in native])

@@ -132,6 +132,13 @@ def _parser() -> argparse.ArgumentParser:
                        help="bound on the p99 of a request's per-emission inter-token gaps (same SLO); also the "
                        "scheduler's step-time bound: prefill work beside running streams is sized to keep "
                        "each step within 80%% of it (docs/SCHEDULING.md)")
+    serve.add_argument("--grammar-backend", default=SERVER.grammar_backend, choices=["xgrammar", "llguidance", "auto"],
+                       help="the engine constrained output compiles on. xgrammar: every grammar kind, the "
+                       "widest JSON-schema coverage, the fastest masks. llguidance (pip install "
+                       "prescient[llguidance]): JSON schemas and regexes compile in milliseconds, masks "
+                       "cost 2-4x more; what it cannot enforce exactly (tool calls, EBNF, some schema "
+                       "keywords, unknown formats) is refused with a 400. auto: llguidance when it accepts "
+                       "a JSON schema exactly, xgrammar for everything else")
     serve.add_argument("--no-shared-pool", action="store_true",
                        help="n-gram drafts only from the request and its session, not from the recent outputs "
                        "of all sessions of the same API key")
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                                   response_store_mb=args.response_store_mb,
                                   response_scope=args.response_scope, header_timeout_s=args.header_timeout_s,
                                   body_timeout_s=args.body_timeout_s, ws_idle_timeout_s=args.ws_idle_timeout_s,
-                                  shared_pool=not args.no_shared_pool)
+                                  shared_pool=not args.no_shared_pool, grammar_backend=args.grammar_backend)
             return run_server(spec, config, args.host, args.port, quiet=args.quiet)
         return _generate(spec, args.prompt, args.max_tokens, args.temperature)
     except KeyboardInterrupt:

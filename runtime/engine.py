@@ -2,9 +2,13 @@
 
     sched   = scheduler.schedule()          continuous batching, chunked prefill, preemption
     drafts  = speculator.propose(seqs)      draft trees for decoding requests (speculation on)
-    logits  = run_forward(model, kv, ...)   the target forward(s): decode/verify rows always on the
-                                            small-M path, prefill chunks on the GEMM (forward_plan)
-    tokens  = sampler / verifier            plain sampling, or tree verification
+    logits  = run_forward(model, kv, ...)   the target forward(s), as the step path plans them
+                                            (runtime/step_path.py, chosen once in __init__): on CPU
+                                            decode/verify rows on the small-M path, prefill chunks on
+                                            the GEMM (forward_plan); on CUDA one forward (or a CUDA
+                                            graph replay, EngineConfig.cuda_graphs)
+    tokens  = sampler / verifier            plain sampling, or tree verification (on the device
+                                            path batched, its result read back once)
     outputs = commit(...)                   accept tokens, stops, detokenize, free KV, stamp times
 
 Every stage but the forward is per-request work with a fault boundary around each request: an
@@ -33,12 +37,13 @@ from prescient.runtime.penalties import penalize_rows
 from prescient.runtime.constrain import GrammarStep, resolve_matcher
 from prescient.runtime.request import (SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, OverloadedError, Request,
                                       RequestDeadEnd, RequestOutput)
-from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
+from prescient.runtime.sampler import exponential_noise, sample_from_probs, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.sessions import SessionPins
 from prescient.runtime.speculation import Drafts, Speculation
 from prescient.runtime.step_cost import StepCostModel, step_shape
+from prescient.runtime.step_path import STEP_PATHS, step_path_for
 from prescient.runtime.step_result import SeqResult, commit_tokens
 from prescient.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -52,6 +57,16 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     session_ttl_s: float = 300.0  # how long a finished agent turn keeps its KV pinned
+    # how a step meets the device (runtime/step_path.py): "auto" = the device path on CUDA (one
+    # forward, one sync a step), the CPU path elsewhere; "device" runs the device path anywhere
+    step_path: str = "auto"
+    # CUDA graphs for decode and verify forwards (runtime/cuda_graphs.py), device path only.
+    # Off by default until a GPU run has validated them: eager.
+    cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.step_path not in STEP_PATHS:
+            raise ValueError(f"step_path must be one of {STEP_PATHS}, got {self.step_path!r}")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -68,7 +83,12 @@ class Engine:
         cache = config.cache
         kv_dtype = torch.int8 if cache.kv_dtype == "int8" else None
         num_blocks = cache.num_blocks or max(64, cache.kv_cache_bytes // (model.kv_bytes_per_token(kv_dtype) * cache.block_size))
-        self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size, kv_dtype)
+        # chosen once here: the forward plan, the uploads, the draws and the reads of every step
+        self.path = step_path_for(model.device, config.step_path)
+        if self.path.stacked_kv and kv_dtype is None and not model.is_sharded:
+            self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size, kv_dtype, stacked=True)
+        else:
+            self.kv_caches = model.allocate_kv_cache(num_blocks, cache.block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # What one request can get: the whole cache, since everything else in it gives way
         # (prefix-cache blocks are evicted, session pins released, newer requests preempted).
@@ -81,7 +101,8 @@ class Engine:
         self.step_cost = StepCostModel()
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_seq_len,
                                    reclaim=self.sessions.evict_oldest, cost=self.step_cost,
-                                   num_layers=model.num_layers, layer_split=not model.is_sharded)
+                                   num_layers=model.num_layers,
+                                   layer_split=not model.is_sharded and self.path.layer_split)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
@@ -101,6 +122,12 @@ class Engine:
         # a prefill worker's (runtime/prefill_worker.py): handoff(request, logits row) takes each
         # prompt once computed, and nothing is sampled here; None: an engine that decodes
         self.handoff = None
+        # CUDA graphs over bucketed decode / verify batches (config.cuda_graphs, device path)
+        self._graphs = None
+        if config.cuda_graphs:
+            from prescient.runtime.cuda_graphs import GraphRunner
+
+            self._graphs = GraphRunner.for_engine(self)
 
     # ---------------------------------------------------------------- requests
 
@@ -156,8 +183,7 @@ class Engine:
         request = Request(request_id, prompt_ids, params, self.eos_token_ids,
                           arrival_time if arrival_time is not None else time.perf_counter(),
                           session_id=session_id, grammar=grammar)
-        if not params.greedy or params.seed is not None:
-            request.generator = make_generator(params.seed)
+        self.path.init_request(request)  # its random draws: a host generator, or a device seed
         return request
 
     def enqueue(self, request: Request) -> Request:
@@ -245,13 +271,23 @@ class Engine:
             return failed
         if self.handoff is not None:  # a prefill worker: computed prompts go to the decode worker
             return failed + self._hand_off(seqs)
-        # decode/verify rows on the small-M path whatever shares the step (runtime/forward_plan.py);
-        # the one stage whose failure is everyone's (AsyncEngine answers it for all)
-        logits = run_forward(self.model, self.kv_caches, seqs, trees,
-                             self.block_manager.block_size)  # [num_logits, vocab]
+        # the forwards the step path plans (the CPU's keep decode/verify rows on the small-M path,
+        # runtime/forward_plan.py; a GPU's is one); the one stage whose failure is everyone's
+        # (AsyncEngine answers it for all)
+        logits = self._forward(seqs, trees)  # [num_logits, vocab]
         clock.lap("forward")
         self.num_steps += 1
         return failed + self._decide(seqs, trees, logits, masks, drafts.forced, clock=clock)
+
+    def _forward(self, seqs, trees) -> torch.Tensor:
+        """The step's target logits [num_logits, vocab]: the planned forwards of the step path,
+        through the CUDA graphs when they are on and the step fits one."""
+        graphs = self._graphs
+        if graphs is not None:
+            logits = graphs.try_forward(seqs, trees, self.block_manager.block_size)
+            if logits is not None:
+                return logits
+        return run_forward(self.model, self.kv_caches, seqs, trees, self.block_manager.block_size, self.path)
 
     # Per-request fault boundaries. Everything between the scheduler and the commit is one
     # request's work except the forward: an exception there ends that request alone (an error
@@ -299,10 +335,11 @@ class Engine:
             spans.append((row, row + n))
             row += n
         bad: dict[int, Exception] = {}
+        upload = self.path.upload if self.path.device_side else None  # penalties' inputs, no blocking copy
         for i, (seq, (lo, hi)) in enumerate(zip(seqs, spans)):
             if hi > lo:
                 try:
-                    penalize_rows(logits[lo:hi], seq.request, trees[i])
+                    penalize_rows(logits[lo:hi], seq.request, trees[i], upload)
                 except Exception as e:
                     bad[i] = e
         self.grammar_step.apply(logits, masks)
@@ -320,6 +357,8 @@ class Engine:
     def _choose(self, seqs, trees, logits, spans, bad: dict[int, Exception]) -> list[SeqResult | None]:
         """Sampling / verification for the requests not in `bad`; one that raises joins `bad`."""
         ok = [i for i in range(len(seqs)) if i not in bad]
+        if self.speculator is None and self.path.device_side:
+            return self._sample_batch(seqs, logits, spans, ok, bad)
         if self.speculator is None:
             results: list[SeqResult | None] = [None] * len(seqs)
             for i in ok:
@@ -331,23 +370,64 @@ class Engine:
             return results
         rows = torch.cat([torch.arange(*spans[i]) for i in ok]) if ok else torch.zeros(0, dtype=torch.int64)
         sub = [seqs[i] for i in ok]
+        # the device path's verification reads its verdict once (speculator.verify's `path`)
+        extra = {"path": self.path} if self.path.device_side else {}
         try:
+            if len(ok) < len(seqs) and self.path.device_side:
+                (rows_dev,) = self.path.upload([[j for i in ok for j in range(*spans[i])]])
+            else:
+                rows_dev = rows.to(logits.device) if len(ok) < len(seqs) else None
             chosen = self.speculator.verify(sub, [trees[i] for i in ok],
-                                            logits if len(ok) == len(seqs) else logits[rows.to(logits.device)],
-                                            self.kv_caches)
+                                            logits if rows_dev is None else logits[rows_dev], self.kv_caches,
+                                            **extra)
         except Exception:  # whose: verify one request at a time (its own rows), only on this path
             log.warning("verification failed for a batch; retrying per request", exc_info=True)
             chosen = []
             for i in ok:
                 lo, hi = spans[i]
                 try:
-                    chosen += self.speculator.verify([seqs[i]], [trees[i]], logits[lo:hi], self.kv_caches)
+                    chosen += self.speculator.verify([seqs[i]], [trees[i]], logits[lo:hi], self.kv_caches, **extra)
                 except Exception as e:
                     bad[i] = e
                     chosen.append(None)
         results = [None] * len(seqs)
         for i, r in zip(ok, chosen):
             results[i] = r
+        return results
+
+    def _sample_batch(self, seqs, logits, spans, ok: list[int], bad: dict[int, Exception]) -> list[SeqResult | None]:
+        """The device path's plain decoding: every sampling request's token in one batched
+        draw, read back once (DeviceStepPath.sample). A failure retries one request at a time
+        to find whose (only on that path)."""
+        results: list[SeqResult | None] = [None] * len(seqs)
+        live = [i for i in ok if spans[i][1] > spans[i][0]]
+        if not live:
+            return results
+        requests = [seqs[i].request for i in live]
+        starts = [spans[i][0] for i in live]
+        try:
+            if starts == list(range(logits.shape[0])):
+                rows = logits  # the common step: every row samples, none failed
+            else:
+                (index,) = self.path.upload([starts])
+                rows = logits[index]
+            tokens = self.path.sample(requests, rows)
+        except Exception:
+            log.warning("batched sampling failed; retrying per request", exc_info=True)
+            tokens = []
+            for i, r in zip(live, requests):
+                lo, hi = spans[i]
+                try:
+                    tokens += self.path.sample([r], logits[lo:hi])
+                except Exception as e:
+                    bad[i] = e
+                    tokens.append(None)
+        for i, token in zip(live, tokens):
+            if token is None:
+                continue
+            lo, hi = spans[i]
+            results[i] = SeqResult(tokens=[token], sources=[SOURCE_TARGET], num_accepted_draft=0,
+                                   logits=logits[lo:hi] if seqs[i].request.params.logprobs is not None else None)
         return results
 
     def _take_handoffs(self, failed: list[RequestOutput]) -> list[ScheduledSeq]:
@@ -483,8 +563,9 @@ class Engine:
 
     # ---------------------------------------------------------------- convenience
 
-    def grammar_compiler(self):
-        """The one xgrammar compiler for this engine's tokenizer (cached grammars, time limit)."""
+    def grammar_compiler(self, backend: str = "xgrammar"):
+        """The one grammar compiler for this engine's tokenizer (cached grammars, time limit);
+        `backend` (CompilerConfig.backend: xgrammar | llguidance | auto) applies when it is built."""
         if self._grammar_compiler is None:
             from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarTokenizer
 
@@ -492,7 +573,8 @@ class Engine:
                                                      stop_token_ids=list(self.eos_token_ids))
             # compiles in low-priority worker processes, killed at the time limit: a heavy one
             # must not take the CPU (or the GIL) from the steps (grammar/compile_pool.py)
-            self._grammar_compiler = GrammarCompiler(gtok, CompilerConfig(isolate=True, max_workers=6, disk_cache_mb=256))
+            self._grammar_compiler = GrammarCompiler(gtok, CompilerConfig(isolate=True, max_workers=6, disk_cache_mb=256,
+                                                                          backend=backend))
         return self._grammar_compiler
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[list[int]]:

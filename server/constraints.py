@@ -55,8 +55,9 @@ def pick_spec(format_grammar: GrammarSpec | None, tool_grammar: GrammarSpec | No
 
 
 class Constraints:
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine, metrics=None, backend: str = "xgrammar"):
         self._engine = engine
+        self._backend = backend  # CompilerConfig.backend of the compiler built on first use
         self._metrics = metrics
         self._compiler: GrammarCompiler | None = None
         self._lock = asyncio.Lock()
@@ -64,7 +65,7 @@ class Constraints:
     async def compiler(self) -> GrammarCompiler:
         async with self._lock:
             if self._compiler is None:
-                self._compiler = await asyncio.to_thread(self._engine.grammar_compiler)
+                self._compiler = await asyncio.to_thread(self._engine.grammar_compiler, self._backend)
         return self._compiler
 
     def close(self) -> None:

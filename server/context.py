@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
+from prescient.grammar import GRAMMAR_BACKENDS, llguidance_available
 from prescient.runtime.sampling_params import MAX_LOGIT_BIAS_ENTRIES, SamplingParams
 from prescient.runtime.slo import SLOConfig
 from prescient.server.chat import ChatRenderer, Rendered
@@ -82,6 +83,11 @@ class ServerConfig:
     # Whether a tenant's (an API key's) requests draft from the recent outputs of all its
     # sessions (speculative/suffix_pool.py); `--no-shared-pool` turns it off.
     shared_pool: bool = True
+    # The grammar engine (grammar/compiler.py CompilerConfig.backend): "xgrammar", "llguidance"
+    # (faster compiles, slower masks, refuses what it cannot enforce exactly: tool calls, EBNF,
+    # some JSON-schema keywords) or "auto" (llguidance where it accepts a schema exactly, else
+    # xgrammar). `--grammar-backend`.
+    grammar_backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_body_bytes", "max_frame_bytes", "ws_buffer_bytes",
@@ -99,6 +105,11 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0 (or None: off)")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {', '.join(GRAMMAR_BACKENDS)}")
+        if self.grammar_backend != "xgrammar" and not llguidance_available():
+            raise ValueError(f"grammar_backend {self.grammar_backend} needs llguidance: "
+                             "pip install prescient[llguidance]")
         if not self.slo_window_s > 0:
             raise ValueError("slo_window_s must be > 0")
 
@@ -125,7 +136,7 @@ class ServerContext:
         self.renderer = ChatRenderer(engine.tokenizer)
         self.metrics = ServerMetrics(engine, config.slo, config.slo_window_s)
         aengine.step_hooks.append(self.metrics.step_hook)
-        self.constraints = Constraints(engine, self.metrics)
+        self.constraints = Constraints(engine, self.metrics, config.grammar_backend)
         self.store = ResponseStore(config.response_store_size, config.response_ttl_s, config.response_scope,
                                    max_bytes=int(config.response_store_mb * (1 << 20)))
         self.metrics.watch_store(self.store)
