@@ -54,10 +54,10 @@ def _inject(engine, stage: str, monkeypatch) -> None:
     elif stage == "penalties":
         penalize = engine_mod.penalize_rows
 
-        def broken(rows, request, tree):
+        def broken(rows, request, tree, *upload):
             if late(request):
                 boom()
-            return penalize(rows, request, tree)
+            return penalize(rows, request, tree, *upload)
         monkeypatch.setattr(engine_mod, "penalize_rows", broken)
     elif stage == "sampling":
         sample_one = engine._sample_one
