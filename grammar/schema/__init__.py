@@ -8,8 +8,9 @@ Every JSON schema bound for xgrammar (response formats and tool argument schemas
                                 rules live in merge.py (keywords beside `$ref`/combinators
                                 merged, enums filtered), objects.py, scalars.py (with
                                 regex_length.py: pattern x length), one_of.py and
-                                one_of_singletons.py, fractional_step.py, formats.py and
-                                not_rules.py, over the helpers in nodes.py; refuses a schema it
+                                one_of_singletons.py, fractional_step.py, formats.py,
+                                conditionals.py, unique_items.py and not_rules.py, over the
+                                helpers in nodes.py; refuses a schema it
                                 proves unsatisfiable and names every narrowing rule it used
     check  (check.py)           refuse, with GrammarError naming the feature, whatever is left
                                 that xgrammar would silently drop; a `oneOf` passes when

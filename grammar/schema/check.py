@@ -28,6 +28,7 @@ from urllib.parse import unquote
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.pattern import check_pattern
 from prescient.grammar.schema.disjoint import Disjointness
+from prescient.grammar.schema.nodes import OTHER_NAMES
 
 # Dropped wherever they appear (verified: a violating instance is accepted).
 _DROPPED = (
@@ -104,7 +105,9 @@ class _Checker:
                 raise GrammarError(f"'{key}' is not supported (xgrammar would ignore it)",
                                    feature=key, path=path)
         if node.get("uniqueItems") is True:
-            raise GrammarError("'uniqueItems' is not supported (xgrammar would ignore it)",
+            raise GrammarError("'uniqueItems' is supported only on arrays of at most one item or "
+                               "of items with a few listed values (enum, const, boolean, null, a "
+                               "short integer range; xgrammar would ignore it)",
                                feature="uniqueItems", path=path)
         if "unevaluatedProperties" in node and node["unevaluatedProperties"] is not True:
             raise GrammarError("'unevaluatedProperties' is not supported (xgrammar would ignore "
@@ -256,7 +259,9 @@ class _Checker:
 
     def _check_object(self, node: dict, path: str) -> None:
         props = node.get("properties") or {}
-        if props and "propertyNames" in node:
+        names = node.get("propertyNames")
+        # (one the lowering wrote for the keys beyond `properties`, objects.py, means just that)
+        if props and names is not None and not (isinstance(names, dict) and names.get(OTHER_NAMES) is True):
             raise GrammarError("'propertyNames' together with 'properties' is not supported "
                                "(xgrammar would not apply it to the declared names)",
                                feature="propertyNames+properties", path=path)

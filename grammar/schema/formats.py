@@ -6,7 +6,8 @@ test_grammar_schema_rules2.py pins them against xgrammar): none of the formats i
 produces "", so a minLength of 1 says nothing more; uuid and date produce only strings of one
 length; a pattern every string of the format's shape matches (the shape is a regex wider than
 the format: `[0-9]{4}-[0-9]{2}-[0-9]{2}` for date) says nothing more either (regex_overlap.py
-proves the inclusion).
+proves the inclusion); a format whose grammar is a regex (EXACT: uuid) and any pattern are the
+one pattern of the format's values the pattern is found in (regex/product.py).
 
 Narrower rewrites, where exact is impossible: the format replaced by a pattern of common
 values of it (every match is a valid value: RFC 3986 URIs of the http(s) form, RFC 1123
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.product import both
 from prescient.grammar.schema.merge import Unmergeable
 from prescient.grammar.schema.regex_overlap import within
 from prescient.grammar.schema.scalars import EMAIL
@@ -30,6 +33,11 @@ _FIXED = {"uuid": 36, "date": 10}
 _SHAPES = {
     "date": r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$",
     "uuid": r"^[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}$",
+}
+# Formats whose xgrammar grammar is exactly this regex (tests/grammar/test_grammar_schema_rules3.py
+# pins each against xgrammar): a pattern beside one is intersected with it (regex/product.py).
+EXACT = {
+    "uuid": _SHAPES["uuid"],
 }
 _LABEL = r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?"
 _HOST = rf"{_LABEL}(\.{_LABEL}){{0,3}}"
@@ -81,6 +89,14 @@ def format_with_pattern(lw, node: dict, exact: bool) -> Any:
         raise Unmergeable("pattern is not a string")
     if fmt in _SHAPES and within(_SHAPES[fmt], pattern):
         return {k: v for k, v in node.items() if k != "pattern"}  # every value matches it
+    if fmt in EXACT:  # a regular format: its values the pattern is found in, as one pattern
+        try:
+            both_ = both(EXACT[fmt], pattern, search=True)
+        except RegexUnsupported as err:
+            raise Unmergeable(f"format {fmt!r} with a pattern: {err}") from None
+        if both_ is None:
+            raise Unmergeable(f"no {fmt} value matches the pattern")  # (other types may match)
+        return {**{k: v for k, v in node.items() if k != "format"}, "pattern": both_}
     if not exact:
         for common in _COMMON.get(fmt, ()):
             if within(common, pattern):

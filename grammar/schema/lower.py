@@ -7,10 +7,14 @@ compliance benchmark checks with `jsonschema`). A node no rule can rewrite is le
 check_schema to refuse with its usual message.
 
 - keywords next to `$ref` (2019+ drafts; drafts 4-7 ignore them, and so does the rewrite),
-  `allOf`, `anyOf`, `oneOf`: merged into the target / every branch (merge.py);
+  `allOf` (of any number of parts: patterns intersected, `not`s joined, two `if`s as cases),
+  `anyOf`, `oneOf`: merged into the target / every branch (merge.py);
 - `enum`/`const` next to other keywords: the values that satisfy those keywords;
 - object rules (objects.py): undeclared required names declared, false properties
-  removed from closed objects, `not: {required}`, `dependencies`, `patternProperties`;
+  removed from closed objects, `not: {required}`, `dependencies`/`dependentRequired`/
+  `dependentSchemas` (a case split on presence), `patternProperties` (declared names, names
+  of a few-name pattern, and one class of other keys);
+- `uniqueItems` on arrays of at most one item or of a few listed values (unique_items.py);
 - scalar rules (scalars.py): `not: {type}`, a whole-number `multipleOf` on numbers, integer
   bounds made whole and clamped into 64 bits, a `pattern` intersected with minLength/maxLength
   (regex_length.py), anchors inside groups dropped, `format` next to lengths (email, uri),
@@ -21,9 +25,12 @@ check_schema to refuse with its usual message.
   of them (one_of_singletons.py, exact); `oneOf` of closed objects whose branches may overlap:
   disjoint narrower branches, then `anyOf` (one_of.py);
 - a fractional `multipleOf` (fractional_step.py), `format` beside lengths or a pattern and
-  formats xgrammar does not enforce (formats.py), `if`/`then`/`else` on one property's values
-  (conditionals.py), `not` of literals, one character or
+  formats xgrammar does not enforce (formats.py), `if`/`then`/`else` on properties
+  (conditionals.py), `not` of literals (beside a pattern, on any types), one character or
   required names (not_rules.py, objects.py), a type list with object keywords split by type.
+
+The root's definitions stay at the root whatever its rewrites make of it, so that references
+into them resolve.
 
 Below a remaining `oneOf` (and in the definitions such oneOfs reach) only exact rewrites run:
 xgrammar treats `oneOf` as `anyOf`, which is exact only for disjoint branches, and check_schema's
@@ -47,11 +54,13 @@ from prescient.grammar.schema.merge import Unmergeable, merge
 from prescient.grammar.schema.nodes import (
     COMBINATORS,
     NON_ASSERTIONS,
+    OTHER_NAMES,
     VALUE_KEYS,
     assertions,
     combinator,
     forbids_undeclared,
     is_object,
+    other_names,
     typed_object,
     without,
 )
@@ -60,11 +69,12 @@ from prescient.grammar.schema.check import STANDARD_FORMATS
 from prescient.grammar.schema.formats import format_with_pattern
 from prescient.grammar.schema.conditionals import if_then_else
 from prescient.grammar.schema.fractional_step import fractional_step, fractional_steps
-from prescient.grammar.schema.not_rules import not_literals
+from prescient.grammar.schema.not_rules import not_literals, not_values_by_type
 from prescient.grammar.schema.objects import object_rules
 from prescient.grammar.schema.one_of import disjoint_one_of
 from prescient.grammar.schema.one_of_singletons import shared_singletons
 from prescient.grammar.schema.refs import localize_refs
+from prescient.grammar.schema.unique_items import unique_items
 from prescient.grammar.schema.scalars import (
     format_with_length,
     integer_bounds,
@@ -85,7 +95,8 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems",
               "unevaluatedItems")
 OBJECT_KEYWORDS = ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
-                   "minProperties", "maxProperties", "dependencies", "dependentRequired")
+                   "minProperties", "maxProperties", "dependencies", "dependentRequired",
+                   "dependentSchemas")
 _SIMPLE_REF = re.compile(r"^#(/(definitions|\$defs)/[^/]+)?$")
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")  # keywords beside $ref ignored
 # A malformed schema (`"required": 5`) makes a rule fail in Python: leave it to check_schema.
@@ -101,7 +112,7 @@ def lower_schema(schema: Any, closing: bool = True, narrowed: list[str] | None =
     whole-string patterns, one JSON layout)."""
     if not isinstance(schema, dict):
         return schema
-    schema = localize_refs(schema)
+    schema = localize_refs(_without_marks(schema))
     if not _refs_are_simple(schema):
         return schema
     notes: list[str] = []
@@ -149,6 +160,31 @@ def lower_schema(schema: Any, closing: bool = True, narrowed: list[str] | None =
         isinstance(out, dict) and _has_open_one_of(out)) else None)
     if narrowed is not None:
         narrowed.extend(dict.fromkeys(notes))
+    return out
+
+
+def _undeclared_required(node: dict) -> bool:
+    """A required name `properties` does not declare (the object rules declare it, on objects)."""
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    return any(isinstance(n, str) and n not in props for n in required)
+
+
+def _without_marks(node: Any) -> Any:
+    """`node` without the lowering's own marks (nodes.OTHER_NAMES): only a propertyNames this
+    lowering wrote may carry one, never a client's schema."""
+    if isinstance(node, list):
+        return [_without_marks(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in VALUE_KEYS:
+            out[key] = value
+        elif key in ("properties", "definitions", "$defs", "patternProperties") and isinstance(value, dict):
+            out[key] = {n: _without_marks(v) for n, v in value.items()}  # names, not keywords
+        elif key != OTHER_NAMES:
+            out[key] = _without_marks(value)
     return out
 
 
@@ -210,17 +246,27 @@ class _Lowerer:
     def lower(self, node: Any, inlined: frozenset[str], depth: int, exact: bool) -> Any:
         if not isinstance(node, dict) or depth > 64:
             return node
+        # The root's definitions stay at the root whatever its rewrites make of it (an anyOf of
+        # cases, a merged branch): references resolve there, and nowhere else.
+        root_defs = {k: node[k] for k in ("definitions", "$defs") if k in node} if depth == 0 else {}
+        if root_defs:
+            node = without(node, *root_defs)
         for _ in range(16):  # a rewrite may expose another (a merged $ref target with allOf, ...)
             rewritten, inlined = self._rewrite(node, inlined, exact)
             if rewritten is node:
                 break
             node = rewritten
             if not isinstance(node, dict):
+                if node is True and root_defs:
+                    node = {}
+                    break
                 return node
+        if root_defs:
+            node = {**root_defs, **without(node, *root_defs)}
         out = dict(node)
         for key in _SUBSCHEMA_MAPS:
             if isinstance(node.get(key), dict):
-                defs = key in ("definitions", "$defs") and node is self.root
+                defs = key in ("definitions", "$defs") and depth == 0
                 out[key] = {k: self.lower(v, inlined, depth + 1, exact or (
                                 defs and (True in self.exact_definitions or (key, k) in self.exact_definitions)))
                             for k, v in node[key].items()}
@@ -301,6 +347,12 @@ class _Lowerer:
                     return not_literals(self, node, inlined), inlined
                 except Unmergeable:
                     pass  # other rules may still apply; check_schema refuses the `not`
+            if isinstance(node.get("not"), dict) and node.get("type") not in (
+                    "string", ["string"], "integer", ["integer"]):
+                try:
+                    return not_values_by_type(self, node, inlined), inlined  # exact
+                except Unmergeable:
+                    pass
             if whole_step(node):
                 return integer_steps(node), inlined
             if fractional_step(node):
@@ -337,7 +389,9 @@ class _Lowerer:
                     and node["minProperties"] > len(node.get("properties") or {})):
                 return False, inlined  # needs more keys than it allows
             if isinstance(node.get("type"), list) and "object" in node["type"] and len(node["type"]) > 1 and (
-                    node.get("patternProperties") or node.get("dependencies")) and not assertions(
+                    node.get("patternProperties") or any(node.get(k) for k in (
+                        "dependencies", "dependentRequired", "dependentSchemas")) or _undeclared_required(node)
+            ) and not assertions(
                     node, "type", *OBJECT_KEYWORDS) and not exact:
                 # exact: object keywords apply to objects only; each type gets its own branch
                 # (no rule reads anyOf branches as written, so below a oneOf it waits)
@@ -345,6 +399,11 @@ class _Lowerer:
                 notes = {k: v for k, v in node.items() if k in NON_ASSERTIONS}
                 return {**notes, "anyOf": [{**without(node, *NON_ASSERTIONS), "type": "object"},
                                            {"type": others[0] if len(others) == 1 else others}]}, inlined
+            if node.get("uniqueItems") is True:
+                try:
+                    return unique_items(self, node, inlined), inlined  # exact (unique_items.py)
+                except Unmergeable:
+                    pass  # check_schema refuses it by name
             if is_object(node):
                 rewritten = object_rules(self, node, inlined, exact)
                 if rewritten is not node:
@@ -367,13 +426,17 @@ class _Lowerer:
     def merge(self, a: Any, b: Any, inlined: frozenset[str]) -> Any:
         """allOf [a, b] as one schema: references inlined, anyOf/oneOf distributed."""
         a, b = self.plain(a, inlined), self.plain(b, inlined)
-        for x, y in ((a, b), (b, a)):
+        if all(isinstance(x, dict) and any(k in x for k in ("if", "then", "else")) for x in (a, b)):
+            # two conditions do not merge as keywords: one of them as its cases (conditionals.py)
+            a = self.plain(if_then_else(self, a, inlined), inlined)
+        for first, (x, y) in ((True, (a, b)), (False, (b, a))):
             if isinstance(x, dict):
                 comb = next((c for c in COMBINATORS if c in x), None)
                 if comb:
                     rest = without(x, comb)
-                    branches = [self.merge(self.merge(rest, br, inlined), y, inlined)
-                                for br in x[comb]]
+                    # (a's keys first in every branch: the properties keep their written order)
+                    branches = [self.merge(self.merge(rest, br, inlined), y, inlined) if first else
+                                self.merge(y, self.merge(rest, br, inlined), inlined) for br in x[comb]]
                     return combinator(comb, branches)
         return merge(a, b, self.keep_valid)
 
@@ -406,7 +469,9 @@ class _Lowerer:
         rest = {k: v for k, v in node.items() if k != comb and k not in NON_ASSERTIONS}
         notes = {k: v for k, v in node.items() if k in NON_ASSERTIONS}
         out = combinator(comb, [self.merge(rest, br, inlined) for br in node[comb]])
-        return {**notes, **out} if isinstance(out, dict) and comb in out else out
+        # (one branch left is the node itself: it keeps the notes too, the root's definitions
+        # among them, or the references into them would no longer resolve)
+        return {**notes, **out} if isinstance(out, dict) else out
 
     def resolve(self, ref: str) -> Any:
         if ref == "#":
@@ -449,7 +514,9 @@ def _without_false_properties(node: Any, closing: bool, notes: list[str] | None)
         required = out.get("required") if isinstance(out.get("required"), list) else []
         ap = node.get("additionalProperties")
         kept = {n: s for n, s in props.items() if s is not False or n in required}
-        if ap is False or (closing and ap is None and closes({**node, "properties": kept}) and kept):
+        if other_names(node):  # its other keys leave the declared names out: absent it is
+            out["properties"] = kept
+        elif ap is False or (closing and ap is None and closes({**node, "properties": kept}) and kept):
             out["properties"] = kept
             out["additionalProperties"] = False
         elif notes is not None and all(s is not False for s in kept.values()) and not node.get("propertyNames"):

@@ -5,14 +5,20 @@ combinator or a `$ref`; lower.py rewrites those shapes into single schemas with 
 A merge is exact (the result accepts exactly what both accept) or it raises Unmergeable; it never
 approximates. The result may be `False` (nothing satisfies both).
 
-`$ref`s and combinators are not handled here: lower.py resolves and distributes them
-before it merges.
+Keywords both sides carry: bounds tightened, `required` joined, two `pattern`s as the one
+pattern of the strings both are found in (regex/product.py), two `not`s as one `not` of either,
+two dependency maps joined; a key one side requires and the other forbids leaves no object, so
+only the other types (or False). `$ref`s and combinators are not handled here: lower.py
+resolves and distributes them before it merges, and rewrites two `if`s into their cases.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Callable
+
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.product import both
 
 _NUMBER_LOWS = ("minimum", "minLength", "minItems", "minProperties")
 _NUMBER_HIGHS = ("maximum", "maxLength", "maxItems", "maxProperties")
@@ -22,6 +28,8 @@ _EQUAL_ONLY = ("pattern", "format", "multipleOf", "prefixItems", "patternPropert
                "contains", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
                "$ref", "anyOf", "oneOf", "allOf")
 _TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
+# (the mark of a lowered propertyNames, nodes.OTHER_NAMES; here for the merge's own check)
+OTHER_NAMES = "x-prescient-other-names"
 
 
 class Unmergeable(Exception):
@@ -43,6 +51,11 @@ def merge(a: Any, b: Any, literal_filter: Callable[[list, dict], list] | None = 
     if not isinstance(a, dict) or not isinstance(b, dict):
         raise Unmergeable("a subschema is not an object")
     for x, y in ((a, b), (b, a)):
+        names = x.get("propertyNames")
+        if isinstance(names, dict) and names.get(OTHER_NAMES) is True and (
+                set(y.get("properties") or {}) - set(x.get("properties") or {})):
+            # the lowering's other keys may have that name: declaring it would let it in twice
+            raise Unmergeable("a name declared beside keys the lowering wrote without it")
         if "$ref" in x and x != y and any(k not in ANNOTATIONS for k in y):
             # keywords written beside a `$ref` are ignored by drafts 4-7: the two stay apart,
             # for lower.py to resolve the reference and merge the target
@@ -60,6 +73,7 @@ def merge(a: Any, b: Any, literal_filter: Callable[[list, dict], list] | None = 
                 any(k in y for k in ("items", "prefixItems", "additionalItems")):
             raise Unmergeable("tuple items against items")
     out: dict = {}
+    no_string = False
     for key in dict.fromkeys([*a, *b]):
         if key not in b:
             out[key] = a[key]
@@ -68,12 +82,56 @@ def merge(a: Any, b: Any, literal_filter: Callable[[list, dict], list] | None = 
         elif a[key] == b[key]:
             out[key] = a[key]
         else:
-            out[key] = _merge_key(key, a, b, literal_filter)
+            try:
+                out[key] = _merge_key(key, a, b, literal_filter)
+            except _NoString:
+                no_string = True
+    if no_string:  # no string matches both patterns: the other types the two allow
+        out = _not_of_type(out, "string", _STRING_ONLY)
+        if out is False:
+            return False
     if "type" in out and out["type"] == []:
         return False
     if "properties" in a or "properties" in b:
-        _merge_object_keys(a, b, out, literal_filter)
+        try:
+            _merge_object_keys(a, b, out, literal_filter)
+        except _NoObject:
+            return not_an_object(out)
     return out
+
+
+class _NoObject(Exception):
+    """No object satisfies both sides (a key one requires, the other forbids)."""
+
+
+# keywords that say something about objects only: meaningless once objects are ruled out
+_OBJECT_ONLY = ("properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+                "minProperties", "maxProperties", "dependencies", "dependentRequired", "dependentSchemas",
+                "unevaluatedProperties")
+
+
+class _NoString(Exception):
+    """No string satisfies both sides (two patterns no string matches)."""
+
+
+_STRING_ONLY = ("pattern", "minLength", "maxLength", "format")
+
+
+def not_an_object(out: dict) -> Any:
+    """`out` for the instances that are not objects (what is left when no object satisfies it):
+    its other types, False when it has none. (A side without a type lets non-objects through
+    its object keywords, so they still match allOf of the two.)"""
+    return _not_of_type(out, "object", _OBJECT_ONLY)
+
+
+def _not_of_type(out: dict, kind: str, keywords: tuple) -> Any:
+    types = out.get("type", sorted(_TYPES - {"integer"}))
+    types = [types] if isinstance(types, str) else list(types)
+    left = [t for t in types if t != kind]
+    if not left:
+        return False
+    rest = {k: v for k, v in out.items() if k not in keywords}
+    return {**rest, "type": left[0] if len(left) == 1 else left}
 
 
 def _merge_key(key: str, a: dict, b: dict, literal_filter) -> Any:
@@ -102,9 +160,47 @@ def _merge_key(key: str, a: dict, b: dict, literal_filter) -> Any:
         if any(n in y and y[n] != v for n, v in x.items()):
             raise Unmergeable(f"two different '{key}' of one name")
         return {**x, **y}
+    if key == "not":
+        return _merge_nots(x, y)
+    if key == "pattern" and isinstance(x, str) and isinstance(y, str):
+        try:  # the strings both patterns are found in, as one pattern (regex/product.py)
+            out = both(x, y, search=True)
+        except RegexUnsupported as err:
+            raise Unmergeable(f"two patterns: {err}") from None
+        if out is None:
+            raise _NoString()  # other types may still match
+        return out
+    if key in ("dependencies", "dependentRequired", "dependentSchemas") and isinstance(x, dict) and isinstance(y, dict):
+        out = dict(x)
+        for name, dep in y.items():
+            if name not in out or out[name] == dep:
+                out[name] = dep
+            elif isinstance(out[name], list) and isinstance(dep, list):
+                out[name] = list(dict.fromkeys([*out[name], *dep]))  # both sets of names needed
+            elif isinstance(out[name], dict) and isinstance(dep, dict):
+                out[name] = {"allOf": [out[name], dep]}  # both schemas apply
+            else:
+                raise Unmergeable(f"two forms of the dependency of {name!r}")
+        return out
     if key in _EQUAL_ONLY:
         raise Unmergeable(f"two different '{key}'")
     return x  # annotations (title, description, ...): either one will do
+
+
+def _merge_nots(x: Any, y: Any) -> Any:
+    """`not: x` and `not: y` as one `not` (of either): one list of literals, one list of types,
+    or their anyOf."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        kx, ky = set(x) - ANNOTATIONS, set(y) - ANNOTATIONS
+        if kx | ky <= {"enum", "const"} and len(kx) == len(ky) == 1 and all(
+                isinstance(v, list) for v in (x.get("enum", []), y.get("enum", []))):
+            return {"enum": [*(x["enum"] if "enum" in x else [x["const"]]),
+                             *(y["enum"] if "enum" in y else [y["const"]])]}
+        if kx == ky == {"type"}:
+            tx, ty = ([t] if isinstance(t, str) else t for t in (x["type"], y["type"]))
+            if isinstance(tx, list) and isinstance(ty, list):
+                return {"type": list(dict.fromkeys([*tx, *ty]))}
+    return {"anyOf": [x, y]}
 
 
 def _merge_types(x: Any, y: Any) -> list[str]:
@@ -132,9 +228,9 @@ def _merge_object_keys(a: dict, b: dict, out: dict, literal_filter) -> None:
     for name, sub in list(props.items()):
         if sub is False:
             if name in required:
-                raise Unmergeable(f"required property {name!r} is forbidden by one side")
+                raise _NoObject(name)  # an object needs it and may not have it
             if out.get("additionalProperties", True) is not False:
-                raise Unmergeable(f"property {name!r} forbidden while other keys are allowed")
+                continue  # forbidden on an open object: lower.py's false-property rules take it
             del props[name]  # absent from a closed object: forbidden, as it should be
     out["properties"] = props
 

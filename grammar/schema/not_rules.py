@@ -8,10 +8,12 @@ xgrammar ignores `not`. The forms real schemas use that have an exact positive f
   `required_sets` gives the sets, and objects.py leaves out one name of each;
 - `not: {enum | const}` on a string without a pattern: a pattern matching every string but
   those (the complement of a finite set, built from the values' trie); on a string with a
-  pattern no value matches (searched), the `not` is already implied and is dropped;
+  pattern no value matches (searched), the `not` is already implied and is dropped; with a
+  pattern some value may match, the pattern's strings but those (regex/finite.py);
 - `not: {enum | const}` on integers: the range cut around the values (`anyOf` of ranges);
 - `not: {pattern: <one character or class>}` on a string without a pattern: no such
-  character anywhere.
+  character anywhere; any other `not: {pattern}` (beside a pattern or not): the strings the
+  pattern under `not` is not found in, as one pattern (regex/product.py).
 
 References under `not` are resolved first (lower.plain). Anything else is left for
 check_schema to refuse.
@@ -25,6 +27,8 @@ from typing import Any
 
 from prescient.grammar.regex.anchors import strip_anchors
 from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.finite import without_strings
+from prescient.grammar.regex.product import without_matches
 from prescient.grammar.regex.parser import Parser
 from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
 from prescient.grammar.schema.nodes import typed_object, without
@@ -83,9 +87,21 @@ def not_literals(lw, node: dict, inlined: frozenset[str]) -> Any:
     types = node.get("type")
     rest = without(node, "not")
     if keys == {"pattern"} or keys == {"pattern", "type"} and sub.get("type") in ("string", ["string"]):
-        if types not in ("string", ["string"]) or "pattern" in node:
-            raise Unmergeable("not pattern beside a pattern")
-        return {**rest, "pattern": _without_char(sub["pattern"])}
+        if types not in ("string", ["string"]):
+            raise Unmergeable("not pattern on something other than strings")
+        if "pattern" not in node:
+            try:
+                return {**rest, "pattern": _without_char(sub["pattern"])}
+            except Unmergeable:
+                pass  # the general product below
+        own, theirs = node.get("pattern"), sub["pattern"]
+        if not isinstance(theirs, str) or not isinstance(own, (str, type(None))):
+            raise Unmergeable("pattern is not a string")
+        try:  # the strings of the node's pattern the other is not found in (regex/product.py)
+            left = without_matches(own, theirs)
+        except RegexUnsupported as err:
+            raise Unmergeable(str(err)) from None
+        return False if left is None else {**rest, "pattern": left}
     values = _values(sub, keys)
     own = [types] if isinstance(types, str) else types
     theirs = sub.get("type")
@@ -97,14 +113,19 @@ def not_literals(lw, node: dict, inlined: frozenset[str]) -> Any:
         strings = [v for v in values if isinstance(v, str)]
         if "pattern" in node:
             pattern = node["pattern"]
-            if not all(v.isascii() for v in strings):
-                raise Unmergeable("non-ASCII values beside a pattern")
-            try:
-                if any(re.search(pattern, v) for v in strings):
-                    raise Unmergeable("a value the pattern allows")
-            except re.error as err:
-                raise Unmergeable(f"pattern: {err}") from None
-            return rest  # the pattern already keeps the values out
+            if not isinstance(pattern, str):
+                raise Unmergeable("pattern is not a string")
+            try:  # the values the pattern may allow (Python's search holds the engine's reading)
+                found = [v for v in strings if not v.isascii() or re.search(pattern, v)]
+            except re.error:
+                found = strings
+            if not found:
+                return rest  # the pattern already keeps the values out
+            try:  # the pattern's strings but those (regex/finite.py)
+                narrowed = without_strings(pattern, found)
+            except RegexUnsupported as err:
+                raise Unmergeable(str(err)) from None
+            return False if narrowed is None else {**rest, "pattern": narrowed}
         if not strings:
             return rest
         return {**rest, "pattern": f"^{_except_strings(strings)}$"}
@@ -113,6 +134,71 @@ def not_literals(lw, node: dict, inlined: frozenset[str]) -> Any:
                          and not isinstance(v, bool) and math.isfinite(v) and float(v).is_integer()})
         return _cut_range(rest, banned)
     raise Unmergeable("not enum on this type")
+
+
+_TYPES = ("string", "number", "integer", "boolean", "null", "array", "object")
+
+
+def not_values_by_type(lw, node: dict, inlined: frozenset[str]) -> Any:
+    """`{type: T (or none), not: {enum | const}}` with nothing else beside: for each type of T,
+    its values but the listed ones (exact), as an anyOf; Unmergeable where a type's rest is not
+    expressible (an array or object literal other than [] or {})."""
+    sub = lw.plain(node["not"], inlined)
+    if not isinstance(sub, dict):
+        raise Unmergeable("not of a boolean")
+    keys = set(sub) - ANNOTATIONS
+    values = _values(sub, keys)
+    if "type" in sub:  # only the values of its types are excluded
+        values = lw.keep_valid(values, {"type": sub["type"]})
+    rest = without(node, "not")
+    if set(rest) - ANNOTATIONS - {"type", "definitions", "$defs"}:
+        raise Unmergeable("not of literals beside other keywords")
+    types = rest.get("type", list(_TYPES))
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not set(types) <= set(_TYPES):
+        raise Unmergeable("an unknown type")
+    branches = []
+    for t in dict.fromkeys(types):
+        banned = lw.keep_valid(values, {"type": t})
+        if not banned:
+            branches.append({"type": t})
+        elif t in ("string", "integer"):
+            branches.append(not_literals(lw, {"type": t, "not": {"enum": banned}}, inlined))
+        elif t == "number":
+            branches += _cut_numbers(banned)
+        elif t == "boolean":
+            left = [b for b in (False, True) if not any(v is b for v in banned)]
+            if left:
+                branches.append({"enum": left})
+        elif t == "array" and all(v == [] for v in banned):
+            branches.append({"type": "array", "minItems": 1})
+        elif t == "object" and all(v == {} for v in banned):
+            branches.append({"type": "object", "minProperties": 1})
+        elif t != "null":  # (null listed: no null is left)
+            raise Unmergeable(f"not of {t} literals")
+    branches = [b for b in branches if b is not False]
+    notes = {k: v for k, v in rest.items() if k != "type"}
+    if not branches:
+        return False
+    return {**notes, **branches[0]} if len(branches) == 1 else {**notes, "anyOf": branches}
+
+
+def _cut_numbers(banned: list) -> list[dict]:
+    """Numbers but the banned ones: the open intervals between them."""
+    points = sorted({float(v) for v in banned if isinstance(v, (int, float)) and not isinstance(v, bool)
+                     and math.isfinite(v)})
+    if not points:
+        return [{"type": "number"}]
+    pieces = [{"type": "number", "exclusiveMaximum": _plain_number(points[0])}]
+    for low, high in zip(points, points[1:]):
+        pieces.append({"type": "number", "exclusiveMinimum": _plain_number(low),
+                       "exclusiveMaximum": _plain_number(high)})
+    pieces.append({"type": "number", "exclusiveMinimum": _plain_number(points[-1])})
+    return pieces
+
+
+def _plain_number(x: float) -> int | float:
+    return int(x) if x.is_integer() else x
 
 
 def _values(sub: dict, keys: set) -> list:

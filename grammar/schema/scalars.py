@@ -11,6 +11,8 @@ from typing import Any
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.pattern import check_pattern
+from prescient.grammar.regex.errors import RegexUnsupported
+from prescient.grammar.regex.product import anchors_inside
 from prescient.grammar.schema.check import ASSERTIONS, STANDARD_FORMATS
 from prescient.grammar.schema.merge import ANNOTATIONS, Unmergeable
 from prescient.grammar.schema.regex_length import restrict_pattern
@@ -49,7 +51,8 @@ def pattern_with_length(lw, node: dict) -> Any:
 
 def pattern_anchors(node: dict) -> Any:
     """A pattern with anchors inside groups (`(^a|^b)$`): the same pattern without them where
-    whole-string matching makes them no-ops (exact), else Unmergeable."""
+    whole-string matching makes them no-ops, or restated without a `$` that ends the string
+    from inside (`(a($|/))*`; exact), else Unmergeable."""
     pattern = node["pattern"]
     try:
         check_pattern(pattern)
@@ -57,10 +60,19 @@ def pattern_anchors(node: dict) -> Any:
     except GrammarError as err:
         if err.feature != "pattern:anchor":
             return node
-    out = restrict_pattern(pattern, 0, None)
-    if out is None or not out.exact:
-        raise Unmergeable("anchors that are not no-ops")
-    return {**node, "pattern": out.pattern}
+    try:
+        out = restrict_pattern(pattern, 0, None)
+    except Unmergeable:
+        out = None
+    if out is not None and out.exact:
+        return {**node, "pattern": out.pattern}
+    try:  # `$` inside (`(a($|/))*`): the pattern restated without it (regex/product.py)
+        restated = anchors_inside(pattern)
+    except (RegexUnsupported, RecursionError):
+        raise Unmergeable("anchors that are not no-ops") from None
+    if restated is None:
+        raise Unmergeable("a pattern no string matches")  # (other types may match)
+    return {**node, "pattern": restated}
 
 
 def _length(node: dict, key: str, default: int) -> int:

@@ -127,7 +127,7 @@ CASES = [
      [], ['{"n": 1}'], "not required (a name left out)"),
     ("several patternProperties", {"type": "object", "patternProperties": {
         "^netdir_(work|share)$": {"type": "integer"}, "^net_[a-z]+[0-9]+$": {"type": "string"}}},
-     [], ['{"netdir_work": "x"}'], "patternProperties (one pattern's names)"),
+     ['{"netdir_work": 1, "net_a1": "x"}'], ['{"netdir_work": "x"}'], "patternProperties (only matching names)"),
     ("propertyNames by reference", {
         "definitions": {"dir": {"enum": ["north", "south"]}}, "type": "object",
         "propertyNames": {"$ref": "#/definitions/dir"}, "additionalProperties": {"type": "integer"}},
@@ -145,7 +145,8 @@ CASES = [
     ("patternProperties beside properties on an object open by its author", {
         "type": "object", "properties": {"FN": {"type": "string"}}, "required": ["FN"],
         "patternProperties": {"^X-": {"type": "string"}}, "additionalProperties": True},
-     [], ['{"FN": 1}', "{}"], "patternProperties (declared keys only)"),
+     ['{"FN": "x", "X-a": "y"}'], ['{"FN": 1}', "{}", '{"FN": "x", "X-a": 1}'],
+     "patternProperties (only matching names)"),
     ("a false property on an object open by its author", {
         "type": "object", "additionalProperties": True,
         "properties": {"src": {"type": "string"}, "type": False}},
