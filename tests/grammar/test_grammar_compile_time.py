@@ -202,7 +202,7 @@ def test_a_compile_past_the_limit_is_a_400_naming_the_limit(real_tokenizer):
     compiler = GrammarCompiler(real_tokenizer, CompilerConfig(time_limit_s=0.05))
 
     class Engine:
-        def grammar_compiler(self):
+        def grammar_compiler(self, backend="xgrammar"):
             return compiler
 
     # a long bounded repeat of a narrow class: xgrammar builds a mask per count, 0.5-1 s on 2 cores
