@@ -9,9 +9,8 @@ through a driver buffer and the call returns only once the copy is done.
 
 A ring of host buffers (8: a step makes a few uploads before its one read: the forward's, the
 sampling keys', one per penalised request, the KV moves') keeps a write from racing a copy still
-in flight; each records a CUDA event after its copy, and a buffer is written again only once its
-event has completed (in practice long since: the copy was queued eight uploads before, and each
-step's read waits for everything queued before it).
+in flight; each records a CUDA event after its copy, and a buffer whose copy has not completed
+is replaced by a fresh one rather than waited for (that wait would be a host sync).
 On a CPU device the "copy" is a clone: the views must not alias a buffer the next upload
 rewrites (a chunk split by layers keeps its batch across steps).
 """
@@ -43,7 +42,10 @@ class StagingBuffer:
         self._next = (i + 1) % len(self._bufs)
         event = self._events[i]
         if event is not None and not event.query():
-            event.synchronize()  # the copy from this buffer two uploads ago is still running
+            # the copy from this buffer (a ring ago) is still queued behind the GPU's work:
+            # waiting would be a host sync; a fresh buffer instead (torch's pinned allocator
+            # keeps the old block until its copy is done)
+            self._bufs[i] = None
         buf = self._bufs[i]
         if buf is None or buf.numel() < total:
             size = max(total, self._min, 2 * (buf.numel() if buf is not None else 0))
@@ -51,9 +53,9 @@ class StagingBuffer:
             self._bufs[i] = buf
         return i, buf
 
-    def upload(self, parts: Sequence[Sequence[int] | np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
-        """Each part (Python ints, a numpy array, or a host integer tensor) as a 1-D int64 tensor
-        on the device, all moved by one copy; the results are views of one device tensor."""
+    def _fill(self, parts: Sequence) -> tuple[int, torch.Tensor, list[int], int]:
+        """The parts written one after another into a host buffer: (its ring index, the buffer,
+        each part's size, their total)."""
         sizes = [p.numel() if isinstance(p, torch.Tensor) else len(p) for p in parts]
         total = sum(sizes)
         i, host = self._host(total)
@@ -66,36 +68,21 @@ class StagingBuffer:
                 else:
                     flat[offset:offset + n] = part
             offset += n
-        if self.pinned:
-            dev = host[:total].to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._events[i] = event
-        else:
-            dev = host[:total].clone()  # its own memory: the ring comes back to this buffer
-        self.num_uploads += 1
-        out, offset = [], 0
-        for n in sizes:
-            out.append(dev[offset:offset + n])
-            offset += n
-        return out
+        return i, host, sizes, total
 
+    def upload(self, parts: Sequence[Sequence[int] | np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
+        """Each part (Python ints, a numpy array, or a host integer tensor) as a 1-D int64 tensor
+        on the device, all moved by one copy; the results are views of one device tensor (its
+        own memory: the ring comes back to the host buffer)."""
+        sizes = [p.numel() if isinstance(p, torch.Tensor) else len(p) for p in parts]
+        dev = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
+        self.upload_into(parts, dev)
+        return list(dev.split(sizes))
 
     def upload_into(self, parts: Sequence, dst: torch.Tensor) -> None:
         """`upload`, written into `dst` (a 1-D int64 device tensor at least as long: a CUDA
         graph's static input) by the one copy instead of into a new tensor."""
-        sizes = [p.numel() if isinstance(p, torch.Tensor) else len(p) for p in parts]
-        total = sum(sizes)
-        i, host = self._host(total)
-        flat = host.numpy()
-        offset = 0
-        for part, n in zip(parts, sizes):
-            if n:
-                if isinstance(part, torch.Tensor):
-                    host[offset:offset + n] = part.reshape(-1)
-                else:
-                    flat[offset:offset + n] = part
-            offset += n
+        i, host, sizes, total = self._fill(parts)
         dst[:total].copy_(host[:total], non_blocking=self.pinned)
         if self.pinned:
             event = torch.cuda.Event()

@@ -109,7 +109,7 @@ def _without(node, trie: dict):
         if derivative is not None:
             rest = _without(derivative, trie[c])
             if rest is not None:
-                parts.append(cat([("char", _literal(c)), rest]))
+                parts.append(cat([("char", _code(c)), rest]))
     return alt(parts)
 
 
@@ -131,10 +131,6 @@ def _leaf_without(text: str, chars: list[str]) -> str | None:
 
 def _code(ch: str) -> str:
     return code_text(ord(ch))
-
-
-def _literal(ch: str) -> str:
-    return _code(ch)
 
 
 # --- enumeration ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from urllib.parse import unquote
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.pattern import check_pattern
 from prescient.grammar.schema.disjoint import Disjointness
-from prescient.grammar.schema.nodes import OTHER_NAMES
+from prescient.grammar.schema.merge import other_names
 
 # Dropped wherever they appear (verified: a violating instance is accepted).
 _DROPPED = (
@@ -261,7 +261,7 @@ class _Checker:
         props = node.get("properties") or {}
         names = node.get("propertyNames")
         # (one the lowering wrote for the keys beyond `properties`, objects.py, means just that)
-        if props and names is not None and not (isinstance(names, dict) and names.get(OTHER_NAMES) is True):
+        if props and names is not None and not other_names(node):
             raise GrammarError("'propertyNames' together with 'properties' is not supported "
                                "(xgrammar would not apply it to the declared names)",
                                feature="propertyNames+properties", path=path)

@@ -171,7 +171,7 @@ def _undeclared_required(node: dict) -> bool:
 
 
 def _without_marks(node: Any) -> Any:
-    """`node` without the lowering's own marks (nodes.OTHER_NAMES): only a propertyNames this
+    """`node` without the lowering's own marks (merge.OTHER_NAMES): only a propertyNames this
     lowering wrote may carry one, never a client's schema."""
     if isinstance(node, list):
         return [_without_marks(v) for v in node]

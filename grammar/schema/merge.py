@@ -28,8 +28,17 @@ _EQUAL_ONLY = ("pattern", "format", "multipleOf", "prefixItems", "patternPropert
                "contains", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
                "$ref", "anyOf", "oneOf", "allOf")
 _TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
-# (the mark of a lowered propertyNames, nodes.OTHER_NAMES; here for the merge's own check)
+# Marks a `propertyNames` the lowering wrote for the keys beyond `properties` only (what xgrammar
+# applies it to), so check_schema lets it stand beside declared names (objects.py). Its pattern
+# leaves out every name declared then: one may be dropped (a false schema), none added (below).
+# Here, not in nodes.py, since nodes imports this module.
 OTHER_NAMES = "x-prescient-other-names"
+
+
+def other_names(node: dict) -> bool:
+    """Whether `node`'s propertyNames is one the lowering wrote (OTHER_NAMES)."""
+    names = node.get("propertyNames")
+    return isinstance(names, dict) and names.get(OTHER_NAMES) is True
 
 
 class Unmergeable(Exception):
@@ -51,9 +60,7 @@ def merge(a: Any, b: Any, literal_filter: Callable[[list, dict], list] | None = 
     if not isinstance(a, dict) or not isinstance(b, dict):
         raise Unmergeable("a subschema is not an object")
     for x, y in ((a, b), (b, a)):
-        names = x.get("propertyNames")
-        if isinstance(names, dict) and names.get(OTHER_NAMES) is True and (
-                set(y.get("properties") or {}) - set(x.get("properties") or {})):
+        if other_names(x) and set(y.get("properties") or {}) - set(x.get("properties") or {}):
             # the lowering's other keys may have that name: declaring it would let it in twice
             raise Unmergeable("a name declared beside keys the lowering wrote without it")
         if "$ref" in x and x != y and any(k not in ANNOTATIONS for k in y):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prescient.grammar.schema.merge import OTHER_NAMES as MARK, Unmergeable
+from prescient.grammar.schema.merge import OTHER_NAMES, Unmergeable, other_names  # noqa: F401 (re-exported)
 
 COMBINATORS = ("anyOf", "oneOf")
 # Keywords whose values are instances, not subschemas: never walked as schemas.
@@ -13,16 +13,6 @@ NON_ASSERTIONS = frozenset({"title", "description", "default", "examples", "exam
                             "deprecated", "readOnly", "writeOnly", "$id", "id", "$schema",
                             "definitions", "$defs"})
 MAX_BRANCHES = 64
-# Marks a `propertyNames` the lowering wrote for the keys beyond `properties` only (what xgrammar
-# applies it to), so check_schema lets it stand beside declared names (objects.py). Its pattern
-# leaves out every name declared then: one may be dropped (a false schema), none added (merge.py).
-OTHER_NAMES = MARK
-
-
-def other_names(node: dict) -> bool:
-    """Whether `node`'s propertyNames is one the lowering wrote (OTHER_NAMES)."""
-    names = node.get("propertyNames")
-    return isinstance(names, dict) and names.get(OTHER_NAMES) is True
 
 
 def without(node: dict, *keys: str) -> dict:

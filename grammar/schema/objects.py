@@ -214,18 +214,7 @@ def _pattern_properties(lw, node: dict, patterns: dict, inlined: frozenset[str],
         # narrower: the declared keys only (the pattern's keys and any other left out)
         node = {**node, "additionalProperties": False}
     lw.note("patternProperties (declared keys only)")  # keys matching a pattern left out
-    props = dict(props)
-    for pattern, sub in patterns.items():
-        try:
-            regex = re.compile(pattern)
-        except re.error as err:
-            raise Unmergeable(f"pattern {pattern!r}: {err}") from None
-        for name in props:
-            if not name.isascii():
-                raise Unmergeable("a non-ASCII name (ECMA and Python classes differ)")
-            if regex.search(name):
-                props[name] = lw.merge(props[name], sub, inlined)
-    return {**node, "properties": props}
+    return {**node, "properties": _merge_matching(lw, props, patterns, inlined)}
 
 
 def _keys_by_pattern(lw, node: dict, patterns: dict, inlined: frozenset[str], exact: bool) -> Any:
@@ -236,7 +225,7 @@ def _keys_by_pattern(lw, node: dict, patterns: dict, inlined: frozenset[str], ex
       is every pattern's that finds it (and its declared one);
     - the other patterns must share one schema S: their keys become `additionalProperties: S`
       with `propertyNames` the union of the patterns but the declared names (regex/finite.py),
-      which xgrammar applies to the keys beyond `properties` only (nodes.OTHER_NAMES says so to
+      which xgrammar applies to the keys beyond `properties` only (merge.OTHER_NAMES says so to
       check_schema). The keys are those a pattern finds (JSON Schema's reading, not the
       whole-string one of a string's `pattern`), so every pattern of S finds a generated key,
       and no pattern of a few names does: those names are declared, and a name followed by a

@@ -27,18 +27,18 @@ import json
 import random
 import re
 
-import jsonschema
 import pytest
 import xgrammar as xgr
 from xgrammar.testing import _is_grammar_accept_string
 
-from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarError, GrammarSpec, GrammarTokenizer
+from prescient.grammar import GrammarError
 from prescient.grammar.regex.finite import finite_strings, without_strings
 from prescient.grammar.regex.product import anchors_inside, both, without_matches
 from prescient.grammar.schema.formats import EXACT
 from prescient.grammar.schema.lower import lower_schema
 from prescient.grammar.schema.merge import Unmergeable, merge
-from prescient.latency_bench.grammar_compliance import _WALK_STOP, _WALK_VOCAB, random_walk
+
+from .test_grammar_schema_rules2 import check_rule, walker  # noqa: F401  (the walker fixture)
 
 D7 = "http://json-schema.org/draft-07/schema#"
 MD5 = "0123456789abcdef0123456789abcdef"
@@ -207,41 +207,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def walker():
-    compiler = GrammarCompiler(GrammarTokenizer.from_vocab(_WALK_VOCAB, stop_token_ids=[_WALK_STOP]),
-                               CompilerConfig(time_limit_s=60.0))
-    yield compiler
-    compiler.close()
-
-
 @pytest.mark.parametrize("name,schema,valid,invalid,rule", CASES, ids=[c[0] for c in CASES])
 def test_rule_is_exact_and_every_walk_validates(walker, name, schema, valid, invalid, rule):
-    validator = jsonschema.validators.validator_for(schema)(schema)
-    for text in valid:
-        assert validator.is_valid(json.loads(text)), f"{name}: {text} is not a valid instance"
-    for text in invalid:
-        assert not validator.is_valid(json.loads(text)), f"{name}: {text} is a valid instance"
-    notes: list[str] = []
-    walker.prepare_schema(schema, narrowed=notes)
-    if rule is None:
-        assert notes == [], f"{name}: exact rule reported narrowed ({notes})"
-    else:
-        assert rule in notes, f"{name}: {rule!r} not reported ({notes})"
-    compiled = walker.compile(GrammarSpec("json_schema", json.dumps(schema)))
-    for text in valid:
-        assert _is_grammar_accept_string(compiled.handle.grammar, text), f"{name}: rejects valid {text}"
-    for text in invalid:
-        assert not _is_grammar_accept_string(compiled.handle.grammar, text), f"{name}: accepts invalid {text}"
-    rng = random.Random(11)
-    finished = 0
-    for _ in range(60):
-        text = random_walk(compiled.matcher(), rng, 300)
-        if text is None:
-            continue
-        finished += 1
-        assert validator.is_valid(json.loads(text)), f"{name}: walk {text!r} is invalid"
-    assert finished, f"{name}: no walk finished"
+    check_rule(walker, name, schema, valid, invalid, rule, seed=11, walks=60)
 
 
 @pytest.mark.parametrize("schema,feature", [
