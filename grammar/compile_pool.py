@@ -177,11 +177,11 @@ class CompilePool:
 
     def _run(self, proc, conn, spec: GrammarSpec) -> tuple:
         """The worker's answer, or a time-limit refusal once its compile has had `time_limit_s`
-        of its own run: CPU time (over its xgrammar threads) where /proc gives it, so a worker
+        of its own run: its CPU time (all threads summed: never looser than the wall clock on an
+        idle machine) where /proc gives it, so a worker
         starved by the engine's decoding (it runs at nice 10) is not refused for waiting on the
         CPU; wall time is a backstop (STARVED_WALL_FACTOR limits) and the rule without /proc."""
         limit = self._config.time_limit_s
-        threads = max(1, self._config.xgrammar_threads)
         cpu0 = _cpu_seconds(proc.pid)
         start = time.monotonic()
         wall_limit = limit * (STARVED_WALL_FACTOR if cpu0 is not None else 1.0)
@@ -195,7 +195,7 @@ class CompilePool:
                     raise _time_limit(limit)
                 if cpu0 is not None:
                     cpu = _cpu_seconds(proc.pid)
-                    if cpu is None or (cpu - cpu0) / threads >= limit:
+                    if cpu is None or cpu - cpu0 >= limit:
                         raise _time_limit(limit)
         except (EOFError, OSError):  # killed from outside: most likely out of memory
             raise GrammarError("the grammar compile's worker process died (out of memory?)",

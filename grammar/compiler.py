@@ -252,9 +252,12 @@ class GrammarCompiler:
             outer.set_exception(err) if err is not None else outer.set_result(done.result())
 
         def fall_back(first: Future) -> None:
-            if first.exception() is None:
+            err = first.exception()
+            if err is None:
                 outer.set_result(first.result())
-            else:  # refused (or crashed): xgrammar decides, its own refusal is the answer
+            elif isinstance(err, GrammarError) and err.feature != "llguidance":
+                outer.set_exception(err)  # prescient's own lowering refused it: so would xgrammar's path
+            else:  # llguidance refused (or crashed): xgrammar decides, its own refusal is the answer
                 self._xgrammar_future(spec).add_done_callback(copy)
 
         self._pool.submit(self.build_llguidance, spec).add_done_callback(fall_back)

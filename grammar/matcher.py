@@ -267,11 +267,17 @@ class BatchMaskFiller:
         if rows is not None and len(rows) != len(matchers):
             raise ValueError("rows and matchers differ in length")
         rows = list(range(len(matchers))) if rows is None else list(rows)
+        if len(matchers) < self.min_rows_for_threads:  # the usual case: each fills its row
+            for m, row in zip(matchers, rows):
+                m.fill_bitmask(bitmask, row)
+            return
         # xgrammar's batch takes its own matchers only; llguidance ones (llg_backend.py) fill alone
-        native = [i for i, m in enumerate(matchers) if isinstance(m.handle, xgr.GrammarMatcher)]
+        native, alone = [], []
+        for i, m in enumerate(matchers):
+            (native if isinstance(m.handle, xgr.GrammarMatcher) else alone).append(i)
         if len(native) < self.min_rows_for_threads:
-            native = []
-        for i in sorted(set(range(len(matchers))) - set(native)):
+            native, alone = [], range(len(matchers))
+        for i in alone:
             matchers[i].fill_bitmask(bitmask, rows[i])
         if native:
             self._batch.batch_fill_next_token_bitmask([matchers[i].handle for i in native], bitmask,
