@@ -118,6 +118,10 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_layers
+        # every forward keeps its hidden states in last_hidden (forward_head): set while an EAGLE
+        # head drafts for this model; one forward's rows at a time, read before the next
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.weights_mode = weights_mode
         wdtype = weights_dtype or dtype
         keep_blocks = self.device.type == "cpu" and fast_linear
@@ -201,7 +205,7 @@ class LlamaModel:
         h = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rope.tables(batch.positions)
         h = self._layers(h, batch, kv_caches, cos, sin, 0, self.num_layers)
-        return self._logits(self._rms_norm(h[batch.logits_indices], self.norm))
+        return self.forward_head(batch, h)
 
     @torch.inference_mode()
     def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,
@@ -218,8 +222,17 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward_head(self, batch: ForwardBatch, h: torch.Tensor) -> torch.Tensor:
-        """The logits [num_logits, vocab] of hidden states that went through every layer."""
+        """The logits [num_logits, vocab] of hidden states [num_tokens, hidden] that went
+        through every layer. With `keep_hidden` set, `last_hidden` keeps them (every row, before
+        the final norm): an EAGLE head drafts from them (speculative/eagle.py)."""
+        if self.keep_hidden:
+            self.last_hidden = h
         return self._logits(self._rms_norm(h[batch.logits_indices], self.norm))
+
+    def features(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, hidden] from `last_hidden` -> the features the LM head reads
+        (after the final norm), fp32 [n, hidden]."""
+        return self._rms_norm(h, self.norm).float()
 
     def _layers(self, h: torch.Tensor, batch: ForwardBatch, kv_caches, cos, sin, start: int, stop: int) -> torch.Tensor:
         cfg = self.config
@@ -246,6 +259,15 @@ class LlamaModel:
         return h
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [num_logits, hidden] -> logits [num_logits, vocab] float32 (float64 for float64).
+
+        A CPU kernel head is given fp32 activations (it converts them to its own input dtype
+        anyway, a few hundred values a row) so its fp32 sums reach the logits unrounded: logits
+        rounded to bf16 keep 8 bits of mantissa, and near-equal candidates tie. Measured on the
+        AVX2 tier, greedy SmolLM2 on "What is the capital of France?" had 'The' and 'L' tied
+        exactly in bf16 (0.08 apart in fp32) and the tie went to the lower id."""
+        if h.dtype == torch.bfloat16 and getattr(self.lm_head, "packed", None) is not None:
+            h = h.float()
         logits = self.lm_head(h)
         return logits if logits.dtype == torch.float64 else logits.float()
 
@@ -374,6 +396,8 @@ class CpuForward:
         h = model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = model.rope.tables(batch.positions)
         h = fused.forward(h, batch, cos, sin)
+        if model.keep_hidden:
+            model.last_hidden = h.clone()  # final_norm may work in h's buffer
         return model._logits(fused.final_norm(h, batch.logits_indices, model.norm))
 
     def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,

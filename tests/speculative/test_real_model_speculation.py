@@ -1,5 +1,5 @@
-"""The real default model in float32 on all shared workloads at their max_tokens: greedy with
-n-gram speculation emits exactly the plain greedy tokens. Slow (a few minutes on 2 cores)."""
+"""The real default model in float32 on each kind of shared workload: greedy with n-gram
+speculation emits exactly the plain greedy tokens. Slow (about half a minute on 2 cores)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,17 @@ def test_ngram_speculation_matches_plain_greedy_on_workloads(default_engine):
     spec_engine = sibling_engine(default_engine, speculate="ngram", calibrate="off")
     tok = default_engine.tokenizer
     mismatches = []
+    # the first workload of each kind, two of long_edit (it copies: drafts get accepted), at most
+    # 96 tokens: every kind's trees, at a third of the cost (the native and bf16 weights run all
+    # 11 workloads in tests/runtime/test_batch_invariance_real.py)
+    kinds: dict[str, int] = {}
+    for w in list(workloads):
+        kinds[w["workload"]] = kinds.get(w["workload"], 0) + 1
+        if kinds[w["workload"]] > (2 if w["workload"] == "long_edit" else 1):
+            workloads.remove(w)
     for w in workloads:
         ids = tok.apply_chat_template(w["messages"])
-        params = SamplingParams(temperature=0, max_tokens=w["max_tokens"])
+        params = SamplingParams(temperature=0, max_tokens=min(96, w["max_tokens"]))
         plain = plain_engine.generate([ids], params)[0]
         spec = spec_engine.generate([ids], params)[0]
         if plain != spec:
