@@ -2,6 +2,7 @@
 the speculation speedup per workload kind, plain and speculative interleaved per prompt.
 
     prescient bench spec-check [--dtype bfloat16]      # = python -m prescient.latency_bench.spec_check
+    prescient bench spec-check --speculate ngram,eagle --kinds chat
     prescient bench spec-check --speculate draft --weights bfloat16
         --draft-model self-int4,self-int8,early-exit --kinds chat --repeats 2 [--force-draft]
 
@@ -27,7 +28,8 @@ from prescient.latency_bench.suites import suite_parser
 def cli(argv: list[str] | None = None) -> int:
     parser = suite_parser("spec-check", __doc__, full_doc=True, dtype=True,
                           weights={"help": "the target's weights mode (EngineSpec.weights)"})
-    parser.add_argument("--speculate", default="ngram", choices=("ngram", "draft"), help="the proposer")
+    parser.add_argument("--speculate", default="ngram",
+                        help="the proposers, comma-separated (ngram, eagle, draft), each interleaved with plain")
     parser.add_argument("--draft-model", default=None,
                         help="for --speculate draft (EngineSpec.draft_model); comma-separated: several drafts, "
                         "each interleaved with plain decoding; 'early-exit' = none given")
@@ -40,12 +42,17 @@ def cli(argv: list[str] | None = None) -> int:
     base = EngineSpec(dtype=args.dtype, weights=args.weights)
     loaded = load_model(base)
     plain = build_engine(dataclasses.replace(base, speculate="off"), loaded)
-    drafts = [None] if args.speculate == "ngram" or args.draft_model is None else [
-        None if d == "early-exit" else d for d in args.draft_model.split(",")]
+    runs = []  # (name, proposer, draft model)
+    for method in args.speculate.split(","):
+        if method != "draft":
+            runs.append((method, method, None))
+            continue
+        drafts = [None] if args.draft_model is None else [
+            None if d == "early-exit" else d for d in args.draft_model.split(",")]
+        runs += [(draft or "early-exit", "draft", draft) for draft in drafts]
     engines = {}
-    for draft in drafts:
-        name = args.speculate if args.speculate == "ngram" else (draft or "early-exit")
-        spec = dataclasses.replace(base, speculate=args.speculate, draft_model=draft, force_draft=args.force_draft,
+    for name, method, draft in runs:
+        spec = dataclasses.replace(base, speculate=method, draft_model=draft, force_draft=args.force_draft,
                                    calibrate=args.calibrate)
         engines[name] = build_engine(spec, loaded)
     import numpy as np
@@ -90,7 +97,9 @@ def cli(argv: list[str] | None = None) -> int:
     for name, spec in engines.items():
         stats = spec.speculator.stats
         identical, matched, total = match[name]
-        print(f"{name}: mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.2f}; "
+        drafting = 1e3 * stats.draft_seconds / max(1, spec.num_steps)
+        print(f"{name}: mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.2f}, "
+              f"drafting {drafting:.2f} ms a step; "
               f"greedy match ({args.dtype}): {identical}/{len(workloads)} outputs identical, "
               f"{matched}/{total} plain tokens before the first divergence")
     return 0

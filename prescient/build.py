@@ -26,7 +26,8 @@ from prescient.runtime.loader import QUANTIZE
 from prescient.runtime.model import LlamaModel, ModelRunner, prepare_for_cpu
 from prescient.runtime.weights_cache import WEIGHTS, load_model_files
 
-SPECULATE = ("ngram", "draft", "off")
+# auto = eagle where the target has a trained head (shipped, or `prescient train-head`), else ngram
+SPECULATE = ("auto", "eagle", "ngram", "draft", "off")
 # how the speculator's verify-cost table is obtained (speculative/speculator.make_speculator):
 # idle = cached, else measured in the engine's idle moments; now = cached, else measured before
 # the engine is returned; fresh = measured now whatever is cached; off = the default table
@@ -47,7 +48,7 @@ class EngineSpec:
     weights: str = "native"
     quantize: str | None = None  # int8 (q8_0) | int4 (q4_1): a float checkpoint's linears, at load
     device: str = "cpu"
-    speculate: str = "ngram"
+    speculate: str = "auto"
     # for speculate="draft": a checkpoint path, self-int4 / self-int8 (the target's own weights
     # quantized at load), None = layer-truncated target
     draft_model: str | None = None
@@ -207,6 +208,42 @@ def _draft_config(spec: EngineSpec, loaded: LoadedModel):
     return DraftModelConfig(draft_model=draft, target_model=loaded.model)
 
 
+def eagle_refusal(spec: EngineSpec) -> str | None:
+    """Why this spec cannot draft with an EAGLE head, or None."""
+    if spec.tp > 1:
+        return "--speculate eagle with --tp > 1 is not supported (the head reads rank 0's features only)"
+    if spec.pd_split:
+        return "--speculate eagle with --pd-split is not supported (the prefill worker keeps the prompt's features)"
+    if not spec.device.startswith("cpu"):
+        return "--speculate eagle runs on the CPU path only for now (the CUDA graphs keep only logits)"
+    return None
+
+
+def speculate_method(spec: EngineSpec, model) -> str:
+    """The proposer `spec.speculate` means for this model: auto = eagle when the model has a
+    head and the spec allows it, else ngram; eagle without a head (or where refused) is an error."""
+    from prescient.speculative.eagle import has_head, head_path_for
+
+    if spec.speculate not in ("auto", "eagle"):
+        return spec.speculate
+    refusal = eagle_refusal(spec)
+    if spec.speculate == "auto":
+        return "eagle" if refusal is None and has_head(model) else "ngram"
+    if refusal is not None:
+        raise ValueError(refusal)
+    if not has_head(model):
+        raise ValueError(f"--speculate eagle: no head for this model at {head_path_for(model)}; "
+                         "train one with `prescient train-head` (or use --speculate ngram)")
+    return "eagle"
+
+
+def _eagle_config(model):
+    from prescient.speculative.eagle import EagleConfig, head_path_for
+    from prescient.speculative.ngram import NgramProposer
+
+    return EagleConfig(target_model=model, head_path=head_path_for(model), ngram=NgramProposer())
+
+
 def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: EngineConfig | None = None) -> Engine:
     """An Engine (with its speculator, unless speculate="off") for `spec`. `loaded` shares an
     already loaded model (its dtype and device must be the spec's); `config` replaces the
@@ -239,8 +276,14 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
         # a draft model is named by its path (it is loaded uncached, speculative/draft_model.py)
         key = None if loaded.identity is None else cache_key(
             f"{loaded.identity}|{spec.draft_model}", spec.speculate, block_size, spec.device)
-        draft_config = _draft_config(spec, loaded) if spec.speculate == "draft" else None
-        speculator = make_speculator(loaded.model, block_size, spec.speculate, spec.draft_model, loaded.tokenizer,
+        method = speculate_method(spec, loaded.model)
+        draft_config = _draft_config(spec, loaded) if method == "draft" else None
+        if method == "eagle":
+            draft_config = _eagle_config(loaded.model)
+            if spec.progress:
+                print(f"prescient: speculation: the EAGLE head {draft_config.head_path} with n-gram copies",
+                      file=sys.stderr, flush=True)
+        speculator = make_speculator(loaded.model, block_size, method, spec.draft_model, loaded.tokenizer,
                                      calibrate="off" if spec.calibrate == "off" else "idle", cache_key=key,
                                      use_cache=spec.calibrate != "fresh", proposer_config=draft_config)
         if draft_config is not None and spec.calibrate != "off":

@@ -45,8 +45,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "both in groups of 32 weights with one scale each (Q4_1 also a minimum); embeddings and "
                    "norms stay as they are; unset = no quantizing (an already quantized GGUF refuses it)")
     p.add_argument("--speculate", default=SPEC.speculate, choices=SPECULATE,
-                   help="speculative decoding proposer: ngram (n-gram / suffix index over the prompt "
-                   "and the session), draft (a draft model), off")
+                   help="speculative decoding proposer (every one lossless: the target verifies each "
+                   "token). eagle: a trained one-layer EAGLE head over the target's own features drafts "
+                   "trees of free text, and n-gram copies take over where the text repeats (needs the "
+                   "model's head: shipped, or `prescient train-head`); ngram: an n-gram / suffix index over "
+                   "the prompt, the session and the key's recent outputs; draft: a draft model "
+                   "(--draft-model); auto: eagle when the model has a head, else ngram; off: none")
     p.add_argument("--draft-model", default=None, help="the draft for --speculate draft: a checkpoint path "
                    "sharing the target's tokenizer; self-int4 / self-int8 = the target's own full depth with "
                    "its linears quantized at load to Q4_1 / Q8_0 (and its LM head to Q8_0): for a float target "
@@ -149,6 +153,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
 
+    sub.add_parser("train-head", help="train the EAGLE draft head for a model on its own outputs "
+                   "(`prescient train-head --help`)")
     sub.add_parser("bench", help="the benchmark suites (latency, agents, load, pd, tp, ...); "
                    "`prescient bench --help` lists them")
     return parser
@@ -178,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             from prescient.latency_bench.suites import dispatch
 
             return dispatch(argv[1:])
+        if argv[:1] == ["train-head"]:  # its own command line, as bench's suites
+            from prescient.train_head import main as train_head
+
+            return train_head(argv[1:])
         args = _parser().parse_args(argv)
         spec = engine_spec(args)
         if args.command == "serve":

@@ -106,6 +106,9 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
+        self._wants_hidden = bool(getattr(speculator, "wants_hidden", False))
+        if self._wants_hidden:
+            model.keep_hidden = True  # its forwards keep their hidden states for the proposer
         self.grammar_step = GrammarStep(model.config.vocab_size, self.eos_token_ids)
         self._grammar_compiler = None
         # a prefill/decode split's prefill worker (runtime/disaggregated.py): new prompts are
@@ -274,20 +277,27 @@ class Engine:
         # the forwards the step path plans (the CPU's keep decode/verify rows on the small-M path,
         # runtime/forward_plan.py; a GPU's is one); the one stage whose failure is everyone's
         # (AsyncEngine answers it for all)
-        logits = self._forward(seqs, trees)  # [num_logits, vocab]
+        # an EAGLE head drafts from the target's hidden states: each sequence's rows, kept
+        # until verification says which of them were accepted
+        hidden = [] if self._wants_hidden else None
+        logits = self._forward(seqs, trees, hidden)  # [num_logits, vocab]
+        if hidden is not None:
+            self.speculator.observe_hidden(seqs, trees, hidden)
         clock.lap("forward")
         self.num_steps += 1
         return failed + self._decide(seqs, trees, logits, masks, drafts.forced, clock=clock)
 
-    def _forward(self, seqs, trees) -> torch.Tensor:
+    def _forward(self, seqs, trees, hidden: list | None = None) -> torch.Tensor:
         """The step's target logits [num_logits, vocab]: the planned forwards of the step path,
-        through the CUDA graphs when they are on and the step fits one."""
+        through the CUDA graphs when they are on and the step fits one (not when `hidden`
+        asks for the rows' hidden states: a graph keeps only its logits)."""
         graphs = self._graphs
-        if graphs is not None:
+        if graphs is not None and hidden is None:
             logits = graphs.try_forward(seqs, trees, self.block_manager.block_size)
             if logits is not None:
                 return logits
-        return run_forward(self.model, self.kv_caches, seqs, trees, self.block_manager.block_size, self.path)
+        return run_forward(self.model, self.kv_caches, seqs, trees, self.block_manager.block_size, self.path,
+                           hidden=hidden)
 
     # Per-request fault boundaries. Everything between the scheduler and the commit is one
     # request's work except the forward: an exception there ends that request alone (an error

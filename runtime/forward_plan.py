@@ -93,15 +93,24 @@ def plan_one(seqs: list, trees: list) -> list[list[int]]:
     return groups + [rest] if rest else groups
 
 
-def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path=None) -> torch.Tensor:
+def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path=None,
+                hidden: list | None = None) -> torch.Tensor:
     """One step's target logits [num_logits, vocab], sequences in order (as one
     build_forward_batch forward would return them), computed in the planned forwards.
-    path: the engine's runtime/step_path object (its plan and its packing); None = the CPU's."""
+    path: the engine's runtime/step_path object (its plan and its packing); None = the CPU's.
+    hidden: a list to receive, per sequence, its rows' hidden states [rows, hidden] before the
+    final norm (a tree's in node order, a chunk's in token order), None where no forward ran
+    its last layer (a handoff, a chunk's middle layers); needs `model.keep_hidden`."""
     groups = path.plan(seqs, trees) if path is not None else plan(seqs, trees)
     pack = path.pack if path is not None else None
+    if hidden is not None:
+        hidden[:] = [None] * len(seqs)
     if len(groups) == 1 and len(groups[0]) == len(seqs) and not split(seqs[groups[0][0]]):
         batch = build_forward_batch(seqs, trees, block_size, model.device, pack=pack)
-        return model.forward(batch, kv_caches)
+        logits = model.forward(batch, kv_caches)
+        if hidden is not None:
+            _take_hidden(model, seqs, trees, range(len(seqs)), hidden)
+        return logits
     # per sequence: its logits rows (a handed-off prompt's came with it)
     parts: list[torch.Tensor | None] = [s.logits if precomputed(s) else None for s in seqs]
     for group in groups:
@@ -109,10 +118,14 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path
             logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack)
             if logits is not None:
                 parts[group[0]] = logits
+            if hidden is not None and seqs[group[0]].completes:
+                _take_hidden(model, seqs, trees, group, hidden)
             continue
         batch: ForwardBatch = build_forward_batch([seqs[i] for i in group], [trees[i] for i in group],
                                                   block_size, model.device, pack=pack)
         logits = model.forward(batch, kv_caches)  # [group's logits rows, vocab]
+        if hidden is not None:
+            _take_hidden(model, seqs, trees, group, hidden)
         row = 0
         for i in group:
             n = seq_logits(seqs[i], trees[i])
@@ -122,6 +135,19 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path
     if not kept:  # only a chunk's middle layers ran: no logits this step
         return torch.empty(0, model.config.vocab_size, dtype=torch.float32, device=model.device)
     return torch.cat(kept)
+
+
+def _take_hidden(model, seqs: list, trees: list, group, hidden: list) -> None:
+    """The last forward's hidden states (model.last_hidden, its sequences' rows in order) cut
+    into `hidden`'s entries for the sequences of `group`."""
+    h, row = model.last_hidden, 0
+    model.last_hidden = None
+    if h is None:
+        return
+    for i in group:
+        n = seq_rows(seqs[i], trees[i])
+        hidden[i] = h[row:row + n]
+        row += n
 
 
 def _forward_split(model, kv_caches, seq, block_size: int, pack=None) -> torch.Tensor | None:

@@ -5,6 +5,7 @@ speculative layer (speculative/speculator.py) implements it, and the builder (pr
 hands one to the engine. `Engine.step` calls, in order:
 
     drafts  = speculator.propose(seqs)                     # a tree (or None) and forced span per seq
+    speculator.observe_hidden(seqs, trees, hidden)         # only if speculator.wants_hidden
     results = speculator.verify(seqs, trees, logits, kv)   # a SeqResult (or None) per seq
     speculator.on_committed(request, first)                # after a step's tokens are committed
     speculator.release(request)                            # when a request ends
@@ -32,7 +33,14 @@ class Drafts:
 
 
 class Speculation(Protocol):
+    # True: the proposer drafts from the target's hidden states (an EAGLE head); the engine then
+    # runs its forwards with model.keep_hidden and hands each sequence's rows to observe_hidden
+    wants_hidden: bool
+
     def propose(self, seqs) -> Drafts: ...
+
+    def observe_hidden(self, seqs, trees: list[DraftTree | None],
+                       hidden: list[torch.Tensor | None]) -> None: ...  # per seq [rows, hidden] or None
 
     # path: the engine's runtime/step_path.DeviceStepPath on the device path (its uploads, its
     # counter-RNG keys, its one read), passed only there

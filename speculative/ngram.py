@@ -177,6 +177,7 @@ class NgramProposer:
         # session_id -> indexes of finished turns, oldest first (LRU order over sessions).
         self._sessions: OrderedDict[str, list[SequenceIndex]] = OrderedDict()
         self.pool = SharedSuffixPool(self.config.pool) if self.config.pool is not None else None
+        self._match_len: dict[str, int] = {}  # request -> its last proposal's longest match
 
     # -- Proposer hooks ----------------------------------------------------------------------
 
@@ -187,6 +188,7 @@ class NgramProposer:
         self._sync(request_id, session_id, token_ids)
 
     def on_request_finished(self, request_id: str) -> None:
+        self._match_len.pop(request_id, None)
         state = self._requests.pop(request_id, None)
         if state is None or state.session_id is None:
             return
@@ -264,9 +266,15 @@ class NgramProposer:
         if self.pool is not None and ctx.tenant is not None:
             paths += [(0.5 * 2.0 ** min(length, cfg.max_match), continuation)
                       for length, continuation in self.pool.drafts(ctx.tenant, own.tokens, budget)]
+        self._match_len[ctx.request_id] = sites[0][0] if sites else 0
         if not paths:
             return None
         return _best_first_tree(suffix[-1], paths, budget, cfg.depth_decay)
+
+    def last_match_len(self, request_id: str) -> int:
+        """The longest suffix match of the request's last proposal (0: none, or only the
+        shared pool's): how sure a copy is, for a proposer choosing between drafts."""
+        return self._match_len.get(request_id, 0)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -82,6 +82,7 @@ def make_proposer(name: str, config: Any = None) -> Proposer:
     # Importing the built-in proposers registers them; done here so that importing this module
     # stays cheap and cycle-free.
     import prescient.speculative.draft_model  # noqa: F401
+    import prescient.speculative.eagle  # noqa: F401
     import prescient.speculative.ngram  # noqa: F401
 
     try:

@@ -110,6 +110,10 @@ class Speculator:
         # may verify a sub-batch, or one request at a time after a failure: keyed by id, not by
         # position); every propose resets its requests' entries, release drops them
         self._forced: dict[str, int] = {}
+        # an EAGLE-style proposer reads the target's features: request -> (its rows' hidden
+        # states [rows, hidden], the first row's position), from observe_hidden to verify
+        self.wants_hidden = bool(getattr(proposer, "wants_hidden", False))
+        self._hidden: dict[str, tuple[torch.Tensor, int]] = {}
 
     def propose(self, seqs) -> Drafts:
         trees = self._proposer_trees(seqs)
@@ -164,6 +168,20 @@ class Speculator:
         self.stats.draft_seconds += time.perf_counter() - t0
         return tree if tree is not None and 1 < tree.num_nodes <= budget + 1 else None
 
+    def observe_hidden(self, seqs, trees: list[DraftTree | None], hidden: list[torch.Tensor | None]) -> None:
+        """The step's hidden states per sequence (run_forward's `hidden`): a chunk that does not
+        sample hands all its rows to the proposer now; a sampling one's wait for verify, which
+        knows which tree rows were accepted."""
+        feed = self.proposer.on_features
+        for seq, tree, h in zip(seqs, trees, hidden):
+            if h is None or not seq.request.params.speculate:
+                continue
+            request = seq.request
+            if seq.samples:
+                self._hidden[request.request_id] = (h, request.num_computed_tokens)
+            else:
+                feed(request.request_id, request.num_computed_tokens, h)
+
     def verify(self, seqs, trees: list[DraftTree | None], logits: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], path=None) -> list[SeqResult | None]:
         """logits: [num_logits, vocab], rows in batch order: a tree's nodes, or one row for a
@@ -192,6 +210,11 @@ class Speculator:
             src_slots += [self._slot(request, p) for p in src]
             dst_slots += [self._slot(request, p) for p in dst]
             self._record(request, tree, outcome, self._forced.get(request.request_id, 0))
+            held = self._hidden.pop(request.request_id, None)
+            if held is not None:  # the rows of the root and the accepted drafts, in depth order
+                h, start = held
+                self.proposer.on_features(request.request_id, start,
+                                          h[list(outcome.accepted_nodes)] if trees[i] is not None else h)
             results[i] = SeqResult(
                 tokens=outcome.tokens,
                 sources=[SOURCE_DRAFT] * outcome.num_accepted + [SOURCE_TARGET],
@@ -283,6 +306,7 @@ class Speculator:
         self.adaptive.forget(request.request_id)
         self._last_stamp.pop(request.request_id, None)
         self._forced.pop(request.request_id, None)
+        self._hidden.pop(request.request_id, None)
         learn = getattr(self.proposer, "learn_output", None)
         if learn is not None and request.params.tenant is not None and request.output_token_ids:
             learn(request.params.tenant, request.prompt_token_ids, request.output_token_ids)

@@ -25,7 +25,8 @@ def layer(module: str) -> str:
     if module == "prescient" or module.startswith(LEAVES):
         return "leaf"
     sub = module.split(".")[1]
-    return {"build": "build", "cli": "cli"}.get(sub, sub)
+    # a command beside the CLI: `prescient train-head` builds an engine
+    return {"build": "build", "cli": "cli", "train_head": "cli"}.get(sub, sub)
 
 
 def package_modules():

@@ -1,0 +1,162 @@
+"""The EAGLE head proposer on a tiny random float64 target: the drafting arithmetic equals the
+training forward row for row; the target's features reach the proposer for exactly the positions
+it computed (chunks, accepted tree paths); greedy output with the head equals plain decoding; a
+head trained for another target is refused; auto picks the head only where one exists."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from prescient.runtime.config import CacheConfig, SchedulerConfig
+from prescient.runtime.engine import Engine, EngineConfig
+from prescient.runtime.loader import load_checkpoint
+from prescient.runtime.model import LlamaModel
+from prescient.runtime.sampling_params import SamplingParams
+from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from prescient.speculative.eagle import EagleConfig, EagleProposer, fingerprint, lm_head_rows
+from prescient.speculative.eagle_head import EagleHead, HeadConfig, HeadRunner
+from prescient.speculative.ngram import NgramProposer
+from prescient.speculative.speculator import Speculator
+from tests.conftest import make_tiny_checkpoint
+from tests.runtime.test_model_reference import full_forward
+# one torch thread, and the tiny float64 target of the draft-model tests
+from tests.speculative.test_draft_model import one_thread, target  # noqa: F401
+
+VOCAB = 97
+
+
+def random_head(model: LlamaModel, seed: int = 0, vocab: int = 60) -> EagleHead:
+    torch.manual_seed(seed)
+    ids = torch.randperm(VOCAB)[:vocab].sort().values
+    head = EagleHead(HeadConfig.for_target(model.config, fingerprint(model), vocab), model.config, ids)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    return head
+
+
+@pytest.fixture(scope="module")
+def head_file(target, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("heads") / "tiny.safetensors")
+    random_head(target).save(path)
+    return path
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def test_drafting_rows_equal_the_training_forward(target):
+    """HeadRunner computing one row at a time over its own K/V gives forward_train's rows."""
+    head = random_head(target, seed=1)
+    runner = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32)
+    T, H = 9, target.config.hidden_size
+    torch.manual_seed(2)
+    embeds, feats = torch.randn(T, H), torch.randn(T, H)
+    with torch.no_grad():
+        ref = head.forward_train(embeds[None], feats[None], torch.arange(T))[0]
+    ks = torch.zeros(0, runner.kv_size)
+    vs = torch.zeros(0, runner.kv_size)
+    for t in range(T):
+        h, k, v, logits = runner.step(embeds[t:t + 1], feats[t:t + 1], torch.tensor([t]), ks, vs,
+                                      torch.ones(1, t + 1, dtype=torch.bool))
+        ks, vs = torch.cat([ks, k]), torch.cat([vs, v])
+        torch.testing.assert_close(h[0], ref[t], atol=1e-4, rtol=1e-4)
+    assert logits.shape == (1, head.cfg.draft_vocab)
+
+
+def engine_with(model, proposer) -> Engine:
+    config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=64),
+                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
+    speculator = None
+    if proposer is not None:
+        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=8, prior_acceptance=1.0,
+                                                      verify_cost={1: 1.0, 64: 1.0}))
+        speculator = Speculator(proposer, 8, adaptive)
+    return Engine(model, None, config, eos_token_ids=(2,), speculator=speculator)
+
+
+class Recording(EagleProposer):
+    """Keeps every feature hand-over, to check them against a reference forward."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.received: dict[str, list[tuple[int, torch.Tensor]]] = {}
+
+    def on_features(self, request_id, start, hidden):
+        self.received.setdefault(request_id, []).append((start, self.model.features(hidden)))
+        super().on_features(request_id, start, hidden)
+
+
+def test_features_reach_the_proposer_for_the_positions_computed(target, head_file):
+    """Prompts longer than a chunk (features in pieces), then verify steps (root + accepted
+    nodes): every hand-over is the target's feature at those positions, and together they cover
+    every position of the finished sequence but the last."""
+    proposer = Recording(EagleConfig(target_model=target, head_path=head_file, top_k=2, max_depth=3))
+    engine = engine_with(target, proposer)
+    prompts = [random_tokens(n, 70 + n) for n in (5, 37)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for prompt in prompts:
+        r = engine.add_request(prompt, params)
+        outs[r.request_id] = r
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert proposer.num_head_trees > 0
+    for rid, request in outs.items():
+        seq = list(request.prompt_token_ids) + list(request.output_token_ids)
+        target.keep_hidden = True
+        try:
+            full_forward(target, seq)
+            ref = target.features(target.last_hidden)  # [len(seq), hidden]
+        finally:
+            target.keep_hidden = False
+        covered = set()
+        for start, f in proposer.received[rid]:
+            torch.testing.assert_close(f, ref[start:start + f.shape[0]], atol=1e-5, rtol=1e-5)
+            covered.update(range(start, start + f.shape[0]))
+        assert covered == set(range(len(seq) - 1))
+
+
+@pytest.mark.parametrize("top_k,with_ngram", [(1, False), (3, False), (3, True)])
+def test_greedy_with_the_head_equals_plain(target, head_file, top_k, with_ngram):
+    prompts = [random_tokens(n, 30 + n) for n in (4, 21, 45)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = engine_with(target, None).generate(prompts, params)
+    proposer = EagleProposer(EagleConfig(target_model=target, head_path=head_file, top_k=top_k,
+                                         ngram=NgramProposer() if with_ngram else None, ngram_min_match=2))
+    engine = engine_with(target, proposer)
+    assert engine.generate(prompts, params) == plain
+    assert engine.speculator.stats.num_draft_tokens > 0
+    assert proposer.num_head_trees > 0
+    assert not proposer._states  # every request's state went with it
+
+
+def test_a_head_for_another_target_is_refused(target, tmp_path):
+    other = LlamaModel(*(lambda c: (c.config, c.weights))(load_checkpoint(str(
+        make_tiny_checkpoint(tmp_path / "other", seed=5, num_hidden_layers=2)))), dtype=torch.float64)
+    path = str(tmp_path / "other.safetensors")
+    random_head(other).save(path)
+    with pytest.raises(ValueError, match="trained for"):
+        EagleProposer(EagleConfig(target_model=target, head_path=path))
+    with pytest.raises(FileNotFoundError, match="train-head"):
+        EagleProposer(EagleConfig(target_model=target, head_path=str(tmp_path / "absent.safetensors")))
+
+
+def test_auto_takes_the_head_only_where_there_is_one(target, monkeypatch, head_file):
+    from prescient import build
+    from prescient.speculative import eagle
+
+    spec = build.EngineSpec(speculate="auto")
+    monkeypatch.setattr(eagle, "head_path_for", lambda model: "/nonexistent/head.safetensors")
+    assert build.speculate_method(spec, target) == "ngram"
+    with pytest.raises(ValueError, match="train-head"):
+        build.speculate_method(build.EngineSpec(speculate="eagle"), target)
+    monkeypatch.setattr(eagle, "head_path_for", lambda model: head_file)
+    assert build.speculate_method(spec, target) == "eagle"
+    assert build.speculate_method(build.EngineSpec(speculate="auto", tp=2), target) == "ngram"
