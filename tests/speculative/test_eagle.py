@@ -10,20 +10,16 @@ import random
 import pytest
 import torch
 
-from prescient.runtime.config import CacheConfig, SchedulerConfig
-from prescient.runtime.engine import Engine, EngineConfig
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from prescient.speculative.eagle import EagleConfig, EagleProposer, fingerprint, lm_head_rows
 from prescient.speculative.eagle_head import EagleHead, HeadConfig, HeadRunner
 from prescient.speculative.ngram import NgramProposer
-from prescient.speculative.speculator import Speculator
 from tests.conftest import make_tiny_checkpoint
 from tests.runtime.test_model_reference import full_forward
 # one torch thread, and the tiny float64 target of the draft-model tests
-from tests.speculative.test_draft_model import one_thread, target  # noqa: F401
+from tests.speculative.test_draft_model import engine_with, one_thread, target  # noqa: F401
 
 VOCAB = 97
 
@@ -70,17 +66,6 @@ def test_drafting_rows_equal_the_training_forward(target):
     assert logits.shape == (1, head.cfg.draft_vocab)
 
 
-def engine_with(model, proposer) -> Engine:
-    config = EngineConfig(cache=CacheConfig(block_size=8, num_blocks=64),
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16))
-    speculator = None
-    if proposer is not None:
-        adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=8, prior_acceptance=1.0,
-                                                      verify_cost={1: 1.0, 64: 1.0}))
-        speculator = Speculator(proposer, 8, adaptive)
-    return Engine(model, None, config, eos_token_ids=(2,), speculator=speculator)
-
-
 class Recording(EagleProposer):
     """Keeps every feature hand-over, to check them against a reference forward."""
 
@@ -94,7 +79,7 @@ class Recording(EagleProposer):
 
 
 def test_features_reach_the_proposer_for_the_positions_computed(target, head_file):
-    """Prompts longer than a chunk (features in pieces), then verify steps (root + accepted
+    """Prompts longer than a chunk of 32 (features in pieces), then verify steps (root + accepted
     nodes): every hand-over is the target's feature at those positions, and together they cover
     every position of the finished sequence but the last."""
     proposer = Recording(EagleConfig(target_model=target, head_path=head_file, top_k=2, max_depth=3))
