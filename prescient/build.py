@@ -286,7 +286,7 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
         speculator = make_speculator(loaded.model, block_size, method, spec.draft_model, loaded.tokenizer,
                                      calibrate="off" if spec.calibrate == "off" else "idle", cache_key=key,
                                      use_cache=spec.calibrate != "fresh", proposer_config=draft_config)
-        if draft_config is not None and spec.calibrate != "off":
+        if method == "draft" and spec.calibrate != "off":
             from prescient.speculative.draft_gate import check_draft_pays
             from prescient.speculative.draft_model import draft_label
 

@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=str(PROMPTS), help="JSONL of {'messages': [...]} (default: the bundled set)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled output (the other is greedy)")
+    p.add_argument("--temperature", type=float, default=0.7, help="of the sampled outputs (the other is greedy)")
+    p.add_argument("--samples", type=int, default=1, help="sampled outputs per prompt, beside the greedy one")
     p.add_argument("--max-num-seqs", type=int, default=16, help="generation batch")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--epochs", type=int, default=8)
@@ -75,9 +76,10 @@ def _make_data(args, loaded, fingerprint: str, data_meta: dict, timings: dict) -
                       max_queue_wait_s=float("inf"))
     engine = build_engine(spec, loaded)
     t = time.perf_counter()
-    _log(f"generating: {len(prompts)} prompts x (greedy, sampled at T={args.temperature}), "
+    _log(f"generating: {len(prompts)} prompts x (greedy, {args.samples} sampled at T={args.temperature}), "
          f"up to {args.max_new_tokens} tokens each")
-    samples = generate_outputs(engine, prompts, args.max_new_tokens, args.temperature, args.seed)
+    samples = generate_outputs(engine, prompts, args.max_new_tokens, args.temperature, args.seed,
+                               samples=args.samples)
     timings["generate_s"] = time.perf_counter() - t
     del engine  # its KV cache
     t = time.perf_counter()
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     fingerprint = target_id(loaded.model)
     timings["load_s"] = time.perf_counter() - t
     data_meta = {"prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-                 "temperature": args.temperature}
+                 "temperature": args.temperature, "samples": args.samples}
     if args.load_data:
         seqs, data_meta = load_data(args.load_data, fingerprint)
         _log(f"{len(seqs)} sequences loaded from {args.load_data}")
@@ -148,10 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     head.save(str(out), _meta(args, argv, head, seqs, data_meta, history, scale, timings))
     _log(f"head saved to {out} ({', '.join(f'{k} {v:.1f} s' for k, v in timings.items())})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

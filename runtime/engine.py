@@ -106,9 +106,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.speculator = speculator  # proposes + verifies draft trees; None = plain decoding
+        # the forwards keep their rows' hidden states for the proposer (run_forward's hidden)
         self._wants_hidden = bool(getattr(speculator, "wants_hidden", False))
-        if self._wants_hidden:
-            model.keep_hidden = True  # its forwards keep their hidden states for the proposer
         self.grammar_step = GrammarStep(model.config.vocab_size, self.eos_token_ids)
         self._grammar_compiler = None
         # a prefill/decode split's prefill worker (runtime/disaggregated.py): new prompts are
@@ -278,7 +277,8 @@ class Engine:
         # runtime/forward_plan.py; a GPU's is one); the one stage whose failure is everyone's
         # (AsyncEngine answers it for all)
         # an EAGLE head drafts from the target's hidden states: each sequence's rows, kept
-        # until verification says which of them were accepted
+        # until verification says which of them were accepted (a failure there is the
+        # proposer's, per request: the speculator drops that request's draft state)
         hidden = [] if self._wants_hidden else None
         logits = self._forward(seqs, trees, hidden)  # [num_logits, vocab]
         if hidden is not None:

@@ -100,11 +100,22 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path
     path: the engine's runtime/step_path object (its plan and its packing); None = the CPU's.
     hidden: a list to receive, per sequence, its rows' hidden states [rows, hidden] before the
     final norm (a tree's in node order, a chunk's in token order), None where no forward ran
-    its last layer (a handoff, a chunk's middle layers); needs `model.keep_hidden`."""
+    its last layer (a handoff, a chunk's middle layers); the forwards run with
+    `model.keep_hidden` set (and only they: another engine may share the model)."""
     groups = path.plan(seqs, trees) if path is not None else plan(seqs, trees)
     pack = path.pack if path is not None else None
     if hidden is not None:
         hidden[:] = [None] * len(seqs)
+        model.keep_hidden, model.last_hidden = True, None
+        try:
+            return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, hidden)
+        finally:
+            model.keep_hidden, model.last_hidden = False, None
+    return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, None)
+
+
+def _run_groups(model, kv_caches, seqs: list, trees: list, block_size: int, groups, pack,
+                hidden: list | None) -> torch.Tensor:
     if len(groups) == 1 and len(groups[0]) == len(seqs) and not split(seqs[groups[0][0]]):
         batch = build_forward_batch(seqs, trees, block_size, model.device, pack=pack)
         logits = model.forward(batch, kv_caches)
@@ -166,4 +177,6 @@ def _forward_split(model, kv_caches, seq, block_size: int, pack=None) -> torch.T
         request.chunk_state = (batch, h)
         return None
     request.chunk_state = None
+    if model.keep_hidden:
+        model.last_hidden = h  # forward_head keeps it too, when the chunk samples
     return model.forward_head(batch, h) if seq.samples else None

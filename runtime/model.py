@@ -118,8 +118,8 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_layers
-        # every forward keeps its hidden states in last_hidden (forward_head): set while an EAGLE
-        # head drafts for this model; one forward's rows at a time, read before the next
+        # every forward keeps its hidden states in last_hidden (forward_head): set by run_forward
+        # for the duration of a step whose proposer drafts from them (an EAGLE head)
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self.weights_mode = weights_mode

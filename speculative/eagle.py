@@ -123,6 +123,8 @@ class EagleProposer:
     def __init__(self, config: EagleConfig):
         self.config = config
         model = config.target_model
+        if not isinstance(getattr(model, "keep_hidden", None), bool):  # a TP model's ranks hold the rows
+            raise ValueError(f"an EAGLE head needs a model that keeps its hidden states, not a {type(model).__name__}")
         path = config.head_path or head_path_for(model)
         if not os.path.exists(path):
             raise FileNotFoundError(f"no EAGLE head at {path}; train one with `prescient train-head`")
@@ -158,9 +160,10 @@ class EagleProposer:
         if st.num_rows > keep:  # rows built on overwritten features
             st.num_rows = keep
             del st.row_tokens[keep:]
+        # past max_context, drop a quarter at once: a drop copies the buffers
         over = st.num_feats - self.config.max_context
         if over > 0:
-            self._drop_front(st, over)
+            self._drop_front(st, over + self.config.max_context // 4)
 
     def _drop_front(self, st: _State, n: int) -> None:
         st.feats = st.feats[n:st.num_feats].clone()
@@ -182,7 +185,8 @@ class EagleProposer:
         if budget <= 0:
             return None
         if self.ngram is not None:
-            tree = self.ngram.propose([ctx])[0]
+            tree = self.ngram.propose([ProposalContext(ctx.request_id, ctx.session_id, ctx.token_ids, budget,
+                                                       ctx.tenant)])[0]
             if tree is not None and self.ngram.last_match_len(ctx.request_id) >= self.config.ngram_min_match:
                 self.num_ngram_trees += 1
                 return tree

@@ -55,11 +55,13 @@ class HeadConfig:
 
 
 def target_fingerprint(cfg: ModelConfig, embed_row: torch.Tensor) -> str:
-    """Which target a head was trained on: its shape and a hash of one embedding row (the
-    weights, not the file name or the format they are held in: Q4_1 blocks and bf16 of the same
-    model agree to a few bits, so the row is rounded to 2 decimals first)."""
+    """Which target a head was trained on: its shape and a hash of one embedding row rounded to
+    bf16 (the weights, not the file's name). One checkpoint gives one fingerprint whatever
+    --weights and --dtype hold it in (a bf16 row, or an fp32 one rounded to bf16, has the same
+    bits); another checkpoint of the model (an fp32 original beside its Q8_0 GGUF) has other
+    embedding values, so it needs its own head, trained on it."""
     shape = f"{cfg.architecture}:{cfg.vocab_size}x{cfg.hidden_size}x{cfg.num_layers}"
-    row = torch.round(embed_row.float() * 100).to(torch.int32).numpy().tobytes()
+    row = embed_row.detach().float().cpu().to(torch.bfloat16).view(torch.int16).numpy().tobytes()
     return shape + ":" + hashlib.sha256(row).hexdigest()[:16]
 
 
@@ -133,7 +135,11 @@ def load_head(path: str, rope_config: ModelConfig) -> tuple[EagleHead, dict]:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     cfg = HeadConfig(**json.loads(info["config"]))
     head = EagleHead(cfg, rope_config, tensors.pop("draft_ids"))
-    head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    missing, unexpected = head.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    missing = [k for k in missing if k != "draft_ids"]  # loaded apart (int32 in the file)
+    if missing or unexpected:
+        raise ValueError(f"{path}: the head's tensors do not match its config (missing {missing}, "
+                         f"unexpected {unexpected})")
     return head.eval(), json.loads(info.get("meta", "{}"))
 
 

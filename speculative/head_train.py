@@ -81,17 +81,19 @@ class Sample:
 
 
 def generate_outputs(engine, prompts: list[list[int]], max_new_tokens: int = 128, temperature: float = 0.7,
-                     seed: int = 0, progress: bool = True) -> list[Sample]:
-    """Per prompt the target's greedy output and one sampled at `temperature` (seed `seed + i`
-    for prompt i, so a rerun draws the same), batched through the engine. -> Samples in prompt
-    order, greedy first; a request that fails is left out with a warning."""
+                     seed: int = 0, progress: bool = True, samples: int = 1) -> list[Sample]:
+    """Per prompt the target's greedy output and `samples` sampled at `temperature` (seeds
+    derived from `seed` and the prompt's index, so a rerun draws the same), batched through the
+    engine. -> Samples in prompt order, greedy first; a request that fails is left out with a
+    warning."""
     from prescient.runtime.sampling_params import SamplingParams
 
     jobs = deque()
     for i, ids in enumerate(prompts):
         jobs.append((i, "greedy", ids, SamplingParams(max_tokens=max_new_tokens, temperature=0.0)))
-        jobs.append((i, "sampled", ids, SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                                                       seed=seed + i)))
+        for j in range(samples):  # sample j of prompt i: seed + i + j * len(prompts), all distinct
+            jobs.append((i, "sampled", ids, SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                                                           seed=seed + i + j * len(prompts))))
     total = len(jobs)
     # at most a batch in flight: a queue deeper than the batch would wait, and the engine fails
     # requests that wait past max_queue_wait_s

@@ -172,7 +172,6 @@ class Speculator:
         """The step's hidden states per sequence (run_forward's `hidden`): a chunk that does not
         sample hands all its rows to the proposer now; a sampling one's wait for verify, which
         knows which tree rows were accepted."""
-        feed = self.proposer.on_features
         for seq, tree, h in zip(seqs, trees, hidden):
             if h is None or not seq.request.params.speculate:
                 continue
@@ -180,7 +179,17 @@ class Speculator:
             if seq.samples:
                 self._hidden[request.request_id] = (h, request.num_computed_tokens)
             else:
-                feed(request.request_id, request.num_computed_tokens, h)
+                self._feed(request.request_id, request.num_computed_tokens, h)
+
+    def _feed(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
+        """Hand features to the proposer; a failure costs that request its drafts only (its
+        draft state is dropped and rebuilt from later features), never the step."""
+        try:
+            self.proposer.on_features(request_id, start, hidden)
+        except Exception:
+            log.warning("the proposer failed to take request %s's features; its drafts start over", request_id,
+                        exc_info=True)
+            self.proposer.on_request_finished(request_id)
 
     def verify(self, seqs, trees: list[DraftTree | None], logits: torch.Tensor,
                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], path=None) -> list[SeqResult | None]:
@@ -213,8 +222,7 @@ class Speculator:
             held = self._hidden.pop(request.request_id, None)
             if held is not None:  # the rows of the root and the accepted drafts, in depth order
                 h, start = held
-                self.proposer.on_features(request.request_id, start,
-                                          h[list(outcome.accepted_nodes)] if trees[i] is not None else h)
+                self._feed(request.request_id, start, h[list(outcome.accepted_nodes)] if trees[i] is not None else h)
             results[i] = SeqResult(
                 tokens=outcome.tokens,
                 sources=[SOURCE_DRAFT] * outcome.num_accepted + [SOURCE_TARGET],

@@ -120,6 +120,8 @@ def test_greedy_with_the_head_equals_plain(target, head_file, top_k, with_ngram)
     assert engine.speculator.stats.num_draft_tokens > 0
     assert proposer.num_head_trees > 0
     assert not proposer._states  # every request's state went with it
+    # only the head engine's own forwards kept hidden states: an engine sharing the model does not
+    assert target.keep_hidden is False and target.last_hidden is None
 
 
 def test_a_head_for_another_target_is_refused(target, tmp_path):
