@@ -24,6 +24,10 @@ Its measured gaps, each divided by the relative cost of the forward that produce
 seconds per unit of verify cost (`observe_gap`); the bound over that is the most a forward may
 cost, so the plan only considers totals m with cost(T0 + m) within every bounded request's
 slack (one forward serves the whole batch). Without measurements yet, no cap applies.
+
+Drafting itself is priced too (`draft_cost`, in 1-token forwards per request that drafts, which
+the speculator measures): free for an n-gram lookup, a tenth of a step or so for an EAGLE head's
+depths on a CPU, enough to tip a low-acceptance request to plain decoding.
 """
 
 from __future__ import annotations
@@ -79,6 +83,12 @@ class AdaptiveSpeculation:
         self.verify_cost = CostModel(self.config.verify_cost)
         self._long: tuple[int, int, CostModel] | None = None
         self._stats: dict[str, _RequestStats] = {}
+        # what drafting costs per request that drafts, in 1-token forwards (the speculator
+        # measures it: an n-gram lookup is ~0, an EAGLE head's depths are not)
+        self.draft_cost = 0.0
+
+    def set_draft_cost(self, cost: float) -> None:
+        self.draft_cost = max(0.0, float(cost))
 
     def set_verify_cost(self, table: Mapping[int, float], long_context: tuple[int, int, Mapping[int, float]] | None = None) -> None:
         """Install the engine's measured cost table (forward tokens -> cost / 1-token cost).
@@ -150,6 +160,9 @@ class AdaptiveSpeculation:
             order = np.argsort(-gains.ravel(), kind="stable")
             value = len(request_ids) + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
             cost = self.cost_many(num_base + np.arange(len(value)), context)
+            if self.draft_cost:  # each request among the first m drafts pays its drafting once
+                first = (order % cfg.max_draft_tokens) == 0  # a request's first draft comes first
+                cost = cost + self.draft_cost * np.concatenate([[0], np.cumsum(first)])
             ratio = value / cost
             ratio[1:][cost[1:] > allowed] = -np.inf  # m = 0 stays: the bound cannot ask for less
             best_m = int(np.argmax(ratio))  # the first maximum: fewer drafts on ties

@@ -105,6 +105,9 @@ class Speculator:
         self._last_recalibration = time.monotonic()
         self._proposed_at: float | None = None  # end of propose(): verify's start - this = the forward
         self._step_cost = 1.0  # relative cost of the last forward (for requests' ITL gaps)
+        # EMAs: seconds per unit of verify cost (batch-1 forwards), drafting seconds per request
+        self._unit_s: float | None = None
+        self._draft_s: float | None = None
         self._last_stamp: dict[str, float] = {}  # request -> its last delivery's engine time
         # request -> its tree's forced span length, set by propose, read by verify (the engine
         # may verify a sub-batch, or one request at a time after a failure: keyed by id, not by
@@ -147,7 +150,9 @@ class Speculator:
                 where.append(i)
         trees: list[DraftTree | None] = [None] * len(seqs)
         if contexts:
-            for i, ctx, tree in zip(where, contexts, self.proposer.propose(contexts)):
+            proposed = self.proposer.propose(contexts)
+            self._observe_drafting((time.perf_counter() - t0) / len(contexts))
+            for i, ctx, tree in zip(where, contexts, proposed):
                 if tree is not None and tree.num_nodes > 1:
                     if tree.num_nodes - 1 > ctx.max_draft_tokens:
                         raise RuntimeError(f"proposer exceeded its budget: {tree.num_nodes - 1} > {ctx.max_draft_tokens}")
@@ -289,6 +294,13 @@ class Speculator:
             return False
         return True
 
+    def _observe_drafting(self, seconds: float) -> None:
+        """One proposal's seconds per request: the planner's draft cost, in units of a 1-token
+        forward (once a forward has been timed)."""
+        self._draft_s = seconds if self._draft_s is None else 0.8 * self._draft_s + 0.2 * seconds
+        if self._unit_s:
+            self.adaptive.set_draft_cost(self._draft_s / self._unit_s)
+
     def _observe_forward(self, seqs, trees: list[DraftTree | None], now: float) -> None:
         """Time the forward that just ran (propose's end to verify's start): its relative cost,
         for the requests' ITL gaps, and at batch 1 a sample for the drift monitor."""
@@ -296,6 +308,10 @@ class Speculator:
         num_tokens = sum(t.num_nodes if t is not None else s.num_new_tokens for s, t in zip(seqs, trees))
         context = max((s.request.num_computed_tokens for s in seqs), default=0)
         self._step_cost = float(self.adaptive.cost_many(np.array([num_tokens]), context)[0])
+        if (started is not None and len(seqs) == 1 and seqs[0].samples and now > started
+                and num_tokens <= 32 and seqs[0].request.grammar is None):  # what the tables measure
+            unit = (now - started) / self._step_cost  # seconds per 1-token forward, by this one
+            self._unit_s = unit if self._unit_s is None else 0.8 * self._unit_s + 0.2 * unit
         drift = self.drift
         if drift is None or started is None or len(seqs) != 1 or not seqs[0].samples or seqs[0].request.grammar:
             return  # a grammar's masks and several sequences are not what the tables measured

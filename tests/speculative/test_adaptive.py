@@ -170,3 +170,15 @@ def test_long_context_cost_shrinks_drafts():
     far = controller.cost_many(np.array([1, 8, 16]), context=100_000)
     assert far.tolist() == pytest.approx(controller.cost_many(np.array([1, 8, 16]), context=1024).tolist())
     assert (far >= 1.0).all()
+
+
+def test_drafting_that_costs_more_than_it_gains_is_planned_away():
+    """The planner prices drafting per request that drafts: at acceptance 0.5 a draft pays on a
+    flat verify cost when drafting is free, and not once drafting costs a whole step."""
+    adaptive = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=4, prior_acceptance=0.5,
+                                                  verify_cost={1: 1.0, 64: 1.0}))
+    assert adaptive.plan(["a"]) == [4]
+    adaptive.set_draft_cost(1.0)
+    assert adaptive.plan(["a"]) == [0]
+    adaptive.set_draft_cost(0.2)  # 1 + 0.5 + 0.25 + ... against 1.2: still worth it
+    assert adaptive.plan(["a"])[0] > 0
