@@ -36,6 +36,8 @@ def cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--force-draft", action="store_true", help="measure a draft the gate refuses")
     parser.add_argument("--kinds", default=None, help="comma-separated workload kinds (default: all)")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the workloads")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (0 = greedy; else seeded per prompt, the same seed in every mode)")
     parser.add_argument("--calibrate", default="now", choices=("now", "fresh"),
                         help="the speculators' cost tables (and a draft's acceptance): cached or measured now")
     args = parser.parse_args(argv)
@@ -71,11 +73,13 @@ def cli(argv: list[str] | None = None) -> int:
         workloads = [w for w in workloads if w.kind in args.kinds.split(",")]
     workloads = workloads * args.repeats
     match = {name: [0, 0, 0] for name in engines}  # identical outputs, tokens before divergence, plain tokens
-    for w in workloads:
+    for n, w in enumerate(workloads):
         ids = plain.tokenizer.apply_chat_template(list(w.messages))
         outputs = {}
         for name, engine in (("plain", plain), *engines.items()):
-            r = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=w.max_tokens))
+            params = SamplingParams(temperature=args.temperature, max_tokens=w.max_tokens,
+                                    seed=n if args.temperature > 0 else None)
+            r = engine.add_request(ids, params)
             while engine.has_unfinished_requests():
                 engine.step()
             outputs[name] = r.output_token_ids

@@ -114,3 +114,10 @@ def test_a_request_during_idle_calibration_waits_for_at_most_one_forward(tiny):
         assert speculator.calibration is None  # finished later, in idle moments
     finally:
         aengine.shutdown()
+
+
+def test_ratio_table_is_monotone_and_never_above_the_token_count():
+    from prescient.speculative.verify_cost import ratio_table
+
+    table = ratio_table({1: [1.0, 1.1], 2: [2.6, 2.35], 4: [1.9], 8: [3.0]})
+    assert table == {1: 1.0, 2: 2.0, 4: 2.0, 8: 3.0}
