@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from prescient.grammar.errors import GrammarError
+from prescient.grammar.llg_schema import for_llguidance
 from prescient.grammar.matcher import Matcher, allocate_bitmask
 from prescient.grammar.pattern import check_pattern
 
@@ -123,7 +124,7 @@ def compile_llguidance(spec: "GrammarSpec", tokenizer: "GrammarTokenizer", *, js
             schema = {}
         if schema is False or not isinstance(schema, dict):
             raise GrammarError("the llguidance backend needs an object schema", feature="llguidance")
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=json_options)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(for_llguidance(schema), defaults=json_options)
     elif spec.kind == "json_object":
         grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=json_options)
     else:  # regex, with xgrammar's ASCII meaning of \d \w \s (JSON Schema's, too)
