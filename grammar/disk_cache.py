@@ -56,6 +56,10 @@ class GrammarDiskCache:
         key = hashlib.sha256("\0".join((self.fingerprint, spec.kind, spec.source)).encode()).hexdigest()
         return self.folder / f"{key}.json"
 
+    def has(self, spec) -> bool:
+        """An earlier compile of `spec` is on disk (not counted as a hit or a miss)."""
+        return self._path(spec).exists()
+
     def load(self, spec) -> tuple[str, float, bool] | None:
         """(serialized grammar, compile seconds, forced_spans) of an earlier compile, or None."""
         path = self._path(spec)

@@ -141,8 +141,10 @@ def _parser() -> argparse.ArgumentParser:
                        "widest JSON-schema coverage, the fastest masks. llguidance (pip install "
                        "prescient[llguidance]): JSON schemas and regexes compile in milliseconds, masks "
                        "cost 2-4x more; what it cannot enforce exactly (tool calls, EBNF, some schema "
-                       "keywords, unknown formats) is refused with a 400. auto: llguidance when it accepts "
-                       "a JSON schema exactly, xgrammar for everything else")
+                       "keywords, unknown formats) is refused with a 400. auto (the default where "
+                       "llguidance is installed): llguidance when it accepts a JSON schema exactly, so a "
+                       "new schema waits milliseconds, xgrammar for everything else and, once it has "
+                       "compiled a schema in a worker, for that schema's later requests")
     serve.add_argument("--no-shared-pool", action="store_true",
                        help="n-gram drafts only from the request and its session, not from the recent outputs "
                        "of all sessions of the same API key")

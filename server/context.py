@@ -86,8 +86,9 @@ class ServerConfig:
     # The grammar engine (grammar/compiler.py CompilerConfig.backend): "xgrammar", "llguidance"
     # (faster compiles, slower masks, refuses what it cannot enforce exactly: tool calls, EBNF,
     # some JSON-schema keywords) or "auto" (llguidance where it accepts a schema exactly, else
-    # xgrammar). `--grammar-backend`.
-    grammar_backend: str = "xgrammar"
+    # xgrammar; xgrammar then compiles it in a worker and serves its later requests: a new schema
+    # waits milliseconds, a recurring one gets xgrammar's cheaper masks). `--grammar-backend`.
+    grammar_backend: str = "auto" if llguidance_available() else "xgrammar"
 
     def __post_init__(self) -> None:
         for name in ("max_connections", "max_body_bytes", "max_frame_bytes", "ws_buffer_bytes",

@@ -23,7 +23,7 @@ from prescient.grammar import (
     tree_masks,
 )
 
-from .conftest import TOY_STOP, TOY_VOCAB
+from .conftest import TOY_STOP, TOY_VOCAB, accepts_text
 from .test_grammar_tree import reference_tree_masks
 
 pytest.importorskip("llguidance")
@@ -267,15 +267,15 @@ def test_batch_fill_with_both_kinds_of_matcher(toy_tokenizer):
 # --- what each mode compiles with -------------------------------------------------------------
 
 
-# llguidance's strict mode has no propertyNames (prescient's lowering passes it through): a
-# schema only xgrammar's path enforces
-KEYS_START_WITH_A = {"type": "object", "propertyNames": {"pattern": "^a"}}
+# llguidance's strict mode has no propertyNames, and prescient rewrites it only where it is a
+# pattern alone (llg_schema.py): a schema only xgrammar's path enforces
+ONLY_KEY_A = {"type": "object", "propertyNames": {"enum": ["a"]}}
 
 
 def test_llguidance_refuses_what_it_cannot_enforce_exactly(toy_tokenizer):
     c = GrammarCompiler(toy_tokenizer, CompilerConfig(backend="llguidance"))
     try:
-        for spec in (GrammarSpec("json_schema", json.dumps(KEYS_START_WITH_A)),
+        for spec in (GrammarSpec("json_schema", json.dumps(ONLY_KEY_A)),
                      GrammarSpec("ebnf", 'root ::= "a"'),
                      GrammarSpec("tool_calls", json.dumps([{"name": "f", "parameters": {"type": "object"}}]))):
             with pytest.raises(GrammarError, match="llguidance") as err:
@@ -318,7 +318,7 @@ def test_auto_takes_llguidance_for_a_plain_schema(auto):
 
 
 def test_auto_falls_back_to_xgrammar_where_llguidance_refuses(auto, toy_tokenizer):
-    grammar = auto.compile(GrammarSpec("json_schema", json.dumps(KEYS_START_WITH_A)))
+    grammar = auto.compile(GrammarSpec("json_schema", json.dumps(ONLY_KEY_A)))
     assert grammar.backend == "xgrammar"
     m = grammar.matcher()
     text = toy_tokenizer.encode('{"a": 1}')
@@ -372,3 +372,35 @@ def test_llguidance_walks_are_valid_json(schema):
         finished += 1
         jsonschema.validate(json.loads(text), schema)
     assert finished >= 3
+
+
+def test_auto_with_workers_serves_llguidance_first_then_xgrammar(real_tokenizer, tmp_path, monkeypatch):
+    """A new schema waits for llguidance's compile only; xgrammar compiles it in a worker and
+    serves the later requests (cheaper masks), and after a restart the disk's xgrammar compile
+    serves the first request at once."""
+    import time
+
+    monkeypatch.setenv("PRESCIENT_CACHE_DIR", str(tmp_path))
+    config = CompilerConfig(isolate=True, max_workers=1, time_limit_s=60, disk_cache_mb=16, backend="auto")
+    spec = GrammarSpec("json_schema", json.dumps(WEATHER))
+    text = '{"location": "Paris", "unit": "celsius"}'
+    c = GrammarCompiler(real_tokenizer, config)
+    try:
+        first = c.compile(spec)
+        assert first.backend == "llguidance"
+        deadline = time.monotonic() + 120  # a worker's start (~3 s) and the compile
+        later = c.compile(spec)
+        while later.backend != "xgrammar" and time.monotonic() < deadline:
+            time.sleep(0.1)
+            later = c.compile(spec)
+        assert later.backend == "xgrammar"
+        for grammar in (first, later):  # the matcher made before the switch keeps working
+            assert accepts_text(grammar.matcher(), real_tokenizer, text)
+            assert not accepts_text(grammar.matcher(), real_tokenizer, '{"location": 1}')
+    finally:
+        c.close()
+    again = GrammarCompiler(real_tokenizer, config)  # a restart
+    try:
+        assert again.compile(spec).backend == "xgrammar"
+    finally:
+        again.close()
