@@ -282,54 +282,36 @@ void y_idec(const int FMT, const int KIND, const int FULL, const uint8_t *g, int
     }
 }
 
+/* One (input row m, weight row r) pair over a group: its int8 dot products summed in int16 over
+ * the S steps (exact), widened, scaled and added to acc. Pairs one at a time, so a few registers
+ * are live: with the 2x4 pairs of a register block at once, GCC computed all 64 products first
+ * and spilled them (M=8 ran 27% slower). A pair's operations do not depend on M: a row's bits
+ * are the same alone or in a batch. */
 static inline __attribute__((always_inline))
-void y_iblock(const ytile_t *t, const uint8_t *xr, size_t ms, __m256 (*acc)[PQ_NR],
-              const int FMT, const int S, const int MR, const int NR)
+void y_iblock_row(const ytile_t *t, int r, const uint8_t *xr, __m256 *acc, const int FMT, const int S)
 {
     const size_t dxo = (size_t)S * 32, auxo = (size_t)(S + 1) * 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i dot[Y_MR][PQ_NR];
+    __m256i dot;
     if (Q32_L(FMT).nib) {
-        __m256i h[Y_MR][PQ_NR];
-        for (int m = 0; m < MR; m++)
-            for (int r = 0; r < NR; r++)
-                h[m][r] = _mm256_setzero_si256();
+        __m256i h = _mm256_setzero_si256();
         for (int s = 0; s < S; s++)
-            for (int m = 0; m < MR; m++) {
-                const __m256i xv = _mm256_load_si256((const __m256i *)(xr + m * ms + (size_t)s * 32));
-                for (int r = 0; r < NR; r++)
-                    h[m][r] = _mm256_add_epi16(h[m][r], _mm256_maddubs_epi16(t->w[r][s], xv));
-            }
-        for (int m = 0; m < MR; m++)
-            for (int r = 0; r < NR; r++) {
-                dot[m][r] = _mm256_madd_epi16(h[m][r], ones);
-                if (!Q32_L(FMT).has_m)
-                    dot[m][r] = _mm256_add_epi32(dot[m][r],
-                                                 _mm256_load_si256((const __m256i *)(xr + m * ms + auxo)));
-            }
+            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(t->w[r][s], _mm256_load_si256((const __m256i *)(xr + (size_t)s * 32))));
+        dot = _mm256_madd_epi16(h, ones);
+        if (!Q32_L(FMT).has_m)
+            dot = _mm256_add_epi32(dot, _mm256_load_si256((const __m256i *)(xr + auxo)));
     } else {
-        for (int m = 0; m < MR; m++)
-            for (int r = 0; r < NR; r++)
-                dot[m][r] = _mm256_setzero_si256();
-        for (int s = 0; s < S; s++)
-            for (int m = 0; m < MR; m++) {
-                const __m256i xv = _mm256_load_si256((const __m256i *)(xr + m * ms + (size_t)s * 32));
-                for (int r = 0; r < NR; r++) {
-                    const __m256i xs = _mm256_sign_epi8(xv, t->s[r][s]);
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(t->w[r][s], xs), ones);
-                    dot[m][r] = _mm256_add_epi32(dot[m][r], p);
-                }
-            }
-    }
-    for (int m = 0; m < MR; m++) {
-        const __m256 dx = _mm256_load_ps((const float *)(xr + m * ms + dxo));
-        for (int r = 0; r < NR; r++) {
-            __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m][r]), _mm256_mul_ps(t->dp[r], dx), acc[m][r]);
-            if (Q32_L(FMT).has_m)
-                a = _mm256_fmadd_ps(t->mp[r], _mm256_load_ps((const float *)(xr + m * ms + auxo)), a);
-            acc[m][r] = a;
+        dot = _mm256_setzero_si256();
+        for (int s = 0; s < S; s++) {
+            const __m256i xs = _mm256_sign_epi8(_mm256_load_si256((const __m256i *)(xr + (size_t)s * 32)), t->s[r][s]);
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(t->w[r][s], xs), ones));
         }
     }
+    const __m256 dx = _mm256_load_ps((const float *)(xr + dxo));
+    __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(t->dp[r], dx), *acc);
+    if (Q32_L(FMT).has_m)
+        a = _mm256_fmadd_ps(t->mp[r], _mm256_load_ps((const float *)(xr + auxo)), a);
+    *acc = a;
 }
 
 static inline __attribute__((always_inline))
@@ -337,18 +319,23 @@ void y_igroup(const pq_job_t *j, int n, const int FMT, const int KIND, const int
               const uint8_t *xg, size_t ms, const int NR, ytile_t *t, __m256 (*acc)[PQ_NR])
 {
     const int bb = Q32_L(FMT).bb, M = j->M, S = KIND == KIND_T ? 8 : 1;
+    if (M == 1) {  /* each row's products right after its decode: its vectors stay in registers */
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *g = j->w + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
+            y_prefetch(g, (size_t)nv * bb);
+            y_idec(FMT, KIND, FULL, g, nv, t, r);
+            y_iblock_row(t, r, xg, &acc[0][r], FMT, S);
+        }
+        return;
+    }
     for (int r = 0; r < NR; r++) {
         const uint8_t *g = j->w + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
         y_prefetch(g, (size_t)nv * bb);
         y_idec(FMT, KIND, FULL, g, nv, t, r);
     }
-    for (int m0 = 0; m0 < M; m0 += Y_MR) {
-        const uint8_t *xr = xg + (size_t)m0 * ms;
-        if (M - m0 == 1)
-            y_iblock(t, xr, ms, acc + m0, FMT, S, 1, NR);
-        else
-            y_iblock(t, xr, ms, acc + m0, FMT, S, 2, NR);
-    }
+    for (int r = 0; r < NR; r++)
+        for (int m = 0; m < M; m++)
+            y_iblock_row(t, r, xg + (size_t)m * ms, &acc[m][r], FMT, S);
 }
 
 static inline __attribute__((always_inline))
