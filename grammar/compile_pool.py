@@ -96,6 +96,11 @@ class CompilePool:
             self._add_worker()
         return future
 
+    def idle(self) -> bool:
+        """A worker is free and no job waits: a job submitted now delays nobody's."""
+        with self._lock:
+            return self._queued == 0 and self._idle > 0
+
     @property
     def ready_workers(self) -> int:
         """Workers up and able to take a compile at once (not those still importing)."""

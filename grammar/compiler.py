@@ -20,8 +20,8 @@ language (open_keys.py, rule_dedupe.py) before xgrammar compiles it.
 (llg_backend.py: the same prepared schema, compiled in-process on the thread pool in
 milliseconds, strict; kinds it cannot translate exactly are refused by name) or "auto" (llguidance
 first for JSON schemas and json_object, xgrammar, by its usual path, for whatever llguidance
-refuses and for regex, EBNF and tool calls; with worker processes, xgrammar also compiles what
-llguidance served and replaces it in the cache for later requests). Either way the result is a
+refuses and for regex, EBNF and tool calls; with worker processes, xgrammar also compiles a
+schema llguidance served once it recurs, and serves its later requests). Either way the result is a
 CompiledGrammar whose matchers share one interface.
 """
 
@@ -193,6 +193,7 @@ class GrammarCompiler:
             llg_tokenizer(tokenizer)  # its vocabulary scan (~0.6 s) now, not in the first compile
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._lock = threading.Lock()
+        self._upgrading: set[GrammarSpec] = set()  # auto: schemas xgrammar was asked to compile too
         self.hits = 0
         self.misses = 0
         self._builders = {
@@ -208,7 +209,8 @@ class GrammarCompiler:
         fresh = None
         with self._lock:
             future = self._cache.get(spec)
-            if future is not None:
+            hit = future is not None
+            if hit:
                 self.hits += 1
                 self._cache.move_to_end(spec)
             else:
@@ -220,6 +222,8 @@ class GrammarCompiler:
                 fresh = future
         if fresh is not None:  # outside the lock: a future already done runs the callback here
             fresh.add_done_callback(lambda f, spec=spec: self._forget_if_timed_out(spec, f))
+        if hit and self.config.backend == "auto":
+            self._maybe_upgrade(spec, future)
         limit = self.config.time_limit_s
         # in worker processes the limit runs on the compile itself (CompilePool); in-process
         # nothing can stop a compile, so the waiter's limit runs from submission. (An llguidance
@@ -245,11 +249,9 @@ class GrammarCompiler:
             return self._xgrammar_future(spec)
         if backend == "llguidance":
             return self._pool.submit(self.build_llguidance, spec)
-        # auto: llguidance (milliseconds, in-process); on its refusal, xgrammar's compile. With
-        # worker processes, xgrammar also compiles what llguidance served (nice'd, in a worker)
-        # and serves the later requests for it: its masks cost about a quarter of llguidance's
-        # (a tenth at p99, `prescient bench grammar-backends`), and a tool set or response
-        # format recurs. One xgrammar compiled before (the disk cache) serves at once.
+        # auto: llguidance (milliseconds, in-process); on its refusal, xgrammar's compile. A
+        # schema that recurs is then compiled by xgrammar too (_maybe_upgrade). One xgrammar
+        # compiled before (the disk cache) serves at once.
         if self.disk is not None and self.disk.has(spec):
             return self._xgrammar_future(spec)
         outer: Future = Future()
@@ -262,8 +264,6 @@ class GrammarCompiler:
             err = first.exception()
             if err is None:
                 outer.set_result(first.result())
-                if self._procs is not None:
-                    self._procs.submit(spec).add_done_callback(lambda done: self._upgrade(spec, outer, done))
             elif isinstance(err, GrammarError) and err.feature != "llguidance":
                 outer.set_exception(err)  # prescient's own lowering refused it: so would xgrammar's path
             else:  # llguidance refused (or crashed): xgrammar decides, its own refusal is the answer
@@ -272,10 +272,26 @@ class GrammarCompiler:
         self._pool.submit(self.build_llguidance, spec).add_done_callback(fall_back)
         return outer
 
+    def _maybe_upgrade(self, spec: GrammarSpec, served: Future) -> None:
+        """Under auto with worker processes, on a cache hit of a grammar llguidance served: the
+        schema recurs, so xgrammar compiles it too (nice'd, in a worker) and serves its later
+        requests, its masks costing about a quarter of llguidance's (a tenth at p99, `prescient
+        bench grammar-backends`). Only while a worker is idle and nothing is queued, so it never
+        delays a compile a request waits for; once per schema. Called outside self._lock."""
+        if self._procs is None or not served.done() or served.cancelled() or served.exception() is not None:
+            return
+        if served.result().backend != "llguidance" or not self._procs.idle():
+            return
+        with self._lock:
+            if spec in self._upgrading:
+                return
+            self._upgrading.add(spec)
+        self._procs.submit(spec).add_done_callback(lambda done: self._upgrade(spec, served, done))
+
     def _upgrade(self, spec: GrammarSpec, served: Future, xgrammar: Future) -> None:
-        """Under auto: xgrammar's compile of a grammar llguidance served replaces it in the cache
-        (later requests only; matchers already made keep their engine). Its failure (a refusal,
-        the time limit) leaves llguidance's in place."""
+        """xgrammar's compile replaces llguidance's grammar in the cache (later requests only;
+        matchers already made keep their engine). Its failure (a refusal, the time limit)
+        leaves llguidance's in place, and the schema is not tried again."""
         if xgrammar.cancelled() or xgrammar.exception() is not None:
             return
         with self._lock:

@@ -11,16 +11,22 @@ compile for schemas it would otherwise hand to xgrammar (Github_hard: 60 + 45 of
   it); llguidance refuses names it does not know, so such formats are dropped.
 Anything else is left as it is: llguidance refuses it by name and `auto` takes xgrammar.
 
-One refusal of prescient's own: llguidance 1.9.1 lets the escapes `\"` and `\\` through a negated
-class that excludes `"` or `\` (`^[^,"]+$` took `a\"b`, which decodes to `a"b`: an invalid output
-found by `grammar-compliance --backend auto` on Github_medium), so a pattern with a negated class
-that may exclude them goes to xgrammar.
+One refusal of prescient's own: llguidance 1.9.1 lets the escapes `\"` and `\\` through a character
+set that holds every control character but lacks `"` or `\` (`^[^,"]+$` took `a\"b`, which decodes
+to `a"b`: an invalid output found by `grammar-compliance --backend auto` on Github_medium), so a
+pattern with such a set goes to xgrammar (negation_may_exclude_an_escape).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
+
+try:  # Python's regex parser: re._parser from 3.11, sre_parse before
+    from re import _parser as _sre
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_parse as _sre  # type: ignore[no-redef]
 
 from prescient.grammar.errors import GrammarError
 from prescient.grammar.schema.check import STANDARD_FORMATS
@@ -69,26 +75,127 @@ def _names_as_pattern(node: dict) -> dict:
     if not isinstance(pattern, str):
         return node
     try:
-        compiled = re.compile(pattern)
-    except re.error:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a nested set Python would read otherwise: leave it
+            compiled = re.compile(pattern)
+    except (re.error, FutureWarning, DeprecationWarning):
         return node
     declared = node.get("properties") or {}
     if any(compiled.search(name) for name in declared):
         return node
     rest = node.get("additionalProperties", True)
+    if rest is False:  # no other key at all: propertyNames says nothing more
+        return {k: v for k, v in node.items() if k != "propertyNames"}
     out = {k: v for k, v in node.items() if k not in ("propertyNames", "additionalProperties")}
     out["patternProperties"] = {pattern: {} if rest is True else rest}
     out["additionalProperties"] = False
     return out
 
 
-# In a negated class body: a quote, an escaped backslash, or an escape naming characters by code
-# or by a class whose complement holds them (\x22, \u005c, \p{..}, \W, \D, \S: `[^\W]` excludes `"`).
-_MAY_NAME_AN_ESCAPE = re.compile(r'"|\\\\|\\[xuWDSpP]')
-_NEGATED_CLASS = re.compile(r"\[\^((?:\\.|[^\]\\])*)\]")
-
-
 def negation_may_exclude_an_escape(pattern: str) -> bool:
-    """Whether a negated class `[^...]` of `pattern` may exclude `"` or `\\` (conservatively:
-    any quote, backslash or code/class escape in its body counts)."""
-    return any(_MAY_NAME_AN_ESCAPE.search(body) for body in _NEGATED_CLASS.findall(pattern))
+    """Whether llguidance might let `\\"` or `\\\\` through `pattern` where they decode to a character
+    it excludes. llguidance's regex engine quotes a character set that holds every control
+    character (or all but newline) by allowing every JSON escape, whatever the set says of `"`
+    and `\\`; so a set that holds those control characters but lacks `"` or `\\` is the case.
+    Parsed with Python's regex parser (which reads `[^]"]` as JSON Schema's regexes do); syntax it
+    may read differently (`[:`, `&&`, `--`, `~~`, `\\p`, `\\P`, `\\U`, nested classes) or cannot parse
+    counts as such a set."""
+    if any(token in pattern for token in _UNREAD) or "[" in _class_bodies(pattern):
+        return True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. "possible nested set": Python reads it otherwise
+            parsed = _sre.parse(pattern)
+    except (re.error, FutureWarning, DeprecationWarning, RecursionError):
+        return True
+    return any(_leaks(chars) for chars in _sets(parsed))
+
+
+_UNREAD = ("[:", "&&", "--", "~~", "\\p", "\\P", "\\U")
+_CONTROL = frozenset(range(0x20))
+_ESCAPED = (ord('"'), ord("\\"))
+_PROBE = sorted(_CONTROL | set(_ESCAPED))
+_CATEGORIES = {  # which probed characters each class escape holds (ASCII is all that is probed)
+    "CATEGORY_DIGIT": frozenset(), "CATEGORY_NOT_DIGIT": frozenset(_PROBE),
+    "CATEGORY_SPACE": frozenset(map(ord, "\t\n\v\f\r")),
+    "CATEGORY_NOT_SPACE": frozenset(_PROBE) - frozenset(map(ord, "\t\n\v\f\r")),
+    "CATEGORY_WORD": frozenset(), "CATEGORY_NOT_WORD": frozenset(_PROBE),
+}
+
+
+def _class_bodies(pattern: str) -> str:
+    """The text inside [...] classes, roughly (only to spot a nested `[`)."""
+    out, depth, i = [], 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if depth:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if c == "[":
+            if depth:
+                out.append(c)
+            else:
+                depth = 1
+                i += 1
+                if pattern[i:i + 1] == "^":
+                    i += 1
+                if pattern[i:i + 1] == "]":  # a leading ] is a literal
+                    out.append("]")
+                    i += 1
+                continue
+        elif c == "]" and depth:
+            depth = 0
+        elif depth:
+            out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _sets(parsed) -> list[frozenset]:
+    """Of every character set in a parsed pattern (classes, negated literals, `.`), the probed
+    characters it holds."""
+    found: list[frozenset] = []
+
+    def walk(node) -> None:
+        if isinstance(node, _sre.SubPattern):
+            for op, av in node:
+                name = str(op)
+                if name == "IN":
+                    found.append(_holds(av))
+                elif name == "NOT_LITERAL":
+                    found.append(frozenset(_PROBE) - {av})
+                elif name == "ANY":
+                    found.append(frozenset(_PROBE) - {ord("\n")})
+                else:
+                    walk(av)
+        elif isinstance(node, (tuple, list)):
+            for item in node:
+                walk(item)
+
+    walk(parsed)
+    return found
+
+
+def _holds(items) -> frozenset:
+    negate, held = False, set()
+    for op, av in items:
+        name = str(op)
+        if name == "NEGATE":
+            negate = True
+        elif name == "LITERAL":
+            held.add(av)
+        elif name == "RANGE":
+            held.update(c for c in _PROBE if av[0] <= c <= av[1])
+        elif name == "CATEGORY":
+            held.update(_CATEGORIES.get(str(av), frozenset(_PROBE)))
+        else:  # anything unforeseen: assume the worst (holds the controls, lacks the quote)
+            held.update(_CONTROL)
+            held.discard(_ESCAPED[0])
+    return frozenset(_PROBE) - held if negate else frozenset(held)
+
+
+def _leaks(chars: frozenset) -> bool:
+    controls = _CONTROL <= chars or (_CONTROL - {ord("\n")}) <= chars
+    return controls and not all(c in chars for c in _ESCAPED)

@@ -50,7 +50,7 @@ void q32_quant_block_avx2(const float *x, int8_t *q, float *dx, int *sum)
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,sse4.1")
 
-#define Y_MR 2 /* inputs per register block: 16 ymm registers (8 accumulators) */
+#define Y_MR 2 /* float path: inputs per register block, 16 ymm registers (8 accumulators) */
 
 static inline __attribute__((always_inline)) __m128 y_hsum4(__m256 a, __m256 b, __m256 c, __m256 d)
 {
@@ -282,8 +282,8 @@ void y_idec(const int FMT, const int KIND, const int FULL, const uint8_t *g, int
     }
 }
 
-/* One (input row m, weight row r) pair over a group: its int8 dot products summed in int16 over
- * the S steps (exact), widened, scaled and added to acc. Pairs one at a time, so a few registers
+/* One (input row m, weight row r) pair over a group: its int8 dot products summed over the S
+ * steps (Q4: in int16, then widened; Q8_0: in int32; exact either way), scaled and added to acc. Pairs one at a time, so a few registers
  * are live: with the 2x4 pairs of a register block at once, GCC computed all 64 products first
  * and spilled them (M=8 ran 27% slower). A pair's operations do not depend on M: a row's bits
  * are the same alone or in a batch. */

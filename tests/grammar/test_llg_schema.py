@@ -11,7 +11,7 @@ import random
 import pytest
 
 from prescient.grammar import CompilerConfig, GrammarCompiler, GrammarError, GrammarSpec, GrammarTokenizer
-from prescient.grammar.llg_schema import for_llguidance
+from prescient.grammar.llg_schema import for_llguidance, negation_may_exclude_an_escape
 from prescient.grammar.schema.merge import OTHER_NAMES
 
 pytest.importorskip("llguidance")
@@ -151,3 +151,18 @@ def test_a_negated_class_excluding_a_quote_or_backslash_goes_to_xgrammar(chars):
     # classes that cannot exclude an escape stay with llguidance
     for pattern in ("^[^a]+$", "^[^\\n,]+$", '^[a-z"]+$', "^[^\\d]+$"):
         assert for_llguidance({"type": "string", "pattern": pattern})["pattern"] == pattern
+
+
+@pytest.mark.parametrize("pattern, leaks", [
+    ('^[^,"]+$', True), ('^[^"]*$', True), ("^[^\\\\]+$", True), ("^[^\\x22]+$", True),
+    ('^[^]"]+$', True),  # a leading ] is a literal: the class still lacks the quote
+    ("^[^ -~]+$", True), ("^[^!-/:-@\\[-`{-~]+$", True),  # ranges across the quote or backslash
+    ("^[\\x00-\\x21]+$", True),  # not negated, yet every control and no quote
+    ('^[^a[b]"]+$', True), ("^[^[:punct:]]+$", True), ("^\\p{L}+$", True),  # read otherwise: refused
+    ("^[^a]+$", False), ('^[^\\s"]+$', False), ("^[^\\x00-\\x1f\"]+$", False), ("^.+$", False),
+    ("^\\S+$", False), ("^[^,]+$", False), ("^(?:x-[\\s\\S]*)$", False), ("^[a-zA-Z0-9_]{1,500}$", False),
+])
+def test_the_sets_llguidance_would_leak_an_escape_through(pattern, leaks):
+    """llguidance quotes a set holding every control character (or all but newline) by allowing
+    every JSON escape: such a set without the quote or the backslash lets `\\"` / `\\\\` through."""
+    assert negation_may_exclude_an_escape(pattern) is leaks
