@@ -295,6 +295,7 @@ class GrammarCompiler:
         if xgrammar.cancelled() or xgrammar.exception() is not None:
             return
         with self._lock:
+            self._upgrading.discard(spec)  # served by xgrammar from now (or evicted: may try again)
             if self._cache.get(spec) is served:
                 self._cache[spec] = xgrammar
 

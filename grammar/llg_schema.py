@@ -60,7 +60,7 @@ def for_llguidance(node: Any) -> Any:
     out = _names_as_pattern(out)
     for pattern in [out.get("pattern"), *(out.get("patternProperties") or {})]:
         if isinstance(pattern, str) and negation_may_exclude_an_escape(pattern):
-            raise GrammarError(f"llguidance would let an escaped quote or backslash through the negated class "
+            raise GrammarError(f"llguidance would let an escaped quote or backslash through a character set "
                                f"of pattern {pattern[:80]!r}", feature="llguidance")
     return out
 
@@ -74,11 +74,8 @@ def _names_as_pattern(node: dict) -> dict:
     pattern = names.get("pattern")
     if not isinstance(pattern, str):
         return node
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a nested set Python would read otherwise: leave it
-            compiled = re.compile(pattern)
-    except (re.error, FutureWarning, DeprecationWarning):
+    compiled = _read_strictly(re.compile, pattern)
+    if compiled is None:
         return node
     declared = node.get("properties") or {}
     if any(compiled.search(name) for name in declared):
@@ -102,13 +99,19 @@ def negation_may_exclude_an_escape(pattern: str) -> bool:
     counts as such a set."""
     if any(token in pattern for token in _UNREAD) or "[" in _class_bodies(pattern):
         return True
+    parsed = _read_strictly(_sre.parse, pattern)
+    return parsed is None or any(_leaks(chars) for chars in _sets(parsed))
+
+
+def _read_strictly(read, pattern: str):
+    """`read(pattern)` (re.compile, the parser), or None where Python cannot read it or warns that
+    it may read it otherwise than JSON Schema means ("possible nested set")."""
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # e.g. "possible nested set": Python reads it otherwise
-            parsed = _sre.parse(pattern)
+            warnings.simplefilter("error")
+            return read(pattern)
     except (re.error, FutureWarning, DeprecationWarning, RecursionError):
-        return True
-    return any(_leaks(chars) for chars in _sets(parsed))
+        return None
 
 
 _UNREAD = ("[:", "&&", "--", "~~", "\\p", "\\P", "\\U")
@@ -188,11 +191,10 @@ def _holds(items) -> frozenset:
             held.add(av)
         elif name == "RANGE":
             held.update(c for c in _PROBE if av[0] <= c <= av[1])
-        elif name == "CATEGORY":
-            held.update(_CATEGORIES.get(str(av), frozenset(_PROBE)))
-        else:  # anything unforeseen: assume the worst (holds the controls, lacks the quote)
-            held.update(_CONTROL)
-            held.discard(_ESCAPED[0])
+        elif name == "CATEGORY" and str(av) in _CATEGORIES:
+            held.update(_CATEGORIES[str(av)])
+        else:  # anything unforeseen: the worst case, negated or not (every control, no quote)
+            return _CONTROL
     return frozenset(_PROBE) - held if negate else frozenset(held)
 
 
