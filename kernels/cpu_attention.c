@@ -1030,114 +1030,6 @@ PA_AI __m256 exp2_ps8(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* In-register transpose of an 8 x 8 block of 32-bit words: r[i] lane j -> r[j] lane i.
- * Unpack pairs, shuffle into 4 x 4 blocks per 128-bit lane, then swap 128-bit lanes. */
-PA_AI void transpose8(__m256 r[8])
-{
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    /* u[4h + j]: column j (low lane) and j + 4 (high lane) of rows 4h .. 4h + 3 */
-    for (int h = 0; h < 2; h++) {
-        const __m256 *tt = t + 4 * h;
-        u[4 * h + 0] = _mm256_shuffle_ps(tt[0], tt[2], 0x44);
-        u[4 * h + 1] = _mm256_shuffle_ps(tt[0], tt[2], 0xee);
-        u[4 * h + 2] = _mm256_shuffle_ps(tt[1], tt[3], 0x44);
-        u[4 * h + 3] = _mm256_shuffle_ps(tt[1], tt[3], 0xee);
-    }
-    for (int j = 0; j < 4; j++) {
-        r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
-        r[j + 4] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
-    }
-}
-
-/* kt[d][t] = K[t][d] in fp32 for the chunk's n rows (kvdt DT_F32, DT_BF16 or PA_KV_I8; an
- * int8 K without its scale), rows t >= n as zeros.  The rows are read as 32-bit words (1 fp32,
- * a bf16 pair or 4 int8 values), 8 words of 8 rows per transpose; each 64-byte line read has
- * its twin in the prefetch chunk requested now.  D % 32 == 0, so words per row % 8 == 0. */
-static void transpose_chunk_avx2(const char *const rows[PA_CHUNK], size_t hoff, int n, int D,
-                                 int kvdt, float *kt, const pa_pf_t *pf)
-{
-    const int nw = kvdt == DT_F32 ? D : kvdt == DT_BF16 ? D / 2 : D / 4;
-    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
-    for (int c = 0; c < nw; c += 8) {
-        if ((c & 15) == 0)
-            for (int t = 0; t < pf->n; t++)
-                _mm_prefetch(pf->k[t] + hoff + (size_t)c * 4, _MM_HINT_T0);
-        for (int t0 = 0; t0 < PA_CHUNK; t0 += 8) {
-            __m256 r[8];
-            for (int j = 0; j < 8; j++)
-                r[j] = t0 + j < n ? _mm256_loadu_ps((const float *)(rows[t0 + j] + hoff) + c)
-                                  : _mm256_setzero_ps();
-            if (t0 < n)
-                transpose8(r);
-            /* r[j]: word c + j of positions t0 .. t0 + 7 */
-            for (int j = 0; j < 8; j++) {
-                const __m256i x = _mm256_castps_si256(r[j]);
-                if (kvdt == DT_F32) {
-                    _mm256_store_ps(kt + (size_t)(c + j) * 16 + t0, r[j]);
-                } else if (kvdt == DT_BF16) {
-                    float *dst = kt + (size_t)(c + j) * 2 * 16 + t0;
-                    _mm256_store_ps(dst, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-                    _mm256_store_ps(dst + 16, _mm256_castsi256_ps(_mm256_and_si256(x, hi16)));
-                } else {
-                    float *dst = kt + (size_t)(c + j) * 4 * 16 + t0;
-                    _mm256_store_ps(dst, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 24), 24)));
-                    _mm256_store_ps(dst + 16, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 16), 24)));
-                    _mm256_store_ps(dst + 32, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 8), 24)));
-                    _mm256_store_ps(dst + 48, _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 24)));
-                }
-            }
-        }
-    }
-}
-
-/* Scores of MR <= 3 rows: s[m][0..16) = sum_d q[m][d] kt[d][:], fp32; 2 chains per half
- * for every MR (batch invariance: a row's sums do not depend on its tile-mates), 12
- * accumulators + 2 K vectors + a broadcast within the 16 ymm registers. */
-PA_AI void qk_rows_avx2(const float *kt, int D, const void *const *qv, float *s, const int MR)
-{
-    const int NA = 2;
-    const float *q[3];
-    __m256 acc[3][2][2];
-    for (int m = 0; m < MR; m++) {
-        q[m] = (const float *)qv[m];
-        for (int a = 0; a < NA; a++)
-            acc[m][a][0] = acc[m][a][1] = _mm256_setzero_ps();
-    }
-    for (int d = 0; d < D; d += NA)  /* D % 32 == 0 */
-        for (int a = 0; a < NA; a++) {
-            const __m256 k0 = _mm256_load_ps(kt + (size_t)(d + a) * 16);
-            const __m256 k1 = _mm256_load_ps(kt + (size_t)(d + a) * 16 + 8);
-            for (int m = 0; m < MR; m++) {
-                const __m256 qb = _mm256_broadcast_ss(q[m] + d + a);
-                acc[m][a][0] = _mm256_fmadd_ps(k0, qb, acc[m][a][0]);
-                acc[m][a][1] = _mm256_fmadd_ps(k1, qb, acc[m][a][1]);
-            }
-        }
-    for (int m = 0; m < MR; m++) {
-        __m256 v0 = acc[m][0][0], v1 = acc[m][0][1];
-        for (int a = 1; a < NA; a++) {
-            v0 = _mm256_add_ps(v0, acc[m][a][0]);
-            v1 = _mm256_add_ps(v1, acc[m][a][1]);
-        }
-        _mm256_store_ps(s + m * 16, v0);
-        _mm256_store_ps(s + m * 16 + 8, v1);
-    }
-}
-
-static void qk_avx2(const float *kt, int D, const void *const *q, float *s, int R)
-{
-    for (int r = 0; r < R; r += 3)
-        switch (R - r) {
-        case 1: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 1); break;
-        case 2: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 2); break;
-        default: qk_rows_avx2(kt, D, q + r, s + (size_t)r * 16, 3); break;
-        }
-}
-
 /* softmax_chunk on two ymm per row: visibility bits become lane masks (bit t of vis against
  * 1 << t), the horizontal max is taken only when a visible score exceeds the running max. */
 static void softmax_avx2(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
@@ -1192,32 +1084,32 @@ static void softmax_avx2(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
     }
 }
 
-/* acc[m][cb .. cb + 32) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR <= 3 rows: 12
- * accumulators, each V vector loaded (and widened) once for all MR rows.  VM: PA_V_* of the
- * rows vr; the pf chunk's twin lines are prefetched meanwhile (first row block only). */
+/* acc[m][cb .. cb + 16) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR <= 6 rows: 12
+ * accumulators, 2 V vectors and a broadcast fill the 16 ymm registers, each V vector loaded
+ * (and widened) once for all MR rows.  (3 rows x 32 columns took 17: GCC kept one
+ * accumulator on the stack, a store-to-load chain per position, 2.5x slower.)  An element's
+ * arithmetic (acc * corr, then one FMA per position in order) is the same in any tile.
+ * VM: PA_V_* of the rows vr; the pf chunk's twin lines are prefetched meanwhile (first row
+ * block only). */
 PA_AI void pv_tile_avx2(const float *P, int n, const void *const *vr, int cb, float *acc, int D,
                         const float *corr, const char *const *pfv, int pn, size_t pfoff,
                         const int VM, const int MR)
 {
-    __m256 a[3][4];
+    __m256 a[6][2];
     for (int m = 0; m < MR; m++) {
         const __m256 c = _mm256_set1_ps(corr[m]);
-        for (int v = 0; v < 4; v++)
+        for (int v = 0; v < 2; v++)
             a[m][v] = _mm256_mul_ps(_mm256_load_ps(acc + (size_t)m * D + cb + v * 8), c);
     }
     for (int t = 0; t < n; t++) {
         if (t < pn) {
-            if (VM == PA_V_F32) {
+            if (VM == PA_V_F32)
                 _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 4, _MM_HINT_T0);
-                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 4 + 64, _MM_HINT_T0);
-            } else if (VM == PA_V_BF16) {
-                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 2, _MM_HINT_T0);
-            } else if ((cb & 63) == 0) {
-                _mm_prefetch(pfv[t] + pfoff + (size_t)cb, _MM_HINT_T0);
-            }
+            else if (VM == PA_V_BF16 ? (cb & 31) == 0 : (cb & 63) == 0)
+                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * (VM == PA_V_BF16 ? 2 : 1), _MM_HINT_T0);
         }
-        __m256 vv[4];
-        for (int v = 0; v < 4; v++) {
+        __m256 vv[2];
+        for (int v = 0; v < 2; v++) {
             if (VM == PA_V_F32)
                 vv[v] = _mm256_loadu_ps((const float *)vr[t] + cb + v * 8);
             else if (VM == PA_V_BF16)
@@ -1229,12 +1121,12 @@ PA_AI void pv_tile_avx2(const float *P, int n, const void *const *vr, int cb, fl
         }
         for (int m = 0; m < MR; m++) {
             const __m256 p = _mm256_broadcast_ss(P + m * 16 + t);
-            for (int v = 0; v < 4; v++)
+            for (int v = 0; v < 2; v++)
                 a[m][v] = _mm256_fmadd_ps(vv[v], p, a[m][v]);
         }
     }
     for (int m = 0; m < MR; m++)
-        for (int v = 0; v < 4; v++)
+        for (int v = 0; v < 2; v++)
             _mm256_store_ps(acc + (size_t)m * D + cb + v * 8, a[m][v]);
 }
 
@@ -1242,15 +1134,18 @@ PA_AI void pv_tile_avx2(const float *P, int n, const void *const *vr, int cb, fl
     switch (mr) {                                            \
     case 1: pv_tile_avx2(__VA_ARGS__, VM, 1); break;         \
     case 2: pv_tile_avx2(__VA_ARGS__, VM, 2); break;         \
-    default: pv_tile_avx2(__VA_ARGS__, VM, 3); break;        \
+    case 3: pv_tile_avx2(__VA_ARGS__, VM, 3); break;         \
+    case 4: pv_tile_avx2(__VA_ARGS__, VM, 4); break;         \
+    case 5: pv_tile_avx2(__VA_ARGS__, VM, 5); break;         \
+    default: pv_tile_avx2(__VA_ARGS__, VM, 6); break;        \
     }
 
-/* Rows in blocks of 3, head_dim in blocks of 32 (D % 32 == 0). */
+/* Rows in blocks of 6, head_dim in blocks of 16 (D % 32 == 0). */
 static void pv_chunk_avx2(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, int D, int vm,
                           const pa_pf_t *pf, size_t pfoff)
 {
-    for (int cb = 0; cb < D; cb += 32)
-        for (int r = r0; r < r0 + RH; r += 3) {
+    for (int cb = 0; cb < D; cb += 16)
+        for (int r = r0; r < r0 + RH; r += 6) {
             const int mr = r0 + RH - r;
             const float *P = w->sp + (size_t)r * 16;
             float *acc = w->acc + (size_t)r * D;
@@ -1263,6 +1158,100 @@ static void pv_chunk_avx2(pa_ws_t *w, int r0, int RH, int n, const void *const *
         }
 }
 
+/* [a, b, c, d] with a = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)), and so for b, c, d:
+ * one order for every score, whatever its neighbours. */
+PA_AI __m128 hsum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d)
+{
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* s[m][t0 + p] = q_m . K_{t0 + p} for MR rows x NT positions: one 8-lane fp32 chain per
+ * (row, position) over head_dim, K widened in registers (bf16: the even and odd elements of
+ * each 16, against q rows permuted to match by run_item; int8: sign-extended; fp32 as is),
+ * then hsum4_avx2.  A score's operations are the same in any tile shape. */
+PA_AI void qk_tile_avx2(const char *const *kr, int D, const void *const *qv, float *s, int t0,
+                        const int KV, const int MR, const int NT)
+{
+    const float *q[6];
+    __m256 acc[6][4];
+    for (int m = 0; m < MR; m++) {
+        q[m] = (const float *)qv[m];
+        for (int p = 0; p < NT; p++)
+            acc[m][p] = _mm256_setzero_ps();
+    }
+    const __m256i hi16 = _mm256_set1_epi32((int)0xffff0000u);
+    if (KV == DT_BF16) {
+        for (int d = 0; d < D; d += 16)
+            for (int p = 0; p < NT; p++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(kr[p] + (size_t)d * 2));
+                const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+                const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(x, hi16));
+                for (int m = 0; m < MR; m++) {
+                    acc[m][p] = _mm256_fmadd_ps(ke, _mm256_load_ps(q[m] + d), acc[m][p]);
+                    acc[m][p] = _mm256_fmadd_ps(ko, _mm256_load_ps(q[m] + d + 8), acc[m][p]);
+                }
+            }
+    } else {
+        for (int d = 0; d < D; d += 8)
+            for (int p = 0; p < NT; p++) {
+                const __m256 k = KV == DT_F32
+                    ? _mm256_loadu_ps((const float *)kr[p] + d)
+                    : _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                          _mm_loadl_epi64((const __m128i *)(kr[p] + d))));
+                for (int m = 0; m < MR; m++)
+                    acc[m][p] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q[m] + d), acc[m][p]);
+            }
+    }
+    for (int m = 0; m < MR; m++) {
+        if (NT == 4) {
+            _mm_storeu_ps(s + (size_t)m * 16 + t0, hsum4_avx2(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+        } else {
+            _mm_storel_pi((__m64 *)(s + (size_t)m * 16 + t0),
+                          hsum4_avx2(acc[m][0], acc[m][1], acc[m][0], acc[m][1]));
+        }
+    }
+}
+
+#define PA_QK2_TILE(KV, ...)                                                             \
+    switch (mr) {                                                                        \
+    case 1: qk_tile_avx2(__VA_ARGS__, KV, 1, 4); break;                                  \
+    case 2: qk_tile_avx2(__VA_ARGS__, KV, 2, 4); break;                                  \
+    case 3: qk_tile_avx2(__VA_ARGS__, KV, 3, 4); break;                                  \
+    case 4: qk_tile_avx2(__VA_ARGS__, KV, 4, 2); break;                                  \
+    case 5: qk_tile_avx2(__VA_ARGS__, KV, 5, 2); break;                                  \
+    default: qk_tile_avx2(__VA_ARGS__, KV, 6, 2); break;                                 \
+    }
+
+/* The scores of rows [r0, r0 + RH) over the chunk's positions, straight from the cache rows
+ * (no transposed copy of K): rows in blocks of 6 (3 when fewer), positions in 4s (2s for
+ * blocks of 4-6 rows); positions past n repeat row 0 (their scores are masked).  The first
+ * row block prefetches the pf chunk's K lines of this head, a few positions per tile. */
+static void qk_chunk_avx2(const char *const krow[PA_CHUNK], size_t hoff, int n, int D, int kvdt,
+                          const void *const *qv, float *s, int RH, const pa_pf_t *pf)
+{
+    const char *kr[PA_CHUNK];
+    for (int t = 0; t < PA_CHUNK; t++)
+        kr[t] = krow[t < n ? t : 0] + hoff;
+    const size_t hb = (size_t)D * (kvdt == DT_F32 ? 4 : kvdt == DT_BF16 ? 2 : 1);
+    for (int r = 0; r < RH;) {
+        const int mr = RH - r >= 6 ? 6 : RH - r;
+        const int NT = mr <= 3 ? 4 : 2;
+        for (int t0 = 0; t0 < PA_CHUNK; t0 += NT) {
+            if (r == 0)
+                for (int t = t0; t < t0 + NT && t < pf->n; t++)
+                    for (size_t o = 0; o < hb; o += 64)
+                        _mm_prefetch(pf->k[t] + hoff + o, _MM_HINT_T0);
+            const void *const *q = qv + r;
+            float *sr = s + (size_t)r * 16;
+            if (kvdt == DT_BF16) { PA_QK2_TILE(DT_BF16, kr + t0, D, q, sr, t0) }
+            else if (kvdt == DT_F32) { PA_QK2_TILE(DT_F32, kr + t0, D, q, sr, t0) }
+            else { PA_QK2_TILE(PA_KV_I8, kr + t0, D, q, sr, t0) }
+        }
+        r += mr;
+    }
+}
+
 /* One kv head (rows [r0, r0 + RH)) against the chunk's n positions, AVX2; pf: the chunk to
  * prefetch meanwhile. */
 static void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
@@ -1273,10 +1262,9 @@ static void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
     const void *vr[PA_CHUNK];
     int vm = kvdt == DT_F32 ? PA_V_F32 : kvdt == DT_BF16 ? PA_V_BF16 : PA_V_I8;
     const pa_pf_t *vpf = pf;
-    transpose_chunk_avx2(krow, hoff, n, D, kvdt, w->kt, pf);
-    qk_avx2(w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+    qk_chunk_avx2(krow, hoff, n, D, kvdt, w->qrow + r0, w->sp + (size_t)r0 * 16, RH, pf);
     softmax_avx2(w, r0, RH, J->G, J->scl, kvdt == PA_KV_I8);
-    if (vm == PA_V_F32 || RH <= 3) {
+    if (vm == PA_V_F32 || RH <= 6) {
         for (int t = 0; t < n; t++)
             vr[t] = vrow[t] + hoff;
     } else {
@@ -1425,14 +1413,19 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
     /* Only vdpbf16ps (bf16 q x bf16 K) multiplies bf16 q as is; every other path wants fp32
      * q rows. */
     const int widen_q = J->dt == DT_BF16 && !(J->kvdt == DT_BF16 && J->isa >= ISA_AVX512_BF16);
+    /* AVX2 widens a bf16 K row as the even, then the odd elements of each 16: q to match. */
+    const int perm_q = J->isa == ISA_AVX2 && J->kvdt == DT_BF16;
     for (int r = 0; r < RT; r++) {
         const int hi = r / RH, ri = r % RH;
         const char *src = J->q + ((size_t)(tok0 + ri / G) * J->qs_tok +
                                   (size_t)((it->h0 + hi) * G + ri % G) * J->qs_head) * esz;
-        if (widen_q) {
+        if (widen_q || perm_q) {
             float *dst = w->qf + (size_t)r * D;
-            for (int d = 0; d < D; d++)
-                dst[d] = bf16_to_f32(((const uint16_t *)src)[d]);
+            for (int d = 0; d < D; d++) {
+                const float v = J->dt == DT_BF16 ? bf16_to_f32(((const uint16_t *)src)[d])
+                                                 : ((const float *)src)[d];
+                dst[perm_q ? (d & ~15) + (d & 1) * 8 + ((d & 15) >> 1) : d] = v;
+            }
             w->qrow[r] = dst;
         } else {
             w->qrow[r] = src;

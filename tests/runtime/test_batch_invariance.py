@@ -61,11 +61,14 @@ def _weights(kind: str, n: int, k: int, g: torch.Generator):
 
 @pytest.mark.parametrize("tier", ISA_TIERS, indirect=True)
 @pytest.mark.parametrize("kind", ["f32", "bf16", "q8_0", "q4_1", "q4_k", "q6_k"])
-def test_linear_rows_do_not_depend_on_the_batch(tier, kind):
-    g = torch.Generator().manual_seed(len(kind) + len(tier))
-    lin = make_linear(_weights(kind, 200, 256, g))
+@pytest.mark.parametrize("k", [256, 352])  # 352: a full 8-block group, then a partial one
+def test_linear_rows_do_not_depend_on_the_batch(tier, kind, k):
+    if kind.endswith("_k") and k % 256:
+        k = 768  # k-quants: whole 256-element super-blocks, three of them
+    g = torch.Generator().manual_seed(len(kind) + len(tier) + k)
+    lin = make_linear(_weights(kind, 200, k, g))
     for xdt in (torch.float32, torch.bfloat16):
-        x = torch.randn(BATCH_INVARIANT_M, 256, generator=g).to(xdt)  # [M, K]
+        x = torch.randn(BATCH_INVARIANT_M, k, generator=g).to(xdt)  # [M, K]
         alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
         for m in (2, 7, 16, 17, 40, BATCH_INVARIANT_M):
             got = lin(x[:m])
