@@ -66,6 +66,18 @@ def test_root_only_tree_is_plain_decoding():
         assert out.tokens == [plain]
 
 
+def test_root_only_trees_skip_the_tree_walk_with_its_verdict():
+    """verify() answers a tree without drafts as plain decoding, without the rejection walk:
+    the walk itself (verify_packed) gives the same verdicts, beside drafted trees too."""
+    trees = [DraftTree([4], [-1]), TREE, DraftTree([2], [-1]), DraftTree([7], [-1])]
+    logits = torch.randn(sum(t.num_nodes for t in trees), VOCAB, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0), GREEDY,
+              SamplingParams(temperature=0.6, top_p=0.8)]
+    for seed in range(10):
+        gens = lambda: [make_generator(seed * 4 + i) for i in range(4)]  # noqa: E731
+        assert verify(trees, logits, params, gens()) == verify_packed(*pack_trees(trees), logits, params, gens()).outcomes()
+
+
 def one_hot_logits(tokens: list[int]) -> torch.Tensor:  # [num_nodes, VOCAB], near-certain targets
     logits = torch.full((len(tokens), VOCAB), -40.0)
     logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 40.0
