@@ -307,7 +307,7 @@ class Speculator:
         started, self._proposed_at = self._proposed_at, None
         num_tokens = sum(t.num_nodes if t is not None else s.num_new_tokens for s, t in zip(seqs, trees))
         context = max((s.request.num_computed_tokens for s in seqs), default=0)
-        self._step_cost = float(self.adaptive.cost_many(np.array([num_tokens]), context)[0])
+        self._step_cost = self.adaptive.cost(num_tokens, context)
         if (started is not None and len(seqs) == 1 and seqs[0].samples and now > started
                 and num_tokens <= 32 and seqs[0].request.grammar is None):  # what the tables measure
             unit = (now - started) / self._step_cost  # seconds per 1-token forward, by this one

@@ -67,6 +67,34 @@ def test_plan_is_the_exact_optimum(seed):
     assert _objective(rates, budgets, controller.verify_cost, num_base) == pytest.approx(best)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_lone_request_plan_equals_the_batch_scan(seed):
+    """plan's float path for one request (_plan_one) gives the numpy scan's budget: random
+    estimates, tables (with a long-context one), draft costs and ITL caps."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        table = {1: 1.0, **{k: 1.0 + rng.random() * k / 4 for k in (2, 4, 8, 16)}}
+        long = {1: 1.0, **{k: 1.0 + rng.random() * k / 3 for k in (2, 4, 8, 16)}}
+        lone = AdaptiveSpeculation(AdaptiveConfig(max_draft_tokens=rng.choice([4, 8, 16])))
+        lone.set_verify_cost(table, (256, 1024, long) if rng.random() < 0.5 else None)
+        lone.set_draft_cost(rng.choice([0.0, 0.05, 0.3]))
+        for _ in range(rng.randrange(6)):
+            k = rng.randrange(1, 9)
+            lone.observe("r", outcome(k, rng.randrange(k + 1)))
+        context, num_base = rng.choice([None, 100, 600, 3000]), rng.randrange(1, 4)
+        # the numpy scan: the same request beside a second one that cannot draft (0 acceptance)
+        rate = lone.acceptance_rate("r")
+        values = 1.0 + np.concatenate([[0.0], np.cumsum(rate ** np.arange(1, lone.config.max_draft_tokens + 1))])
+        costs = lone.cost_many(num_base + np.arange(len(values)), context)
+        costs[1:] += lone.draft_cost
+        allowed = rng.choice([float("inf"), float(costs[rng.randrange(len(costs))])])
+        ratio = values / costs
+        ratio[1:][costs[1:] > allowed] = -np.inf
+        assert lone._plan_one("r", num_base, context, allowed) == int(np.argmax(ratio))
+        for n in (1, 2, 5, 16, 40):
+            assert lone.cost(n, context) == float(lone.cost_many(np.array([n]), context)[0])
+
+
 def test_fresh_request_gets_the_prior_plan():
     # prior acceptance 0.5, default costs: 3 drafts maximise (1 + .5 + .25 + .125) / cost(4)
     assert AdaptiveSpeculation().plan(["r"]) == [3]
