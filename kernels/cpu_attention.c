@@ -18,7 +18,8 @@
  * are fp32) and fp32 FMAs on the widened values otherwise; P.V is always fp32 (P is never
  * rounded to bf16).  A bf16 output is rounded once, to nearest even.
  *
- * Layout of one step: 16 consecutive context positions (a "chunk"; they may straddle KV
+ * Layout of one step (AVX-512 and portable; AVX2 takes q.K from the rows, see its section):
+ * 16 consecutive context positions (a "chunk"; they may straddle KV
  * blocks) of one kv head are transposed into [head_dim / 2][16] bf16 pairs (or
  * [head_dim][16] fp32) so that one zmm of 16 scores per query row comes out of
  * broadcast-q x K-column products with no horizontal sums; the softmax update runs on that
@@ -250,7 +251,8 @@ typedef struct {
     float *acc;      /* [RT][D] unnormalised outputs of the current piece */
     float *fa;       /* [RT][D] fold of the item's finished pieces (fm, fl: its max, sum) */
     float *fm, *fl;  /* [RT] */
-    float *qf;       /* [RT][D] q rows in fp32 (paths that do not multiply bf16 directly) */
+    float *qf;       /* [RT][D] q rows in fp32 (paths that do not multiply bf16 directly; on
+                      * AVX2 with a bf16 cache each 16 permuted to its even, then odd elements) */
     float *m, *l, *corr;  /* [RT] running max (base 2), running sum, this chunk's rescale */
     float *lv;       /* [RT][16] running sums per lane (summed into l at the end) */
     uint32_t *vis;   /* [nt] visibility bits of the chunk per query token */
@@ -260,8 +262,8 @@ typedef struct {
 } pa_ws_t;
 
 /* The chunk PA_PF_POS positions ahead: its K/V row addresses, prefetched line by line as
- * the current chunk loads the same lines (a burst of a chunk's ~200 lines at once would
- * fill the miss queues and stall the compute). */
+ * the current chunk loads the same lines (AVX2's q.K: a tile's few positions at a time; a
+ * burst of a chunk's ~200 lines at once would fill the miss queues and stall the compute). */
 typedef struct {
     int n;
     const char *k[PA_CHUNK], *v[PA_CHUNK];
@@ -1002,9 +1004,9 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
  * a dot product straight from the cache row, one 8-lane chain over head_dim, then a fixed
  * horizontal sum (qk_chunk_avx2).  The transpose and the broadcasts were ~40% of the
  * operations of a decode step's q.K (measured on Zen 3: 30 layers at 1k context, 2.30 ->
- * 1.89 ms with the P.V tiling below).  P.V widens V rows in registers, in order (bf16:
- * zero-extend and shift; int8: sign-extend and convert), so the accumulators need no
- * permutation. */
+ * 1.89 ms with the P.V tiling below).  P.V widens V rows in registers (or once into vf when
+ * several 6-row blocks would each widen them), in order (bf16: zero-extend and shift; int8:
+ * sign-extend and convert), so the accumulators need no permutation. */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -1087,7 +1089,7 @@ static void softmax_avx2(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
 }
 
 /* acc[m][cb .. cb + 16) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR <= 6 rows: 12
- * accumulators, 2 V vectors and a broadcast fill the 16 ymm registers, each V vector loaded
+ * accumulators, 2 V vectors and a broadcast fit the 16 ymm registers, each V vector loaded
  * (and widened) once for all MR rows.  (3 rows x 32 columns took 17: GCC kept one
  * accumulator on the stack, a store-to-load chain per position, 2.5x slower.)  An element's
  * arithmetic (acc * corr, then one FMA per position in order) is the same in any tile.
@@ -1226,8 +1228,8 @@ PA_AI void qk_tile_avx2(const char *const *kr, int D, const void *const *qv, flo
     }
 
 /* The scores of rows [r0, r0 + RH) over the chunk's positions, straight from the cache rows
- * (no transposed copy of K): rows in blocks of 6 (3 when fewer), positions in 4s (2s for
- * blocks of 4-6 rows); positions past n repeat row 0 (their scores are masked).  The first
+ * (no transposed copy of K): rows in blocks of 6 (the rest last), positions in 4s for a
+ * block of up to 3 rows, in 2s for 4-6; positions past n repeat row 0 (their scores are masked).  The first
  * row block prefetches the pf chunk's K lines of this head, a few positions per tile. */
 static void qk_chunk_avx2(const char *const krow[PA_CHUNK], size_t hoff, int n, int D, int kvdt,
                           const void *const *qv, float *s, int RH, const pa_pf_t *pf)

@@ -214,8 +214,8 @@ def test_head_dims(head_dim):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_every_isa_tier(isa_cap, tier, dtype):
     """Each tier's own code (portable, AVX2, AVX-512, AVX-512 + BF16) against the reference:
-    decodes at several context lengths and GQA groups (1, 3, 4 rows per kv head: one or two
-    row blocks of the AVX2 P.V), draft trees, random mask bits, a prefill chunk at head_dim
+    decodes at several context lengths and GQA groups (1, 3, 4 rows per kv head: the AVX2
+    q.K tiles of 4 and of 2 positions), draft trees, random mask bits, a prefill chunk at head_dim
     128, a mixed batch, blocks smaller than a chunk, and head dims 32 / 96 (vector paths) and
     48 (portable at every tier)."""
     _tier_or_skip(tier)
