@@ -29,9 +29,9 @@ waits at most one forward), never before its first request.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
-import bisect
 import logging
 import math
 import os
