@@ -37,7 +37,7 @@ from prescient.runtime.penalties import penalize_rows
 from prescient.runtime.constrain import GrammarStep, resolve_matcher
 from prescient.runtime.request import (SOURCE_DRAFT, SOURCE_FORCED, SOURCE_TARGET, OverloadedError, Request,
                                       RequestDeadEnd, RequestOutput)
-from prescient.runtime.sampler import exponential_noise, sample_from_probs, target_probs_from_logits
+from prescient.runtime.sampler import sample_row
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.sessions import SessionPins
@@ -516,12 +516,7 @@ class Engine:
         """Plain decoding: one token for a request whose step reached the end of its sequence.
         row_logits: [1, vocab]."""
         params = seq.request.params
-        if params.greedy:
-            token = int(row_logits.argmax(-1))
-        else:
-            probs = target_probs_from_logits(row_logits, params)
-            noise = exponential_noise(tuple(probs.shape), seq.request.generator).to(probs.device)
-            token = int(sample_from_probs(probs, noise))
+        token = sample_row(row_logits, params, seq.request.generator)
         return SeqResult(tokens=[token], sources=[SOURCE_TARGET], num_accepted_draft=0,
                          logits=row_logits if params.logprobs is not None else None)
 

@@ -53,6 +53,18 @@ def sample_from_probs(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (probs / noise).argmax(-1)
 
 
+def sample_row(row_logits: torch.Tensor,  # [1, vocab]
+               params: SamplingParams, generator: torch.Generator | None) -> int:
+    """Plain decoding's token for one row: the argmax for a greedy request, else the exponential
+    race over target_probs_from_logits with one Exp(1) draw per vocabulary entry from `generator`.
+    A 1-node verify tree (speculative/verify.py) draws through here too: the same token."""
+    if params.greedy:
+        return int(row_logits.argmax(-1))
+    probs = target_probs_from_logits(row_logits, params)
+    noise = exponential_noise(tuple(probs.shape), generator).to(probs.device)
+    return int(sample_from_probs(probs, noise))
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     """A generator seeded from a SamplingParams seed (signed 64-bit), mapped one to one onto
     torch's unsigned 64-bit seeds; None: a fresh random seed."""

@@ -163,22 +163,7 @@ class AdaptiveSpeculation:
         if len(request_ids) == 1 and cfg.max_draft_tokens > 0:
             budgets = [self._plan_one(request_ids[0], num_base, context, allowed)]
         elif request_ids and cfg.max_draft_tokens > 0:
-            # numpy, not torch: a few dozen small arrays per step, where per-op overhead rules.
-            rates = np.array([self.acceptance_rate(r) for r in request_ids])
-            gains = rates[:, None] ** np.arange(1, cfg.max_draft_tokens + 1)  # [num_requests, max_draft_tokens]
-            # Descending and stable: equal gains keep request-major, depth-ascending order, so
-            # every request's chosen drafts are its first ones.
-            order = np.argsort(-gains.ravel(), kind="stable")
-            value = len(request_ids) + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
-            cost = self.cost_many(num_base + np.arange(len(value)), context)
-            if self.draft_cost:  # each request among the first m drafts pays its drafting once
-                first = (order % cfg.max_draft_tokens) == 0  # a request's first draft comes first
-                cost = cost + self.draft_cost * np.concatenate([[0], np.cumsum(first)])
-            ratio = value / cost
-            ratio[1:][cost[1:] > allowed] = -np.inf  # m = 0 stays: the bound cannot ask for less
-            best_m = int(np.argmax(ratio))  # the first maximum: fewer drafts on ties
-            chosen = order[:best_m] // cfg.max_draft_tokens
-            budgets = np.bincount(chosen, minlength=len(request_ids)).tolist()
+            budgets = self._plan_many(request_ids, num_base, context, allowed)
         for i, request_id in enumerate(request_ids):
             stats = self._get(request_id)
             if budgets[i] == 0:
@@ -191,9 +176,30 @@ class AdaptiveSpeculation:
                 stats.steps_without_drafts = 0
         return budgets
 
+    def _plan_many(self, request_ids: Sequence[str], num_base: int, context: int | None,
+                   allowed: float) -> list[int]:
+        """plan's optimum for a batch: the m largest marginal gains over every request, m scanned."""
+        cfg = self.config
+        # numpy, not torch: a few dozen small arrays per step, where per-op overhead rules.
+        rates = np.array([self.acceptance_rate(r) for r in request_ids])
+        gains = rates[:, None] ** np.arange(1, cfg.max_draft_tokens + 1)  # [num_requests, max_draft_tokens]
+        # Descending and stable: equal gains keep request-major, depth-ascending order, so
+        # every request's chosen drafts are its first ones.
+        order = np.argsort(-gains.ravel(), kind="stable")
+        value = len(request_ids) + np.concatenate([[0.0], np.cumsum(gains.ravel()[order])])
+        cost = self.cost_many(num_base + np.arange(len(value)), context)
+        if self.draft_cost:  # each request among the first m drafts pays its drafting once
+            first = (order % cfg.max_draft_tokens) == 0  # a request's first draft comes first
+            cost = cost + self.draft_cost * np.concatenate([[0], np.cumsum(first)])
+        ratio = value / cost
+        ratio[1:][cost[1:] > allowed] = -np.inf  # m = 0 stays: the bound cannot ask for less
+        best_m = int(np.argmax(ratio))  # the first maximum: fewer drafts on ties
+        chosen = order[:best_m] // cfg.max_draft_tokens
+        return np.bincount(chosen, minlength=len(request_ids)).tolist()
+
     def _plan_one(self, request_id: str, num_base: int, context: int | None, allowed: float) -> int:
         """plan's optimum for a lone request (batch 1, the common agent step), in plain floats:
-        the same gains, running sums, costs and first maximum as the numpy scan, at a fraction
+        the same gains, running sums, costs and first maximum as _plan_many, at a fraction
         of its per-call cost (numpy's was ~0.2 ms a step in a decode loop, 2-3% of a step)."""
         a = self.acceptance_rate(request_id)
         gained, best_m = 0.0, 0  # the gains' running sum, added to the 1 token as numpy does

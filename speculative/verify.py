@@ -8,7 +8,7 @@ Roles, defined once here and used everywhere else:
   its children were rejected; it replaces the rejected guesses.
 Each step emits the accepted draft tokens plus exactly one bonus or recovered token, so a 1-node
 tree (no proposal) is plain decoding: same distribution, and for a seeded request the same noise
-draw (`exponential_noise((1, vocab))` first) as `Engine._sample`, so the same token.
+draw (`runtime.sampler.sample_row`, which plain decoding calls too), so the same token.
 
 Greedy requests keep the longest path whose tokens equal the target argmax, so speculation never
 changes greedy output. Sampled requests use recursive rejection sampling, which is exact for any
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from prescient.kernels import ops
-from prescient.runtime.sampler import exponential_noise, sample_from_probs, target_probs_from_logits
+from prescient.runtime.sampler import exponential_noise, sample_row, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.tree import DraftTree, pack_trees
 
@@ -81,7 +81,7 @@ def verify(
     if not (len(params) == len(generators) == len(trees)):
         raise ValueError("trees, params and generators must have one entry per request")
     # A tree without drafts is plain decoding (the module's first paragraph): its token is
-    # drawn as Engine._sample_one draws it -- the same noise, the same token -- without the tree
+    # plain decoding's own draw (sampler.sample_row: the same noise, the same token), without the tree
     # machinery, which cost a sampled request 1.5 ms a step on a 2-core Zen 3 (~15% of a step,
     # on every step the planner gives no drafts).
     single = [i for i, t in enumerate(trees)
@@ -92,7 +92,8 @@ def verify(
             starts.append(starts[-1] + tree.num_nodes)
         outcomes: list[VerifyOutcome | None] = [None] * len(trees)
         for i in single:
-            outcomes[i] = _plain_outcome(target_logits[starts[i]:starts[i] + 1], params[i], generators[i])
+            token = sample_row(target_logits[starts[i]:starts[i] + 1], params[i], generators[i])
+            outcomes[i] = VerifyOutcome((0,), (), token, BONUS, 0)
         rest = [i for i in range(len(trees)) if outcomes[i] is None]
         if rest:
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in rest]).to(target_logits.device)
@@ -117,19 +118,6 @@ def verify(
             start += tree.num_nodes
     verdict = verify_packed(draft_tokens, parents, num_nodes, target_logits, params, generators, flat_draft_probs)
     return verdict.outcomes()
-
-
-def _plain_outcome(row: torch.Tensor,  # [1, vocab]
-                   params: SamplingParams, generator: torch.Generator | None) -> VerifyOutcome:
-    """A 1-node tree's verdict: the target's own token (argmax, or the exponential race over
-    target_probs_from_logits with one Exp(1) draw per vocabulary entry), a bonus token."""
-    if params.greedy:
-        token = int(row.argmax(-1))
-    else:
-        probs = target_probs_from_logits(row, params)
-        noise = exponential_noise(tuple(probs.shape), generator).to(probs.device)
-        token = int(sample_from_probs(probs, noise))
-    return VerifyOutcome((0,), (), token, BONUS, 0)
 
 
 @dataclass(frozen=True)
