@@ -222,17 +222,14 @@ void y_idec(const int FMT, const int KIND, const int FULL, const uint8_t *g, int
 {
     const int bb = Q32_L(FMT).bb, qoff = Q32_L(FMT).qoff;
     if (KIND == KIND_T) {
-        /* an 8-lane gather: on Zen 5 10% faster for Q4 than scalar loads into a stack array
-         * (the AVX-512 kernel's choice), 5% slower for Q8_0; unmeasured on AVX2-only CPUs */
-        const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                               _mm256_set1_epi32(bb));
+        /* Each block's first dword (its scales) in lane i: 16-byte loads at offset 0 and the
+         * first third of a 4x4 transpose.  Not vpgatherdd: on Zen 3 the gather was ~30% of
+         * the M = 1 kernel's samples (perf), these loads hit the lines the nibbles use anyway. */
         __m256i sc;
-        if (FULL) {
-            sc = _mm256_i32gather_epi32((const int *)g, idx, 1);
-        } else {
-            const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            const __m256i msk = _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), lanes);
-            sc = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)g, idx, msk, 1);
+        {
+            __m256i z[4];
+            y_gather16(g, bb, 0, nv, FULL, z);
+            sc = _mm256_unpacklo_epi64(_mm256_unpacklo_epi32(z[0], z[1]), _mm256_unpacklo_epi32(z[2], z[3]));
         }
         /* low halves (d) and high halves (Q4_1's m) to 8 fp16 each */
         const __m256i lo16 = _mm256_and_si256(sc, _mm256_set1_epi32(0xffff));

@@ -159,7 +159,7 @@ class _Systems:
         self.servers["llamacpp"] = server
         self.transports["llamacpp"] = (transport_cls(server.url, fmt, cfg.max_tokens), server)
         self.info["llamacpp"] = {"server": server.name, "transport": "http", "tool_format": fmt,
-                                 "version": llamacpp_version(), "tool_stream_problem": problem}
+                                 "version": llamacpp_version(cfg.peer_pythonpath), "tool_stream_problem": problem}
 
     async def aclose(self) -> None:
         for transport, _ in self.transports.values():

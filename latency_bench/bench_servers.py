@@ -117,13 +117,36 @@ def model_tokenizer(model: str | None):
     return load_model_files(model, spec.dtype, weights=spec.weights).tokenizer
 
 
-def llamacpp_version() -> str | None:
-    try:
-        import importlib.metadata
+def llamacpp_version(pythonpath: str | None = None) -> str | None:
+    """llama-cpp-python's version: from this environment, or from `pythonpath` (a folder it was
+    installed into apart, e.g. a build for one ISA tier) when given."""
+    import importlib.metadata
 
+    try:
+        if pythonpath:
+            paths = pythonpath.split(os.pathsep)
+            dist = next(iter(importlib.metadata.distributions(name="llama_cpp_python", path=paths)), None)
+            if dist is not None:
+                return dist.version
         return importlib.metadata.version("llama_cpp_python")
     except Exception:
         return None
+
+
+def check_llamacpp_server(pythonpath: str | None = None) -> None:
+    """Raise PeerMissing unless `python -m llama_cpp.server` can start here: llama-cpp-python and
+    its server extra importable from this interpreter with `pythonpath` first on the path. Asked
+    of a child with the server's own environment, so a peer installed apart (`--peer-pythonpath`)
+    counts, which an import in this process would not see."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    probe = subprocess.run([sys.executable, "-c", "import llama_cpp, llama_cpp.server.app"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise PeerMissing("llama-cpp-python's server is not importable (the `peers` extra"
+                          + (f", or --peer-pythonpath {pythonpath}" if pythonpath else "") + f"): {why}")
 
 
 class LlamaCppServer(_Process):
@@ -133,10 +156,7 @@ class LlamaCppServer(_Process):
 
     def __init__(self, model: str, threads: int, chat_format: str = "chatml-function-calling", n_ctx: int = 4096,
                  timeout_s: float = 180.0, pythonpath: str | None = None):
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError as e:
-            raise PeerMissing(f"llama-cpp-python is not installed (the `peers` extra): {e}") from e
+        check_llamacpp_server(pythonpath)
         if not model.endswith(".gguf"):
             raise PeerMissing(f"llama.cpp needs a .gguf model, got {model}")
         with socket.socket() as s:
@@ -145,7 +165,7 @@ class LlamaCppServer(_Process):
         env = dict(os.environ)
         if pythonpath:  # the server extra's web stack, installed apart from this environment
             env["PYTHONPATH"] = pythonpath + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.name = f"llama_cpp.server {llamacpp_version()} ({chat_format}, cache on)"
+        self.name = f"llama_cpp.server {llamacpp_version(pythonpath)} ({chat_format}, cache on)"
         self.chat_format = chat_format
         super().__init__([sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
                           "--port", str(port), "--chat_format", chat_format, "--cache", "true", "--n_ctx", str(n_ctx),

@@ -98,7 +98,7 @@ def start_servers(cfg: LoadBenchConfig, t0: float) -> tuple[dict, dict, dict]:
             model = cfg.model or default_model_path()
             server = LlamaCppServer(model, cfg.peer_threads, chat_format="chatml", pythonpath=cfg.peer_pythonpath)
             servers["llamacpp"] = server
-            info["llamacpp"] = {"server": server.name, "version": llamacpp_version(), "threads": cfg.peer_threads}
+            info["llamacpp"] = {"server": server.name, "version": llamacpp_version(cfg.peer_pythonpath), "threads": cfg.peer_threads}
         except PeerMissing as e:
             not_run["llamacpp"] = str(e)
         except Exception as e:  # noqa: BLE001 - e.g. no default model: the peer is not run, named

@@ -1,13 +1,19 @@
-"""prescient through its server beside llama.cpp in process: greedy batch-1 decode speed and cold
-TTFT on the same weights, interleaved in one run, with the bandwidth floor measured alongside.
+"""prescient through its server beside llama.cpp, through its server and in process: greedy
+batch-1 decode speed and cold TTFT on the same weights, interleaved in one run, with the bandwidth
+floor measured alongside.
 
     python -m prescient.latency_bench.peer_decode [--bf16-gguf F] [--q8-gguf F] [--isa avx2] [--reps 2]
+        [--peer-pythonpath DIR[:DIR]]
 
 Each pair is one weights file both sides read: the default model's own Q4_1 GGUF (prescient
 `--weights native`, its blocks as stored) and, when given, BF16 / Q8_0 GGUFs written from it by
 `python -m prescient.latency_bench.write_gguf`. prescient runs as `prescient serve` (speculation
-off, then n-gram) driven by the openai SDK, streamed, as a user sees it; llama.cpp runs through
-llama-cpp-python in this process (flash attention on, all cores), which spares it any HTTP cost.
+off, then n-gram) and llama.cpp as `llama_cpp.server` (flash attention on, all cores, ChatML, no
+repeat penalty), both driven by the openai SDK, streamed, as a user sees them: that pair is the
+like-for-like comparison. llama.cpp also runs through llama-cpp-python in this process
+(`llama.cpp-inproc`, the same prompt ids as prescient's), which spares it any HTTP cost: the
+figure of its engine alone. `--peer-pythonpath` names where llama-cpp-python (e.g. a build for
+one ISA tier) and its server extra are installed, if not in this environment.
 Every request starts its system message with a fresh nonce, so no prefix cache helps either side:
 every TTFT is a cold prefill. Requests alternate between the systems, workload by workload.
 
@@ -31,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from prescient.latency_bench.bench_servers import PeerMissing
 from prescient.latency_bench.bundled import WORKLOADS
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.runtime.slo import percentile
@@ -86,17 +93,7 @@ class Server:
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
-        t0 = time.perf_counter()
-        times, n = [], 0
-        stream = self.client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
-                                                     temperature=0, stream=True,
-                                                     stream_options={"include_usage": True})
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                times.append(time.perf_counter())
-            if chunk.usage is not None:
-                n = chunk.usage.completion_tokens
-        return _result(t0, times, n)
+        return _stream(self.client, messages, max_tokens)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -104,8 +101,46 @@ class Server:
             self.proc.wait(30)
 
 
+def _stream(client, messages: list[dict], max_tokens: int, **extra) -> dict:
+    """One greedy streamed chat completion through the openai SDK, timed at each content chunk.
+    Tokens: the usage the server reports, else the content chunks (llama_cpp.server streams a
+    chunk per token and reports no usage when streaming)."""
+    t0 = time.perf_counter()
+    times, n = [], 0
+    stream = client.chat.completions.create(model="default", messages=messages, max_tokens=max_tokens,
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            **extra)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter())
+        if getattr(chunk, "usage", None) is not None:
+            n = chunk.usage.completion_tokens
+    return _result(t0, times, n or len(times))
+
+
+class LlamaCppHttp:
+    """llama_cpp.server on the same GGUF, driven like prescient's server (openai SDK, streamed)."""
+
+    def __init__(self, path: str, pythonpath: str | None):
+        import openai
+
+        from prescient.latency_bench.bench_servers import LlamaCppServer
+
+        self.server = LlamaCppServer(path, os.cpu_count(), chat_format="chatml", pythonpath=pythonpath)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+    def run(self, messages: list[dict], max_tokens: int) -> dict:
+        # greedy as prescient's is: its server's defaults add a repeat penalty of 1.1
+        return _stream(self.client, messages, max_tokens, extra_body={"repeat_penalty": 1.0, "top_k": 1})
+
+    def close(self) -> None:
+        self.server.stop()
+
+
 class LlamaCpp:
-    def __init__(self, path: str, tokenizer, eos: set[int]):
+    def __init__(self, path: str, tokenizer, eos: set[int], pythonpath: str | None = None):
+        if pythonpath:  # after this environment's own packages: only llama_cpp is taken from there
+            sys.path += [p for p in pythonpath.split(os.pathsep) if p not in sys.path]
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=path, n_ctx=4096, n_threads=os.cpu_count(), flash_attn=True, verbose=False)
@@ -148,7 +183,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default=None, help="PRESCIENT_ISA for the server (portable, avx2, avx512, avx512_bf16)")
     ap.add_argument("--speculate", default="off,ngram", help="prescient modes, comma-separated")
     add_shared(ap, reps={"default": 2, "help": "passes over the workloads"},
-               workloads={"help": "a workloads .jsonl (default: the bundled 11)"})
+               workloads={"help": "a workloads .jsonl (default: the bundled 11)"}, peer_pythonpath=True)
     ap.add_argument("--limit", type=int, default=None, help="only the first N workloads (a smoke run)")
     ap.add_argument("--only", default=None, help="only workloads of this kind (chat, tool_call, long_edit)")
     add_shared(ap, out={"help": "write the results as JSON here (unset: stdout only)"})
@@ -181,9 +216,14 @@ def cli(argv: list[str] | None = None) -> int:
         for spec in args.speculate.split(","):
             systems[f"prescient-{spec}"] = Server(["--model", path, "--weights", "native", "--speculate", spec], env)
         try:
-            systems["llama.cpp"] = LlamaCpp(path, tokenizer, eos)
+            systems["llama.cpp"] = LlamaCppHttp(path, args.peer_pythonpath)
+        except PeerMissing as e:
+            print(f"no llama.cpp server: {e}", file=sys.stderr)
+        try:
+            systems["llama.cpp-inproc"] = LlamaCpp(path, tokenizer, eos, args.peer_pythonpath)
         except ImportError:
-            print("llama-cpp-python is not installed (pip install -e '.[peers]'): prescient only", file=sys.stderr)
+            print("llama-cpp-python is not installed (pip install -e '.[peers]'): no in-process llama.cpp",
+                  file=sys.stderr)
         rows: dict[str, list[dict]] = {s: [] for s in systems}
         try:
             order = list(systems)
@@ -199,7 +239,7 @@ def cli(argv: list[str] | None = None) -> int:
                 print(f"{name}: pass {rep} done", file=sys.stderr)
         finally:
             for s in systems.values():
-                if isinstance(s, Server):
+                if isinstance(s, (Server, LlamaCppHttp)):
                     s.close()
         wbytes = step_weight_bytes(path)
         out = {"weight_bytes_per_step": wbytes, "systems": {}}
@@ -212,17 +252,19 @@ def cli(argv: list[str] | None = None) -> int:
     results["read_bandwidth_GBps"] = [bw0 / 1e9, bw1 / 1e9]
     bw = max(bw0, bw1)
     lines = [f"tier {tier} (prescient kernels), {os.cpu_count()} CPUs; read bandwidth {bw / 1e9:.1f} GB/s", "",
-             "| weights | system | decode tok/s overall | chat / tool_call / long_edit | % of floor | cold TTFT long_edit |",
+             "| weights | system | decode tok/s overall (x llama.cpp server, x in process) "
+             "| chat / tool_call / long_edit | % of floor | cold TTFT long_edit |",
              "|---|---|---|---|---|---|"]
     for name, out in results["pairs"].items():
         floor = bw / out["weight_bytes_per_step"]
         out["floor_tok_s"] = floor
-        base = out["systems"].get("llama.cpp", {}).get("decode_tok_s")
+        bases = [out["systems"].get(k, {}).get("decode_tok_s") for k in ("llama.cpp", "llama.cpp-inproc")]
         for s, summ in out["systems"].items():
             bw_ = summ["by_workload"]
             per = " / ".join(f"{bw_[k]['decode_tok_s']:.1f}" if k in bw_ and bw_[k]["decode_tok_s"] else "-"
                              for k in ("chat", "tool_call", "long_edit"))
-            ratio = f" ({summ['decode_tok_s'] / base:.2f}x llama.cpp)" if base and s != "llama.cpp" else ""
+            ratio = ", ".join(f"{summ['decode_tok_s'] / b:.2f}x" if b else "-" for b in bases)
+            ratio = f" ({ratio})" if s.startswith("prescient") else ""
             le = bw_.get("long_edit", {}).get("ttft_s")
             le_text = f"{le * 1000:.0f} ms" if le else "-"
             lines.append(f"| {name} | {s} | {summ['decode_tok_s']:.1f}{ratio} | {per} | "

@@ -1,0 +1,33 @@
+"""The llama.cpp peer is looked for where its server will run: `check_llamacpp_server` asks a
+child with `--peer-pythonpath` first on its path (a build installed apart counts; a missing server
+extra is named), and `llamacpp_version` reads the version installed there."""
+
+from __future__ import annotations
+
+import pytest
+
+from prescient.latency_bench.bench_servers import PeerMissing, check_llamacpp_server, llamacpp_version
+
+
+def _fake_llama_cpp(root, server_error: str | None = None, version: str = "9.8.7"):
+    pkg = root / "llama_cpp"
+    (pkg / "server").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "server" / "__init__.py").write_text(f"raise ImportError({server_error!r})\n" if server_error else "")
+    (pkg / "server" / "app.py").write_text("")
+    info = root / f"llama_cpp_python-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: llama_cpp_python\nVersion: {version}\n")
+    return str(root)
+
+
+def test_a_peer_installed_apart_is_found_through_its_pythonpath(tmp_path):
+    path = _fake_llama_cpp(tmp_path)
+    check_llamacpp_server(path)  # no PeerMissing: the child imports the folder's llama_cpp
+    assert llamacpp_version(path) == "9.8.7"
+
+
+def test_a_peer_without_its_server_extra_is_refused_naming_what_is_missing(tmp_path):
+    path = _fake_llama_cpp(tmp_path, server_error="No module named 'fastapi'")
+    with pytest.raises(PeerMissing, match=r"--peer-pythonpath .*No module named 'fastapi'"):
+        check_llamacpp_server(path)
