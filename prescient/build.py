@@ -26,7 +26,8 @@ from prescient.runtime.loader import QUANTIZE
 from prescient.runtime.model import LlamaModel, ModelRunner, prepare_for_cpu
 from prescient.runtime.weights_cache import WEIGHTS, load_model_files
 
-# auto = eagle where the target has a trained head (shipped, or `prescient train-head`), else ngram
+# auto = eagle where the target has a trained head (shipped, or `prescient train-head`) measured to beat
+# ngram on this kernel tier (speculative/head_verdict.py), else ngram
 SPECULATE = ("auto", "eagle", "ngram", "draft", "off")
 # how the speculator's verify-cost table is obtained (speculative/speculator.make_speculator):
 # idle = cached, else measured in the engine's idle moments; now = cached, else measured before
@@ -221,14 +222,16 @@ def eagle_refusal(spec: EngineSpec) -> str | None:
 
 def speculate_method(spec: EngineSpec, model) -> str:
     """The proposer `spec.speculate` means for this model: auto = eagle when the model has a
-    head and the spec allows it, else ngram; eagle without a head (or where refused) is an error."""
+    head that was measured to beat n-gram on this kernel tier (speculative/head_verdict.py) and
+    the spec allows it, else ngram; eagle without a head (or where refused) is an error."""
     from prescient.speculative.eagle import has_head, head_path_for
+    from prescient.speculative.head_verdict import head_pays_here
 
     if spec.speculate not in ("auto", "eagle"):
         return spec.speculate
     refusal = eagle_refusal(spec)
     if spec.speculate == "auto":
-        return "eagle" if refusal is None and has_head(model) else "ngram"
+        return "eagle" if refusal is None and has_head(model) and head_pays_here(head_path_for(model))[0] else "ngram"
     if refusal is not None:
         raise ValueError(refusal)
     if not has_head(model):
@@ -283,6 +286,13 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
             if spec.progress:
                 print(f"prescient: speculation: the EAGLE head {draft_config.head_path} with n-gram copies",
                       file=sys.stderr, flush=True)
+        elif spec.speculate == "auto" and spec.progress and eagle_refusal(spec) is None:
+            from prescient.speculative.eagle import has_head, head_path_for
+            from prescient.speculative.head_verdict import head_pays_here
+
+            if has_head(loaded.model):  # say why a head that exists is not used
+                print(f"prescient: speculation: ngram; the EAGLE head {head_path_for(loaded.model)} is left to "
+                      f"--speculate eagle: {head_pays_here(head_path_for(loaded.model))[1]}", file=sys.stderr, flush=True)
         speculator = make_speculator(loaded.model, block_size, method, spec.draft_model, loaded.tokenizer,
                                      calibrate="off" if spec.calibrate == "off" else "idle", cache_key=key,
                                      use_cache=spec.calibrate != "fresh", proposer_config=draft_config)

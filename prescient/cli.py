@@ -50,7 +50,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "trees of free text, and n-gram copies take over where the text repeats (needs the "
                    "model's head: shipped, or `prescient train-head`); ngram: an n-gram / suffix index over "
                    "the prompt, the session and the key's recent outputs; draft: a draft model "
-                   "(--draft-model); auto: eagle when the model has a head, else ngram; off: none")
+                   "(--draft-model); auto: eagle when the model has a head that `prescient train-head` measured "
+                   "faster than ngram on this CPU tier, else ngram; off: none")
     p.add_argument("--draft-model", default=None, help="the draft for --speculate draft: a checkpoint path "
                    "sharing the target's tokenizer; self-int4 / self-int8 = the target's own full depth with "
                    "its linears quantized at load to Q4_1 / Q8_0 (and its LM head to Q8_0): for a float target "

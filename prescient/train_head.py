@@ -3,8 +3,10 @@
 The command line over speculative/head_train.py's phases (its docstring has the pipeline):
 load the target, generate its greedy and sampled replies to the bundled prompts, take their
 features, fit the head and write it where `--speculate auto|eagle` looks for it
-(speculative/eagle_head.default_head_path). Here rather than in speculative/ because it builds
-an engine (prescient/build.py), which the layers below may not import.
+(speculative/eagle_head.default_head_path); then measure it beside n-gram and write the verdict
+`--speculate auto` reads (speculative/head_verdict.py; `--verdict-only` measures an existing
+head). Here rather than in speculative/ because it builds engines (prescient/build.py), which the
+layers below may not import.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from prescient.speculative.eagle import fingerprint as target_id, lm_head_rows
 from prescient.speculative.eagle_head import EagleHead, default_head_path
+from prescient.speculative.head_verdict import kernel_tier
 from prescient.speculative.head_train import (PROMPTS, Seq, _log, collect_features, draft_vocab, embedder,
                                                fit_branch_scale, generate_outputs, init_head, load_data,
                                                load_prompts, render_prompts, save_data, split_holdout, train_head)
@@ -51,16 +54,66 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="the head file (default: where the runtime looks for this target's)")
     p.add_argument("--save-data", default=None, metavar="PATH", help="keep the generated tokens and features here")
     p.add_argument("--load-data", default=None, metavar="PATH", help="train on tokens and features saved before")
+    p.add_argument("--no-verdict", action="store_true",
+                   help="skip measuring the head beside n-gram after training (auto then leaves it to "
+                   "--speculate eagle)")
+    p.add_argument("--verdict-only", action="store_true",
+                   help="train nothing: measure the head already where the runtime looks for it beside n-gram "
+                   "and write its verdict (after a kernel change, or for a shipped head)")
+    p.add_argument("--verdict-workloads", type=int, default=None, metavar="N",
+                   help="measure on the first N bundled workloads (default: all 11)")
     return p
 
 
-def _cpu_tier() -> str | None:
-    try:
-        from prescient.kernels.cpu_linear import kernel_info
+def measure_verdict(args, loaded, head_path: str) -> dict:
+    """The head beside n-gram as `--speculate auto` would run them: greedy batch-1 decoding of the
+    bundled workloads (latency_bench/workloads.jsonl: chat, tool_call, long_edit), each prompt
+    through both engines, the order alternating, decode tok/s over all of them (tokens after the
+    first / time after the first). Both are lossless, so their outputs must be equal; the verdict
+    says the head pays when its tok/s is at least PAYS_RATIO times n-gram's on this kernel tier."""
+    import dataclasses
 
-        return kernel_info().get("isa")
-    except Exception:  # no native kernels here: the tier is unknown, not an error
-        return None
+    from prescient.build import EngineSpec, build_engine
+    from prescient.latency_bench.workloads import load_workloads
+    from prescient.runtime.sampling_params import SamplingParams
+    from prescient.speculative.head_verdict import PAYS_RATIO, file_sha256
+
+    base = EngineSpec(model=args.model, dtype=args.dtype, calibrate="now")
+    engines = {m: build_engine(dataclasses.replace(base, speculate=m), loaded) for m in ("ngram", "eagle")}
+    workloads, _ = load_workloads()
+    workloads = workloads[:args.verdict_workloads] if args.verdict_workloads else workloads
+    tokens, secs, identical = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0), 0
+    for n, w in enumerate(workloads):
+        ids = loaded.tokenizer.apply_chat_template(list(w.messages))
+        outputs = {}
+        for m in (("ngram", "eagle") if n % 2 == 0 else ("eagle", "ngram")):
+            r = engines[m].add_request(ids, SamplingParams(temperature=0.0, max_tokens=w.max_tokens))
+            while engines[m].has_unfinished_requests():
+                engines[m].step()
+            outputs[m] = r.output_token_ids
+            if len(r.output_token_ids) > 1:
+                tokens[m] += len(r.output_token_ids) - 1
+                secs[m] += r.finished_time - r.first_token_time
+        identical += outputs["ngram"] == outputs["eagle"]
+    rate = {m: tokens[m] / secs[m] if secs[m] > 0 else 0.0 for m in engines}
+    ratio = rate["eagle"] / rate["ngram"] if rate["ngram"] > 0 else 0.0
+    return {"tier": kernel_tier(), "head_sha256": file_sha256(head_path), "workloads": len(workloads),
+            "ngram_tok_s": round(rate["ngram"], 2), "eagle_tok_s": round(rate["eagle"], 2),
+            "eagle_over_ngram": round(ratio, 3), "pays": ratio >= PAYS_RATIO,
+            "identical_outputs": identical, "dtype": args.dtype,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _write_verdict(args, loaded, head_path: str) -> None:
+    from prescient.speculative.head_verdict import write_verdict
+
+    _log("measuring the head beside n-gram (greedy, the bundled workloads, interleaved) ...")
+    verdict = measure_verdict(args, loaded, head_path)
+    path = write_verdict(head_path, verdict)
+    _log(f"verdict: eagle {verdict['eagle_tok_s']} tok/s vs ngram {verdict['ngram_tok_s']} "
+         f"({verdict['eagle_over_ngram']}x, outputs identical {verdict['identical_outputs']}/{verdict['workloads']}) "
+         f"on tier {verdict['tier']}: --speculate auto {'takes' if verdict['pays'] else 'does not take'} "
+         f"the head ({path})")
 
 
 def _make_data(args, loaded, fingerprint: str, data_meta: dict, timings: dict) -> list[Seq]:
@@ -118,7 +171,7 @@ def _meta(args, argv, head: EagleHead, seqs: list[Seq], data_meta: dict, history
         "data": data_meta, "init_branch_scale": scale, "draft_vocab": head.cfg.draft_vocab, "epochs": len(history),
         "minutes": round(last.get("minutes", 0.0), 2), "train_loss": last.get("train_loss"),
         "held_acc1": last.get("held_acc1"), "held_in_vocab": last.get("held_in_vocab"),
-        "cpu_isa": _cpu_tier(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_isa": kernel_tier(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
 
@@ -132,6 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(EngineSpec(model=args.model, dtype=args.dtype, speculate="off", calibrate="off"))
     fingerprint = target_id(loaded.model)
     timings["load_s"] = time.perf_counter() - t
+    if args.verdict_only:
+        from prescient.speculative.eagle import head_path_for
+
+        head_path = head_path_for(loaded.model)
+        if not os.path.exists(head_path):
+            _log(f"no head at {head_path}: train one first")
+            return 1
+        _write_verdict(args, loaded, head_path)
+        return 0
     data_meta = {"prompts": args.prompts, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                  "temperature": args.temperature, "samples": args.samples}
     if args.load_data:
@@ -147,8 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     head, history, scale = _fit(args, loaded.model, seqs, fingerprint, eos)
     timings["train_s"] = time.perf_counter() - t
     out = Path(args.out) if args.out else default_head_path(fingerprint)
+    from prescient.speculative.head_verdict import verdict_path
+
+    verdict_path(str(out)).unlink(missing_ok=True)  # the old head's measurement is not this one's
     head.save(str(out), _meta(args, argv, head, seqs, data_meta, history, scale, timings))
     _log(f"head saved to {out} ({', '.join(f'{k} {v:.1f} s' for k, v in timings.items())})")
+    if args.no_verdict:
+        return 0
+    if out != default_head_path(fingerprint):
+        _log("no verdict: the head is not where the runtime looks for it (--out); "
+             "measure it there with --verdict-only")
+        return 0
+    _write_verdict(args, loaded, str(out))
     return 0
 
 

@@ -1,7 +1,8 @@
 """The EAGLE head proposer on a tiny random float64 target: the drafting arithmetic equals the
 training forward row for row; the target's features reach the proposer for exactly the positions
 it computed (chunks, accepted tree paths); greedy output with the head equals plain decoding; a
-head trained for another target is refused; auto picks the head only where one exists."""
+head trained for another target is refused; auto picks the head only where its verdict (measured
+beside n-gram on this kernel tier, for this head file) says it pays."""
 
 from __future__ import annotations
 
@@ -136,9 +137,17 @@ def test_a_head_for_another_target_is_refused(target, tmp_path):
         EagleProposer(EagleConfig(target_model=target, head_path=str(tmp_path / "absent.safetensors")))
 
 
-def test_auto_takes_the_head_only_where_there_is_one(target, monkeypatch, head_file):
+def _verdict(head_file, **over):
+    from prescient.speculative.head_verdict import file_sha256, kernel_tier
+
+    return {"tier": kernel_tier(), "head_sha256": file_sha256(head_file), "pays": True, "eagle_over_ngram": 1.3,
+            **over}
+
+
+def test_auto_takes_the_head_only_where_it_was_measured_to_beat_ngram_here(target, monkeypatch, head_file):
     from prescient import build
     from prescient.speculative import eagle
+    from prescient.speculative.head_verdict import verdict_path, write_verdict
 
     spec = build.EngineSpec(speculate="auto")
     monkeypatch.setattr(eagle, "head_path_for", lambda model: "/nonexistent/head.safetensors")
@@ -146,8 +155,38 @@ def test_auto_takes_the_head_only_where_there_is_one(target, monkeypatch, head_f
     with pytest.raises(ValueError, match="train-head"):
         build.speculate_method(build.EngineSpec(speculate="eagle"), target)
     monkeypatch.setattr(eagle, "head_path_for", lambda model: head_file)
-    assert build.speculate_method(spec, target) == "eagle"
-    assert build.speculate_method(build.EngineSpec(speculate="auto", tp=2), target) == "ngram"
+    verdict_path(head_file).unlink(missing_ok=True)
+    assert build.speculate_method(spec, target) == "ngram"  # a head, never measured beside n-gram
+    assert build.speculate_method(build.EngineSpec(speculate="eagle"), target) == "eagle"  # asked for by name
+    try:
+        write_verdict(head_file, _verdict(head_file))
+        assert build.speculate_method(spec, target) == "eagle"
+        assert build.speculate_method(build.EngineSpec(speculate="auto", tp=2), target) == "ngram"
+        for stale in ({"pays": False, "eagle_over_ngram": 0.83}, {"tier": "some_other_tier"},
+                      {"head_sha256": "0" * 64}):
+            write_verdict(head_file, _verdict(head_file, **stale))
+            assert build.speculate_method(spec, target) == "ngram", stale
+    finally:
+        verdict_path(head_file).unlink(missing_ok=True)
+
+
+def test_the_verdict_says_why_a_head_is_not_taken(head_file):
+    from prescient.speculative.head_verdict import head_pays_here, verdict_path, write_verdict
+
+    try:
+        assert head_pays_here(head_file) == (False, "no measurement beside n-gram "
+                                             "(run `prescient train-head --verdict-only`)")
+        write_verdict(head_file, _verdict(head_file, pays=False, eagle_over_ngram=0.83))
+        ok, why = head_pays_here(head_file)
+        assert not ok and "0.83x" in why
+        write_verdict(head_file, _verdict(head_file, tier="avx512_bf16" if _verdict(head_file)["tier"] != "avx512_bf16"
+                                          else "avx2"))
+        ok, why = head_pays_here(head_file)
+        assert not ok and "kernel tier" in why
+        verdict_path(head_file).write_text("{not json")
+        assert head_pays_here(head_file)[0] is False
+    finally:
+        verdict_path(head_file).unlink(missing_ok=True)
 
 
 def test_sampling_with_the_heads_trees_keeps_the_target_distribution(target, head_file):

@@ -213,11 +213,13 @@ def test_fitting_the_branch_scale_never_starts_worse_than_the_copied_layer(tiny,
 
 def test_the_command_end_to_end_on_a_tiny_chat_model(tmp_path):
     """Prompts through the chat template, generation, features, training, the head file; then a
-    rerun from the saved data, its head where the runtime looks for this target's."""
+    rerun from the saved data, its head where the runtime looks for this target's, measured
+    beside n-gram into the verdict `--speculate auto` reads."""
     from tests.conftest import make_tiny_checkpoint
     from tests.latency_bench.conftest import make_tiny_tokenizer
 
     from prescient.speculative.eagle_head import default_head_path
+    from prescient.speculative.head_verdict import PAYS_RATIO, file_sha256, read_verdict, verdict_path
 
     path = tmp_path / "model"
     tok = make_tiny_tokenizer(path)
@@ -234,11 +236,18 @@ def test_the_command_end_to_end_on_a_tiny_chat_model(tmp_path):
     assert meta["data"]["max_new_tokens"] == 6 and meta["command"].startswith("prescient train-head")
     assert 0 <= meta["held_acc1"] <= 1 and meta["date"]
 
-    assert train_head_main(common + ["--load-data", str(data), "--epochs", "2"]) == 0
+    assert not verdict_path(str(out)).exists()  # --out elsewhere: not measured (auto would not look there)
+
+    assert train_head_main(common + ["--load-data", str(data), "--epochs", "2", "--verdict-workloads", "2"]) == 0
     target = head.cfg.target
     again, meta = load_head(str(default_head_path(target)), config)
     assert again.cfg.target == target and (meta["sequences"], meta["epochs"]) == (8, 2)
     assert meta["data"]["max_new_tokens"] == 6  # what the data was made with, not this run's default
+    # then measured beside n-gram where the runtime looks: both lossless, so the outputs agree
+    verdict = read_verdict(str(default_head_path(target)))
+    assert verdict["workloads"] == 2 and verdict["identical_outputs"] == 2
+    assert verdict["head_sha256"] == file_sha256(str(default_head_path(target)))
+    assert verdict["pays"] == (verdict["eagle_over_ngram"] >= PAYS_RATIO) and verdict["ngram_tok_s"] > 0
 
 
 def test_the_learning_rate_warms_up_then_decays_to_zero_when_the_run_ends():
