@@ -58,14 +58,15 @@ def server_prefill_gaps(traces: list[RequestTrace], t_sent: float, t_first: floa
 async def run_once(transport, chats: list[list[dict]], long_messages: list[dict], decode_tokens: int,
                    tag: str, banned: tuple[int, ...] = ()) -> dict:
     """One rep on one server: {"alone_ttft_s", "ttft_s", "gaps_s", "server_gaps_s", "outlasted"}.
-    `banned`: token ids the decodes may not sample (the chat template's special tokens: past an
+    `banned`: token ids no request of the rep may sample (the chat template's special tokens: past an
     ignored end of turn the model writes `<|im_end|>` / `<|im_start|>`, which stream no text, so
     their step's delivery would join the next one's and the figure would be of the bench's own
-    ignore_eos, not of the server)."""
+    ignore_eos, not of the server; and a long prompt's one token must stream text for its TTFT
+    to exist: a first token that ends the turn streams none)."""
     bias = {"logit_bias": {str(t): -100 for t in banned}} if banned else {}
     nonce = f"{tag}-{uuid.uuid4().hex[:8]}"
     alone = RequestTrace("long-alone", 0.0)
-    await transport.stream(with_fresh_prefix(long_messages, f"{nonce}-alone"), f"{tag}-alone", 1, trace=alone)
+    await transport.stream(with_fresh_prefix(long_messages, f"{nonce}-alone"), f"{tag}-alone", 1, trace=alone, **bias)
     traces = [RequestTrace(f"{tag}-d{i}", 0.0) for i in range(len(chats))]
     tasks = [asyncio.create_task(transport.stream(with_fresh_prefix(c, f"{nonce}-d{i}"), t.request_id,
                                                   decode_tokens, trace=t, ignore_eos=True, **bias))
@@ -79,15 +80,16 @@ async def run_once(transport, chats: list[list[dict]], long_messages: list[dict]
                 raise RuntimeError(f"a decode finished before {MIN_EMISSIONS} emissions (raise --decode-tokens)")
             await asyncio.sleep(0.002)
         long = RequestTrace(f"{tag}-long", 0.0)
-        await transport.stream(with_fresh_prefix(long_messages, f"{nonce}-long"), long.request_id, 1, trace=long)
+        await transport.stream(with_fresh_prefix(long_messages, f"{nonce}-long"), long.request_id, 1, trace=long,
+                               **bias)
         outlasted = not any(task.done() for task in tasks)
         await asyncio.sleep(AFTER_FIRST_S)
     finally:
         for task in tasks:
             task.cancel()  # closes the stream: the server stops the decode
         await asyncio.gather(*tasks, return_exceptions=True)
-    if not long.emission_times:
-        raise RuntimeError("the long prompt delivered no token")
+    if not long.emission_times or not alone.emission_times:
+        raise RuntimeError("the long prompt delivered no text (its first token ended the turn: pass `banned`)")
     ttft = request_metrics(long, CPU_INTERACTIVE).ttft_s
     return {"alone_ttft_s": request_metrics(alone, CPU_INTERACTIVE).ttft_s, "ttft_s": ttft,
             "gaps_s": prefill_gaps(traces, long.arrival_time, long.emission_times[0]),
