@@ -21,8 +21,38 @@ import dataclasses
 
 from prescient.latency_bench.workloads import load_workloads
 from prescient.build import EngineSpec, build_engine, load_model
-from prescient.runtime.sampling_params import SamplingParams
 from prescient.latency_bench.suites import suite_parser
+
+
+def decode_interleaved(engines: dict, tokenizer, workloads, temperature: float = 0.0,
+                       totals: dict | None = None, alternate: bool = False) -> list[dict]:
+    """Each workload through every engine in turn, batch 1 (a shared machine's load then hits
+    every engine alike; `alternate` reverses the order every other workload); per workload
+    {engine name: output ids}. Adds to `totals[(kind, name)]` [tokens after the first, seconds
+    from the first token to the last]: decode tok/s = their ratio. Sampled runs are seeded per
+    workload, the same seed for every engine."""
+    from prescient.runtime.sampling_params import SamplingParams
+
+    totals = {} if totals is None else totals
+    all_outputs = []
+    for n, w in enumerate(workloads):
+        ids = tokenizer.apply_chat_template(list(w.messages))
+        names = list(engines)[::-1] if alternate and n % 2 else list(engines)
+        outputs = {}
+        for name in names:
+            engine = engines[name]
+            params = SamplingParams(temperature=temperature, max_tokens=w.max_tokens,
+                                    seed=n if temperature > 0 else None)
+            r = engine.add_request(ids, params)
+            while engine.has_unfinished_requests():
+                engine.step()
+            outputs[name] = r.output_token_ids
+            acc = totals.setdefault((w.kind, name), [0, 0.0])
+            if len(r.output_token_ids) > 1:
+                acc[0] += len(r.output_token_ids) - 1
+                acc[1] += r.finished_time - r.first_token_time
+        all_outputs.append(outputs)
+    return all_outputs
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -67,25 +97,15 @@ def cli(argv: list[str] | None = None) -> int:
             costs = spec.speculator.adaptive.cost_many(np.array(sizes), context)
             print(f"{name}: verify cost at {context} cached tokens:",
                   {t: round(float(c), 2) for t, c in zip(sizes, costs)}, flush=True)
-    totals: dict[tuple[str, str], list[float]] = {}
+    totals: dict[tuple[str, str], list[float]] = {}  # (kind, engine) -> [tokens after the first, seconds]
     workloads, _ = load_workloads()
     if args.kinds:
         workloads = [w for w in workloads if w.kind in args.kinds.split(",")]
     workloads = workloads * args.repeats
     match = {name: [0, 0, 0] for name in engines}  # identical outputs, tokens before divergence, plain tokens
-    for n, w in enumerate(workloads):
-        ids = plain.tokenizer.apply_chat_template(list(w.messages))
-        outputs = {}
-        for name, engine in (("plain", plain), *engines.items()):
-            params = SamplingParams(temperature=args.temperature, max_tokens=w.max_tokens,
-                                    seed=n if args.temperature > 0 else None)
-            r = engine.add_request(ids, params)
-            while engine.has_unfinished_requests():
-                engine.step()
-            outputs[name] = r.output_token_ids
-            acc = totals.setdefault((w.kind, name), [0, 0.0])
-            acc[0] += len(r.output_token_ids) - 1
-            acc[1] += r.finished_time - r.first_token_time
+    all_outputs = decode_interleaved({"plain": plain, **engines}, plain.tokenizer, workloads, args.temperature,
+                                     totals)
+    for outputs in all_outputs:
         a = outputs["plain"]
         for name in engines:
             b = outputs[name]

@@ -220,24 +220,33 @@ def eagle_refusal(spec: EngineSpec) -> str | None:
     return None
 
 
-def speculate_method(spec: EngineSpec, model) -> str:
-    """The proposer `spec.speculate` means for this model: auto = eagle when the model has a
-    head that was measured to beat n-gram on this kernel tier (speculative/head_verdict.py) and
-    the spec allows it, else ngram; eagle without a head (or where refused) is an error."""
+def speculate_choice(spec: EngineSpec, model) -> tuple[str, str | None]:
+    """(the proposer `spec.speculate` means for this model, why auto left a present head out or
+    None): auto = eagle when the model has a head that was measured to beat n-gram on this kernel
+    tier (speculative/head_verdict.py) and the spec allows it, else ngram; eagle without a head
+    (or where refused) is an error."""
     from prescient.speculative.eagle import has_head, head_path_for
     from prescient.speculative.head_verdict import head_pays_here
 
     if spec.speculate not in ("auto", "eagle"):
-        return spec.speculate
+        return spec.speculate, None
     refusal = eagle_refusal(spec)
     if spec.speculate == "auto":
-        return "eagle" if refusal is None and has_head(model) and head_pays_here(head_path_for(model))[0] else "ngram"
+        if refusal is not None or not has_head(model):
+            return "ngram", None
+        pays, why = head_pays_here(head_path_for(model))
+        return ("eagle", None) if pays else ("ngram", f"the EAGLE head {head_path_for(model)} is left to "
+                                                      f"--speculate eagle: {why}")
     if refusal is not None:
         raise ValueError(refusal)
     if not has_head(model):
         raise ValueError(f"--speculate eagle: no head for this model at {head_path_for(model)}; "
                          "train one with `prescient train-head` (or use --speculate ngram)")
-    return "eagle"
+    return "eagle", None
+
+
+def speculate_method(spec: EngineSpec, model) -> str:
+    return speculate_choice(spec, model)[0]
 
 
 def _eagle_config(model):
@@ -279,20 +288,15 @@ def build_engine(spec: EngineSpec, loaded: LoadedModel | None = None, config: En
         # a draft model is named by its path (it is loaded uncached, speculative/draft_model.py)
         key = None if loaded.identity is None else cache_key(
             f"{loaded.identity}|{spec.draft_model}", spec.speculate, block_size, spec.device)
-        method = speculate_method(spec, loaded.model)
+        method, left_out = speculate_choice(spec, loaded.model)
         draft_config = _draft_config(spec, loaded) if method == "draft" else None
         if method == "eagle":
             draft_config = _eagle_config(loaded.model)
             if spec.progress:
                 print(f"prescient: speculation: the EAGLE head {draft_config.head_path} with n-gram copies",
                       file=sys.stderr, flush=True)
-        elif spec.speculate == "auto" and spec.progress and eagle_refusal(spec) is None:
-            from prescient.speculative.eagle import has_head, head_path_for
-            from prescient.speculative.head_verdict import head_pays_here
-
-            if has_head(loaded.model):  # say why a head that exists is not used
-                print(f"prescient: speculation: ngram; the EAGLE head {head_path_for(loaded.model)} is left to "
-                      f"--speculate eagle: {head_pays_here(head_path_for(loaded.model))[1]}", file=sys.stderr, flush=True)
+        elif left_out and spec.progress:  # a head exists: say why auto did not take it
+            print(f"prescient: speculation: ngram; {left_out}", file=sys.stderr, flush=True)
         speculator = make_speculator(loaded.model, block_size, method, spec.draft_model, loaded.tokenizer,
                                      calibrate="off" if spec.calibrate == "off" else "idle", cache_key=key,
                                      use_cache=spec.calibrate != "fresh", proposer_config=draft_config)

@@ -68,34 +68,29 @@ def _parser() -> argparse.ArgumentParser:
 def measure_verdict(args, loaded, head_path: str) -> dict:
     """The head beside n-gram as `--speculate auto` would run them: greedy batch-1 decoding of the
     bundled workloads (latency_bench/workloads.jsonl: chat, tool_call, long_edit), each prompt
-    through both engines, the order alternating, decode tok/s over all of them (tokens after the
-    first / time after the first). Both are lossless, so their outputs must be equal; the verdict
-    says the head pays when its tok/s is at least PAYS_RATIO times n-gram's on this kernel tier."""
+    through both engines, the order alternating (spec-check's `decode_interleaved`), decode tok/s
+    over all of them (tokens after the first / time after the first). Both are lossless, so their
+    outputs must be equal; the verdict says the head pays when its tok/s is at least PAYS_RATIO
+    times n-gram's on this kernel tier."""
     import dataclasses
 
     from prescient.build import EngineSpec, build_engine
+    from prescient.latency_bench.spec_check import decode_interleaved
     from prescient.latency_bench.workloads import load_workloads
-    from prescient.runtime.sampling_params import SamplingParams
     from prescient.speculative.head_verdict import PAYS_RATIO, file_sha256
 
     base = EngineSpec(model=args.model, dtype=args.dtype, calibrate="now")
     engines = {m: build_engine(dataclasses.replace(base, speculate=m), loaded) for m in ("ngram", "eagle")}
     workloads, _ = load_workloads()
     workloads = workloads[:args.verdict_workloads] if args.verdict_workloads else workloads
-    tokens, secs, identical = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0), 0
-    for n, w in enumerate(workloads):
-        ids = loaded.tokenizer.apply_chat_template(list(w.messages))
-        outputs = {}
-        for m in (("ngram", "eagle") if n % 2 == 0 else ("eagle", "ngram")):
-            r = engines[m].add_request(ids, SamplingParams(temperature=0.0, max_tokens=w.max_tokens))
-            while engines[m].has_unfinished_requests():
-                engines[m].step()
-            outputs[m] = r.output_token_ids
-            if len(r.output_token_ids) > 1:
-                tokens[m] += len(r.output_token_ids) - 1
-                secs[m] += r.finished_time - r.first_token_time
-        identical += outputs["ngram"] == outputs["eagle"]
-    rate = {m: tokens[m] / secs[m] if secs[m] > 0 else 0.0 for m in engines}
+    totals: dict = {}
+    outputs = decode_interleaved(engines, loaded.tokenizer, workloads, 0.0, totals, alternate=True)
+    identical = sum(o["ngram"] == o["eagle"] for o in outputs)
+    rate = {}
+    for m in engines:
+        tokens = sum(v[0] for (_, name), v in totals.items() if name == m)
+        secs = sum(v[1] for (_, name), v in totals.items() if name == m)
+        rate[m] = tokens / secs if secs > 0 else 0.0
     ratio = rate["eagle"] / rate["ngram"] if rate["ngram"] > 0 else 0.0
     return {"tier": kernel_tier(), "head_sha256": file_sha256(head_path), "workloads": len(workloads),
             "ngram_tok_s": round(rate["ngram"], 2), "eagle_tok_s": round(rate["eagle"], 2),
