@@ -1207,12 +1207,18 @@ PA_AI void qk_tile_avx2(const char *const *kr, int D, const void *const *qv, flo
                     acc[m][p] = _mm256_fmadd_ps(k, _mm256_loadu_ps(q[m] + d), acc[m][p]);
             }
     }
-    for (int m = 0; m < MR; m++) {
-        if (NT == 4) {
+    if (NT == 4) {
+        for (int m = 0; m < MR; m++)
             _mm_storeu_ps(s + (size_t)m * 16 + t0, hsum4_avx2(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
-        } else {
-            _mm_storel_pi((__m64 *)(s + (size_t)m * 16 + t0),
-                          hsum4_avx2(acc[m][0], acc[m][1], acc[m][0], acc[m][1]));
+    } else {
+        /* Two rows' two scores per hsum4 (a lane's sum does not depend on the others): half
+         * the horizontal adds of one row per call, which were ~20% of a tree's q.K samples. */
+        for (int m = 0; m < MR; m += 2) {
+            const int m1 = m + 1 < MR ? m + 1 : m;
+            const __m128 h = hsum4_avx2(acc[m][0], acc[m][1], acc[m1][0], acc[m1][1]);
+            _mm_storel_pi((__m64 *)(s + (size_t)m * 16 + t0), h);
+            if (m1 != m)
+                _mm_storeh_pi((__m64 *)(s + (size_t)m1 * 16 + t0), h);
         }
     }
 }
@@ -1253,6 +1259,29 @@ static void qk_chunk_avx2(const char *const krow[PA_CHUNK], size_t hoff, int n, 
             else { PA_QK2_TILE(PA_KV_I8, kr + t0, D, q, sr, t0) }
         }
         r += mr;
+    }
+}
+
+/* A q row of D (% 16 == 0) values, bf16 or fp32, widened to fp32 with each 16 reordered as its
+ * even then its odd elements, as qk_tile_avx2 widens a bf16 K row (run_item's scalar loop did
+ * this element by element: ~7% of an 8-token tree's attention samples). */
+static void perm_q_avx2(const void *src, int dt, int D, float *dst)
+{
+    for (int d = 0; d < D; d += 16) {
+        __m256 ev, od;
+        if (dt == DT_BF16) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + d));
+            ev = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+            od = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u)));
+        } else {
+            const __m256 a = _mm256_loadu_ps((const float *)src + d);
+            const __m256 b = _mm256_loadu_ps((const float *)src + d + 8);
+            /* [a0 a2 b0 b2 | a4 a6 b4 b6] -> [a0 a2 a4 a6 b0 b2 b4 b6], and so the odd ones */
+            ev = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xd8));
+            od = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xdd)), 0xd8));
+        }
+        _mm256_storeu_ps(dst + d, ev);
+        _mm256_storeu_ps(dst + d + 8, od);
     }
 }
 
@@ -1423,6 +1452,12 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         const int hi = r / RH, ri = r % RH;
         const char *src = J->q + ((size_t)(tok0 + ri / G) * J->qs_tok +
                                   (size_t)((it->h0 + hi) * G + ri % G) * J->qs_head) * esz;
+#ifdef PA_X86
+        if (perm_q && D % 16 == 0) {
+            perm_q_avx2(src, J->dt, D, w->qf + (size_t)r * D);
+            w->qrow[r] = w->qf + (size_t)r * D;
+        } else
+#endif
         if (widen_q || perm_q) {
             float *dst = w->qf + (size_t)r * D;
             for (int d = 0; d < D; d++) {

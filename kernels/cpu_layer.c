@@ -399,13 +399,78 @@ static inline float exp_f32(float xf)
 }
 
 /* x = silu(x) = x / (1 + e^-x) in fp32, torch's formula. */
-static void silu_f32(float *x, int n)
+static void silu_scalar(float *x, int n)
 {
     for (int i = 0; i < n; i++)
         x[i] = x[i] / (1.f + exp_f32(-x[i]));
 }
 
 #pragma GCC pop_options
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PL_SILU_V 32  /* floats per step of silu_avx2: 8 independent 4-lane double chains */
+
+/* exp_f32's arithmetic with its multiply-adds fused (as gcc contracts them where FMA exists:
+ * the same bits as the -march=native scalar loop, checked over all 2^32 inputs), 32 floats a
+ * step.  The scalar loop ran ~2.7 ns an element on Zen 3: each element's 11-deep chain of
+ * dependent double FMAs left the pipes idle; 8 chains side by side keep them busy (~1.1 ns). */
+__attribute__((target("avx2,fma"))) static void silu_avx2_step(float *x)
+{
+    const __m256d shift = _mm256_set1_pd(6755399441055744.0), l2e = _mm256_set1_pd(1.4426950408889634);
+    const __m256d ln2 = _mm256_set1_pd(0.6931471805599453);
+    const __m256i bias = _mm256_set1_epi64x(1023 - 0x4338000000000000LL);
+    static const double c[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
+                                 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    __m128 v[8];
+    __m256d kd[8], r[8], p[8];
+    for (int q = 0; q < 8; q++) {
+        v[q] = _mm_loadu_ps(x + 4 * q);
+        __m128 a = _mm_xor_ps(v[q], _mm_set1_ps(-0.f));
+        a = _mm_min_ps(_mm_max_ps(a, _mm_set1_ps(-104.f)), _mm_set1_ps(89.f));
+        const __m256d xd = _mm256_cvtps_pd(a);
+        kd[q] = _mm256_fmadd_pd(xd, l2e, shift);
+        r[q] = _mm256_fnmadd_pd(_mm256_sub_pd(kd[q], shift), ln2, xd);
+        p[q] = _mm256_set1_pd(1.0 / 3628800.0);
+    }
+    for (int i = 0; i < 10; i++)
+        for (int q = 0; q < 8; q++)
+            p[q] = _mm256_fmadd_pd(p[q], r[q], _mm256_set1_pd(c[i]));
+    for (int q = 0; q < 8; q++) {
+        const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(kd[q]), bias), 52);
+        const __m128 ex = _mm256_cvtpd_ps(_mm256_mul_pd(p[q], _mm256_castsi256_pd(e)));
+        _mm_storeu_ps(x + 4 * q, _mm_div_ps(v[q], _mm_add_ps(_mm_set1_ps(1.f), ex)));
+    }
+}
+
+/* Every element through silu_avx2_step (a last partial step via a zero-padded copy), so an
+ * element's bits do not depend on where n ends. */
+static void silu_avx2(float *x, int n)
+{
+    int i = 0;
+    for (; i + PL_SILU_V <= n; i += PL_SILU_V)
+        silu_avx2_step(x + i);
+    if (i < n) {
+        float t[PL_SILU_V] = {0};
+        memcpy(t, x + i, (size_t)(n - i) * 4);
+        silu_avx2_step(t);
+        memcpy(x + i, t, (size_t)(n - i) * 4);
+    }
+}
+#endif
+
+/* The tier's SiLU: AVX2 + FMA from ISA_AVX2 up (fused multiply-adds), else the scalar loop
+ * (contracted to the same FMAs by a -march=native build on such a CPU). */
+static void silu_f32(float *x, int n)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    if (pg_isa() >= ISA_AVX2) {
+        silu_avx2(x, n);
+        return;
+    }
+#endif
+    silu_scalar(x, n);
+}
 
 /* act = silu(gate) * up, gu = [gate | up] per token; bf16: silu rounded, then the product
  * rounded.  Through an fp32 buffer: the functions above are compiled with other options, and

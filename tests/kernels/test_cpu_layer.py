@@ -143,6 +143,32 @@ def test_matches_torch_loop_every_tier(ckpts, isa, dtype, monkeypatch):
         _compare(model, T, ctx, 10 * i + len(isa), tree, monkeypatch)
 
 
+def test_silu_same_bits_every_tier():
+    """The SiLU of the native layer (and of the torch loop, which calls it) gives the same bits at
+    every ISA tier: the AVX2 path fuses the multiply-adds of its double-precision exp as gcc
+    contracts the scalar loop (checked over all 2^32 floats when written), and a length that is
+    not a whole number of its 32-float steps goes through the same arithmetic.  Random values
+    over exp's whole range and its edges (clamps, overflow, zeros, infinities)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([torch.randn(3 * 1000, generator=g) * 30,
+                   torch.tensor([0.0, -0.0, 88.7, 89.5, -88.0, -103.9, -104.5, 1e-30, -1e-30,
+                                 float("inf"), -float("inf"), 3.4e38, -3.4e38, 10.0, -10.0])])
+    gu = torch.stack([torch.cat([x[i::3], torch.ones_like(x[i::3])]) for i in range(3)])  # [3, 2 I]
+    assert gu.shape[1] // 2 % 32 != 0
+    outs = {}
+    for isa in cpu_linear.machine_tiers():
+        assert cpu_linear._set_isa_cap(isa) == isa
+        for dt in (torch.float32, torch.bfloat16):
+            outs[isa, dt] = cpu_layer.silu_mul(gu.to(dt))
+    for (isa, dt), out in outs.items():
+        first = outs["portable", dt]
+        assert torch.equal(out.view(torch.int32 if dt == torch.float32 else torch.int16),
+                           first.view(torch.int32 if dt == torch.float32 else torch.int16)), (isa, dt)
+    # and it is SiLU: within an fp32 ulp or two of torch's (whose exp is good to about an ulp)
+    ref = torch.nn.functional.silu(gu[:, : gu.shape[1] // 2])
+    torch.testing.assert_close(outs["portable", torch.float32], ref, rtol=3e-7, atol=1e-30, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "tiny"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_other_shapes_and_qkv_bias(ckpts, name, dtype, monkeypatch):
