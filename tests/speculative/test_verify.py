@@ -148,6 +148,35 @@ def test_one_hot_draft_probs_judge_exactly_like_none():
         assert packed.accepted_tokens[:, 0].tolist() == [9, 1, 2]  # the roots
 
 
+def test_sampled_walk_gives_the_batch_walks_verdicts():
+    """A sampled request's one-hot drafts are walked node by node on the CPU (verify's fast path);
+    verify_packed walks the padded batch. Same draws, same operations at one sequence: the same
+    verdicts, over random trees (chains, siblings, deep and wide), sampling settings and seeds,
+    with targets that often accept the drafts (so walks go deep) and ones that rarely do."""
+    vocab = 2000
+    g = torch.Generator().manual_seed(11)
+    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=50),
+                SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=1.3, min_p=0.05)]
+    deep = 0
+    for case in range(60):
+        n = int(torch.randint(2, 12, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        if case % 3 == 0:
+            parents = list(range(-1, n - 1))  # a chain
+        tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
+        tree = DraftTree(tokens, parents)
+        logits = torch.randn(n, vocab, generator=g)
+        if case % 2:  # the target expects each node's first child: drafts get accepted
+            for c in range(1, n):
+                logits[parents[c], tokens[c]] += 10.0
+        params = settings[case % len(settings)]
+        walked = verify([tree], logits, [params], [make_generator(case)])
+        packed = verify_packed(*pack_trees([tree]), logits, [params], [make_generator(case)]).outcomes()
+        assert walked == packed, (case, tree.tokens, tree.parents)
+        deep += walked[0].num_accepted >= 2
+    assert deep >= 10  # the deep walks were exercised
+
+
 def test_unseeded_requests_share_the_default_generator():
     logits = torch.randn(3, VOCAB)
     tree = DraftTree.chain(1, [2, 3])
