@@ -17,6 +17,8 @@ draft: the emitted tokens follow the target distribution that `target_probs_from
 themselves are kernel ops (`prescient.kernels.ops.greedy_verify` / `rejection_sample`); this
 module prepares their inputs (padding, per-request distributions and random draws) and turns
 their outputs into per-request `VerifyOutcome`s (`verify`) or batch tensors (`verify_packed`).
+On the CPU a sampled request's one-hot drafts are walked here instead (`_walk_one_hot`: the
+reference walk's operations at one sequence, a node's distribution computed when reached).
 """
 
 from __future__ import annotations
