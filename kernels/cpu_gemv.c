@@ -601,9 +601,15 @@ static void cvt_f32_to_bf16_avx512bf16(const float *src, uint16_t *dst, size_t n
  * bytes k * NR * sizeof(*w) on (plus PG_PF_BYTES) -- the same lines as a prefetch per row at
  * its own position, in address order.  On Zen 3 (2 threads, weights from DRAM) the per-row
  * order, NR streams 1-2 KB apart, streamed a bf16 M = 1 GEMV at ~19 GB/s, the one stream at
- * ~25 (microbenchmark; the read probe ~27). */
-#define PG_PREFETCH_TILE(w, k, r, NR) \
-    PG_PREFETCH((const char *)(w) + (size_t)(k) * sizeof(*(w)) * (NR) + (size_t)(r) * 64)
+ * ~25 (microbenchmark; the read probe ~27).  The one stream runs NR times as fast as a row is
+ * read, so it stays ahead of every row only while the rows after the first fit in about the
+ * prefetch distance: up to 1.25 times it (the last row's first lines then come late: 5 lines of
+ * a 4 x 1536 bf16 tile, which still streamed as fast as or faster than per row); longer rows
+ * keep one stream per row. */
+#define PG_PREFETCH_TILE(w, k, r, NR, K)                                                  \
+    PG_PREFETCH((size_t)((NR) - 1) * (K) * sizeof(*(w)) <= PG_PF_BYTES + PG_PF_BYTES / 4   \
+                    ? (const char *)(w) + (size_t)(k) * sizeof(*(w)) * (NR) + (size_t)(r) * 64 \
+                    : (const char *)((w) + (size_t)(r) * (K) + (k)))
 
 /* The four horizontal sums of a, b, c, d (8 lanes each) as one __m128. */
 static inline __attribute__((always_inline)) __m128 hsum4_ymm(__m256 a, __m256 b, __m256 c, __m256 d)
@@ -672,7 +678,7 @@ void tile2_f32(const job_t *j, const float *w, const float *x, int n, int m0,
     PG_YMM_INIT;
     int k = 0;
     for (; k + 16 <= K; k += 16) {
-        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH_TILE(w, k, r, NR));
+        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH_TILE(w, k, r, NR, K));
         for (int h = 0; h < 16; h += 8) {
             for (int r = 0; r < NR; r++)
                 wv[r] = _mm256_loadu_ps(w + (size_t)r * K + k + h);
@@ -712,7 +718,7 @@ void tile2_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m
     PG_YMM_INIT;
     int k = 0;
     for (; k + 32 <= K; k += 32) {
-        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH_TILE(w, k, r, NR));
+        PG_PF_STEP(pf, pfB, for (int r = 0; r < NR; r++) PG_PREFETCH_TILE(w, k, r, NR, K));
         for (int h = 0; h < 32; h += 8) {
             for (int r = 0; r < NR; r++)
                 wv[r] = bf16x8_to_f32_ymm(w + (size_t)r * K + k + h);

@@ -318,11 +318,16 @@ void y_igroup(const pq_job_t *j, int n, const int FMT, const int KIND, const int
     const int bb = Q32_L(FMT).bb, M = j->M, S = KIND == KIND_T ? 8 : 1;
     /* The tile's NR rows are adjacent: prefetch them as one stream, this group's share of the
      * tile's bytes in address order (the lines a per-row prefetch would take, NR streams a
-     * row apart; one stream read DRAM faster on Zen 3, see cpu_gemv.c PG_PREFETCH_TILE). */
-    y_prefetch(j->w + (size_t)n * j->row_bytes + (size_t)b0 * bb * NR, (size_t)nv * bb * NR);
+     * row apart; one stream read DRAM faster on Zen 3), while the rows after the first fit in
+     * the prefetch distance (see cpu_gemv.c PG_PREFETCH_TILE); longer rows: one per row. */
+    const int one_stream = (size_t)(NR - 1) * j->row_bytes <= PQ_PF_BYTES + PQ_PF_BYTES / 4;
+    if (one_stream)
+        y_prefetch(j->w + (size_t)n * j->row_bytes + (size_t)b0 * bb * NR, (size_t)nv * bb * NR);
     if (M == 1) {  /* each row's products right after its decode: its vectors stay in registers */
         for (int r = 0; r < NR; r++) {
             const uint8_t *g = j->w + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
+            if (!one_stream)
+                y_prefetch(g, (size_t)nv * bb);
             y_idec(FMT, KIND, FULL, g, nv, t, r);
             y_iblock_row(t, r, xg, &acc[0][r], FMT, S);
         }
@@ -330,6 +335,8 @@ void y_igroup(const pq_job_t *j, int n, const int FMT, const int KIND, const int
     }
     for (int r = 0; r < NR; r++) {
         const uint8_t *g = j->w + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
+        if (!one_stream)
+            y_prefetch(g, (size_t)nv * bb);
         y_idec(FMT, KIND, FULL, g, nv, t, r);
     }
     for (int r = 0; r < NR; r++)

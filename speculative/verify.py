@@ -255,10 +255,14 @@ def _walk_one_hot(
     """Recursive rejection sampling of one sampled request's deterministic drafts, node by node:
     the operations of kernels/reference.rejection_sample at one sequence (a [1, vocab] residual,
     the same scatter, sum, division and final exponential race), with the same draws
-    (_random_draws: the noise, then one uniform per node), so the same verdict; but a node's target
-    distribution is computed only when the walk reaches it, one row at a time, and nothing is
-    padded into [sequences, nodes, vocab] buffers. The batch path took ~3 ms for a 4-node chain on
-    a 2-core Zen 3 (a third of a decode step: sampled speculation could not pay), this ~0.5 ms."""
+    (_random_draws: the noise, then one uniform per node); but a node's target distribution is
+    computed only when the walk reaches it, one row at a time, and nothing is padded into
+    [sequences, nodes, vocab] buffers. The verdicts are the batch walk's where a one-row
+    target_probs_from_logits gives the bits of that row in a many-row call (small vocabularies;
+    with several torch threads a large vocabulary's one-row sum is split differently, moving the
+    last bit, which flips a verdict only within an ulp). Exact either way. The batch path took
+    ~3 ms for a 4-node chain on a 2-core Zen 3 (a third of a decode step: sampled speculation
+    could not pay), this ~0.7 ms."""
     n = tree.num_nodes
     uniform, noise = _random_draws([0], [n], [generator], n, logits.shape[1])
     u = uniform[0].tolist()

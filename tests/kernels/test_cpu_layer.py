@@ -169,6 +169,25 @@ def test_silu_same_bits_every_tier():
     torch.testing.assert_close(outs["portable", torch.float32], ref, rtol=3e-7, atol=1e-30, equal_nan=True)
 
 
+def test_silu_same_bits_in_the_generic_build(generic_so):
+    """The build without -march=native (the fallback) compiles the scalar SiLU without fused
+    multiply-adds, the AVX2 one with them: still the same bits as the native build, every tier
+    (the double-precision exp leaves the fp32 result the same either way)."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(generic_so))
+    lib.pl_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.pg_set_isa_cap.argtypes = [ctypes.c_int]
+    g = torch.Generator().manual_seed(8)
+    gu = torch.randn(4, 2 * 999, generator=g) * 20  # [4, 2 I], I not a multiple of 32
+    native = cpu_layer.silu_mul(gu)
+    for isa in cpu_linear.machine_tiers():
+        assert lib.pg_set_isa_cap(ISA_TIERS.index(isa)) == ISA_TIERS.index(isa)
+        act = torch.empty(4, 999)
+        assert lib.pl_silu_mul(gu.data_ptr(), act.data_ptr(), 4, 999, 0) == 0
+        assert torch.equal(act.view(torch.int32), native.view(torch.int32)), isa
+
+
 @pytest.mark.parametrize("name", ["qwen2", "tiny"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
 def test_other_shapes_and_qkv_bias(ckpts, name, dtype, monkeypatch):

@@ -166,7 +166,7 @@ def test_sampled_walk_gives_the_batch_walks_verdicts():
         tokens = torch.randint(0, vocab, (n,), generator=g).tolist()
         tree = DraftTree(tokens, parents)
         logits = torch.randn(n, vocab, generator=g)
-        if case % 2:  # the target expects each node's first child: drafts get accepted
+        if case % 2:  # the target expects every draft below its parent: drafts get accepted
             for c in range(1, n):
                 logits[parents[c], tokens[c]] += 10.0
         params = settings[case % len(settings)]
