@@ -411,10 +411,11 @@ static void silu_scalar(float *x, int n)
 #include <immintrin.h>
 #define PL_SILU_V 32  /* floats per step of silu_avx2: 8 independent 4-lane double chains */
 
-/* exp_f32's arithmetic with its multiply-adds fused (as gcc contracts them where FMA exists:
- * the same bits as the -march=native scalar loop, checked over all 2^32 inputs), 32 floats a
- * step.  The scalar loop ran ~2.7 ns an element on Zen 3: each element's 11-deep chain of
- * dependent double FMAs left the pipes idle; 8 chains side by side keep them busy (~1.1 ns). */
+/* exp_f32's arithmetic with its multiply-adds fused (as gcc contracts them where FMA exists),
+ * 32 floats a step: the same bits as the scalar loop, contracted or not (checked over all 2^32
+ * inputs: the double-precision exp absorbs the difference).  The scalar loop ran ~2.7 ns an
+ * element on Zen 3: each element's 11-deep chain of dependent double FMAs left the pipes idle;
+ * 8 chains side by side keep them busy (~1.4 ns an element through pl_silu_mul). */
 __attribute__((target("avx2,fma"))) static void silu_avx2_step(float *x)
 {
     const __m256d shift = _mm256_set1_pd(6755399441055744.0), l2e = _mm256_set1_pd(1.4426950408889634);
@@ -459,8 +460,7 @@ static void silu_avx2(float *x, int n)
 }
 #endif
 
-/* The tier's SiLU: AVX2 + FMA from ISA_AVX2 up (fused multiply-adds), else the scalar loop
- * (contracted to the same FMAs by a -march=native build on such a CPU). */
+/* The tier's SiLU: AVX2 + FMA from ISA_AVX2 up, else the scalar loop (the same bits). */
 static void silu_f32(float *x, int n)
 {
 #if defined(__x86_64__) || defined(__i386__)
