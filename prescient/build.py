@@ -245,9 +245,6 @@ def speculate_choice(spec: EngineSpec, model) -> tuple[str, str | None]:
     return "eagle", None
 
 
-def speculate_method(spec: EngineSpec, model) -> str:
-    return speculate_choice(spec, model)[0]
-
 
 def _eagle_config(model):
     from prescient.speculative.eagle import EagleConfig, head_path_for

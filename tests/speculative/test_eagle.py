@@ -151,17 +151,17 @@ def test_auto_takes_the_head_only_where_it_was_measured_to_beat_ngram_here(targe
 
     spec = build.EngineSpec(speculate="auto")
     monkeypatch.setattr(eagle, "head_path_for", lambda model: "/nonexistent/head.safetensors")
-    assert build.speculate_method(spec, target) == "ngram"
+    assert build.speculate_choice(spec, target)[0] == "ngram"
     with pytest.raises(ValueError, match="train-head"):
-        build.speculate_method(build.EngineSpec(speculate="eagle"), target)
+        build.speculate_choice(build.EngineSpec(speculate="eagle"), target)[0]
     monkeypatch.setattr(eagle, "head_path_for", lambda model: head_file)
     verdict_path(head_file).unlink(missing_ok=True)
-    assert build.speculate_method(spec, target) == "ngram"  # a head, never measured beside n-gram
-    assert build.speculate_method(build.EngineSpec(speculate="eagle"), target) == "eagle"  # asked for by name
+    assert build.speculate_choice(spec, target)[0] == "ngram"  # a head, never measured beside n-gram
+    assert build.speculate_choice(build.EngineSpec(speculate="eagle"), target)[0] == "eagle"  # asked for by name
     try:
         write_verdict(head_file, _verdict(head_file))
         assert build.speculate_choice(spec, target) == ("eagle", None)
-        assert build.speculate_method(build.EngineSpec(speculate="auto", tp=2), target) == "ngram"
+        assert build.speculate_choice(build.EngineSpec(speculate="auto", tp=2), target)[0] == "ngram"
         for stale in ({"pays": False, "eagle_over_ngram": 0.83}, {"tier": "some_other_tier"},
                       {"head_sha256": "0" * 64}):
             write_verdict(head_file, _verdict(head_file, **stale))
