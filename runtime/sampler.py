@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from prescient.kernels.cpu_argmax import argmax_rows
 from prescient.runtime.sampling_params import SamplingParams
 
 
@@ -22,7 +23,7 @@ def target_probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> to
     logits = logits.float()
     if params.greedy:
         probs = torch.zeros_like(logits)
-        probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs.scatter_(-1, argmax_rows(logits.reshape(-1, logits.shape[-1])).view(*logits.shape[:-1], 1), 1.0)
         return probs
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
@@ -59,7 +60,7 @@ def sample_row(row_logits: torch.Tensor,  # [1, vocab]
     race over target_probs_from_logits with one Exp(1) draw per vocabulary entry from `generator`.
     A 1-node verify tree (speculative/verify.py) draws through here too: the same token."""
     if params.greedy:
-        return int(row_logits.argmax(-1))
+        return int(argmax_rows(row_logits.float().reshape(-1, row_logits.shape[-1]))[0])
     probs = target_probs_from_logits(row_logits, params)
     noise = exponential_noise(tuple(probs.shape), generator).to(probs.device)
     return int(sample_from_probs(probs, noise))

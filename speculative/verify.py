@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from prescient.kernels import ops
+from prescient.kernels.cpu_argmax import argmax_rows
 from prescient.runtime.sampler import exponential_noise, sample_row, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.tree import DraftTree, pack_trees
@@ -177,7 +178,7 @@ def verify_packed(
     if len(greedy):
         # The same argmax plain greedy decoding takes (target_probs_from_logits is one-hot on it).
         target_argmax = torch.zeros_like(draft_tokens)  # [num_seqs, max_nodes]
-        target_argmax[rows, cols] = target_logits.argmax(-1)
+        target_argmax[rows, cols] = argmax_rows(target_logits).to(device)
         # Greedy tree verification (SpecInfer's token-tree verifier at temperature 0): follow
         # the child whose token is the target's argmax at each node; the argmax at the last
         # accepted node is the next token, exactly as plain greedy decoding would produce it.

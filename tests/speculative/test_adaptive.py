@@ -89,6 +89,19 @@ def test_lone_request_plan_equals_the_batch_scan(seed):
             assert lone.cost(n, context) == float(lone.cost_many(np.array([n]), context)[0])
 
 
+def test_new_cost_tables_replace_the_lone_plans_costs():
+    """_plan_one reads the tables' costs once per count: new tables (a recalibration) are what
+    the next plan reads."""
+    lone = AdaptiveSpeculation()
+    lone.set_verify_cost({1: 1.0, 16: 1.1})  # drafts nearly free: several
+    cheap = lone.plan(["r"])[0]
+    assert cheap > 2 and cheap == lone._plan_many(["r"], 1, None, float("inf"))[0]
+    lone.set_verify_cost({1: 1.0, 2: 3.0, 16: 40.0})  # every draft costs more than it can give
+    assert lone.plan(["r"]) == [0] == lone._plan_many(["r"], 1, None, float("inf"))
+    lone.set_verify_cost({1: 1.0, 16: 1.1}, (256, 1024, {1: 1.0, 2: 3.0, 16: 40.0}))
+    assert lone.plan(["r"], context=256) == [cheap] and lone.plan(["r"], context=1024) == [0]
+
+
 def test_fresh_request_gets_the_prior_plan():
     # prior acceptance 0.5, default costs: 3 drafts maximise (1 + .5 + .25 + .125) / cost(4)
     assert AdaptiveSpeculation().plan(["r"]) == [3]
