@@ -5,8 +5,11 @@
  * Role: torch.argmax(x, -1) on [rows, n] fp32 (the logits), with its answer: the first index
  * of the largest value, and where a row holds a NaN, the first NaN's index (NaN counts as the
  * largest).  torch's CPU kernel took ~57 us a row of 49152 on a 2-core Zen 3, 1 ms for a
- * 16-node tree (its reduction is scalar); the reference is torch itself (kernels/cpu_argmax.py
- * tests every tier against it).
+ * 16-node tree (its reduction is scalar); the reference is torch itself
+ * (tests/kernels/test_cpu_argmax.py checks every tier the CPU runs against it).
+ *
+ * Layering: uses only cpu_runtime.c (pg_isa); called from Python (kernels/cpu_argmax.py), no
+ * other C file calls it, so it has no header.  Threads: runs on the caller (a row is ~10 us).
  *
  *   for each row: best = x[0], at = 0
  *                 for i in 1 .. n-1: if x[i] > best: best = x[i], at = i   (first maximum)
@@ -19,7 +22,6 @@
  */
 #include <stdint.h>
 #include <stddef.h>
-#include <math.h>
 #include <limits.h>
 
 #include "cpu_runtime.h"

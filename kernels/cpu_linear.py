@@ -10,7 +10,8 @@ file is compiled with the system C compiler at first use, cached per user under
 called through ctypes with tensor data pointers.  If no compiler is found or the build
 fails, every call falls back to ``torch.nn.functional.linear`` and one warning is logged.
 The same .so also holds the CPU tree-attention kernel (``cpu_attention.c``, wrapped by
-``cpu_attention.py``), so both share one thread pool; ``library()`` hands it out.
+``cpu_attention.py``), so both share one thread pool, the fused layer (``cpu_layer.c``) and the
+greedy tokens' argmax (``cpu_argmax.c``); ``library()`` hands it out.
 
 Public API::
 

@@ -4,7 +4,8 @@
  * and the library-wide limits.  Everything else includes this downward; cpu_runtime.c includes
  * nothing of the kernels, so no kernel file is both above and below another.
  *
- *   cpu_runtime      <- cpu_gemv (fp32/bf16), cpu_qgemv*, cpu_qgemv_k (block formats), cpu_attention
+ *   cpu_runtime      <- cpu_gemv (fp32/bf16), cpu_qgemv*, cpu_qgemv_k (block formats), cpu_attention,
+ *                       cpu_argmax (greedy tokens)
  *   cpu_formats      <- the format table: one row per block format (cpu_formats.h)
  *   cpu_dispatch     <- pg_linear_w / pq_linear_w: a weight descriptor to its kernel
  *   cpu_layer        <- the fused decoder layer (linears through cpu_dispatch, cpu_attention)

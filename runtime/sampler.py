@@ -60,7 +60,7 @@ def sample_row(row_logits: torch.Tensor,  # [1, vocab]
     race over target_probs_from_logits with one Exp(1) draw per vocabulary entry from `generator`.
     A 1-node verify tree (speculative/verify.py) draws through here too: the same token."""
     if params.greedy:
-        return int(argmax_rows(row_logits.float().reshape(-1, row_logits.shape[-1]))[0])
+        return int(argmax_rows(row_logits.reshape(-1, row_logits.shape[-1]))[0])
     probs = target_probs_from_logits(row_logits, params)
     noise = exponential_noise(tuple(probs.shape), generator).to(probs.device)
     return int(sample_from_probs(probs, noise))

@@ -82,7 +82,9 @@ class AdaptiveSpeculation:
         self.config = config or AdaptiveConfig()
         self.verify_cost = CostModel(self.config.verify_cost)
         self._long: tuple[int, int, CostModel] | None = None
-        self._rows: dict[int, tuple[list[float], list[float] | None]] = {}  # _cost_rows' memo
+        # _cost_rows' memo of the tables above: install tables through set_verify_cost (it
+        # resets this), never by assigning verify_cost / _long
+        self._rows: dict[int, tuple[list[float], list[float] | None]] = {}
         self._stats: dict[str, _RequestStats] = {}
         # what drafting costs per request that drafts, in 1-token forwards (the speculator
         # measures it: an n-gram lookup is ~0, an EAGLE head's depths are not)
