@@ -2,7 +2,7 @@
 
 Plain Python loops over sequences, nodes and positions, so that a shared bug in the reference
 and the Triton kernels (which follow the same vectorized walk) cannot hide. Also builders for
-the trees, masks and paged caches the tests use.
+the trees, masks and paged caches the tests use, and the ISA-tier cap of the C kernels' tests.
 """
 
 from __future__ import annotations
@@ -141,3 +141,15 @@ def bitmask_oracle(logits, bitmask, indices):
             if not (int(bitmask[i, tok // 32]) >> (tok % 32)) & 1:
                 out[row, tok] = float("-inf")
     return out
+
+
+def run_at_tier(tier: str) -> None:
+    """Cap the C library at ISA `tier` (a name of cpu_linear.ISA_TIERS) for the calling test;
+    skip a tier this CPU cannot run. The caller's fixture restores the cap (_set_isa_cap(99))."""
+    import pytest
+
+    from prescient.kernels import cpu_linear
+
+    if tier not in cpu_linear.machine_tiers():
+        pytest.skip(f"this CPU cannot run the {tier} tier")
+    assert cpu_linear._set_isa_cap(tier) == tier

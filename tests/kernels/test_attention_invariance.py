@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from prescient.kernels import cpu_attention, cpu_linear, reference
-from tests.kernels.kernel_oracles import tree_ancestors
+from tests.kernels.kernel_oracles import run_at_tier, tree_ancestors
 
 BLOCK = 16
 SCALE = 0.125
@@ -51,11 +51,7 @@ def _kernel():
     cpu_linear._set_isa_cap(99)
 
 
-def _tier(tier: str) -> None:
-    """Run at `tier` (reset by the autouse fixture); skip a tier this CPU cannot run."""
-    if tier not in cpu_linear.machine_tiers():
-        pytest.skip(f"this CPU cannot run the {tier} tier")
-    assert cpu_linear._set_isa_cap(tier) == tier
+_tier = run_at_tier  # reset by the autouse fixture
 
 
 @contextlib.contextmanager

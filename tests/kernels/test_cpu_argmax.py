@@ -11,6 +11,7 @@ import torch
 from prescient.kernels import cpu_argmax, cpu_linear
 from prescient.runtime.sampler import sample_row, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
+from tests.kernels.kernel_oracles import run_at_tier
 
 
 @pytest.fixture(autouse=True)
@@ -21,10 +22,7 @@ def _kernel():
     cpu_linear._set_isa_cap(99)
 
 
-def _tier(tier: str) -> None:
-    if tier not in cpu_linear.machine_tiers():
-        pytest.skip(f"this CPU cannot run the {tier} tier")
-    assert cpu_linear._set_isa_cap(tier) == tier
+_tier = run_at_tier  # reset by the autouse fixture
 
 
 def _same(x: torch.Tensor) -> None:
