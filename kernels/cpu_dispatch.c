@@ -20,7 +20,6 @@
 #include "cpu_formats.h"
 #include "cpu_gemv.h"
 
-#define PQ_CHUNKS_PER_THREAD 8
 #define PQ_SOLO_BYTES (48 * 1024)
 
 
@@ -50,14 +49,15 @@ static void pq_task(const void *ctx, int i0, int i1)
     t->rows(&t->job, i0, i1);
 }
 
-/* Rows per pool chunk, as cpu_gemv.c: ~8 chunks per thread, >= 16 KB of weights, rounded to
- * 16 rows; 0 when the caller should run the matrix alone (small, or one thread). */
+/* Rows per pool chunk, as cpu_gemv.c: PG_CHUNKS_PER_THREAD (cpu_runtime.h) chunks per thread,
+ * >= 16 KB of weights, rounded to 16 rows; 0 when the caller should run the matrix alone
+ * (small, or one thread). */
 static int chunk_rows(int N, size_t row_bytes)
 {
     const int nth = pg_num_threads();
     if (nth <= 1 || (size_t)N * row_bytes < PQ_SOLO_BYTES || N < 32)
         return 0;
-    int rows = (N + PQ_CHUNKS_PER_THREAD * nth - 1) / (PQ_CHUNKS_PER_THREAD * nth);
+    int rows = (N + PG_CHUNKS_PER_THREAD * nth - 1) / (PG_CHUNKS_PER_THREAD * nth);
     int min_rows = (int)((16384 + row_bytes - 1) / row_bytes);
     if (rows < min_rows)
         rows = min_rows;

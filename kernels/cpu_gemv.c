@@ -47,10 +47,6 @@
 #define PG_KEEP(v) __asm__("" : "+v"(v))
 #endif
 
-/* Work items per thread and call (see pg_linear).  Tuning knob; -D to override. */
-#ifndef PG_CHUNKS_PER_THREAD
-#define PG_CHUNKS_PER_THREAD 8
-#endif
 /* Software prefetch distance into the weight stream.  Measured on the 2-core Zen target
  * streaming 3072x576 matrices from DRAM: none 35 / 4 KB 45 / 8 KB 45 GB/s for bf16, and
  * 47 / 44 / 51 for fp32 (the hardware prefetchers stop at 4 KB pages; this does not). */
@@ -904,8 +900,8 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
         run_rows(&j, 0, N);
         return 0;
     }
-    /* About 8 chunks per thread: small enough to rebalance when a worker wakes late,
-     * large enough (>= 16 KB of weights) that the hardware prefetcher ramps up. */
+    /* PG_CHUNKS_PER_THREAD (cpu_runtime.h) chunks per thread, each >= 16 KB of weights so
+     * that the hardware prefetcher ramps up. */
     const size_t row_bytes = (size_t)K * (wdt == DT_F32 ? 4 : 2);
     int rows = (N + PG_CHUNKS_PER_THREAD * nth - 1) / (PG_CHUNKS_PER_THREAD * nth);
     int min_rows = (int)((16384 + row_bytes - 1) / row_bytes);
