@@ -121,12 +121,13 @@ class _Systems:
 
     @staticmethod
     def _prescient(cfg: AgentBenchConfig, spec: str, toolsets: dict) -> PrescientServer:
-        # calibrate now: the idle-time calibration would spend CPU while other systems are measured
+        # calibrate fresh, at start-up: the idle-time calibration would spend CPU while other systems
+        # are measured and time its forwards beside theirs, and a cached table may come from such a run
         last = None
         # only the n-gram server serves the grammar modes; the other warms without tools' grammar
         fmt = "native" if spec == "ngram" else "free"
         for _ in range(3):  # a grammar compile that timed out on a loaded machine stays refused: restart
-            server = PrescientServer(cfg.model, spec, ("--calibrate", "now"))
+            server = PrescientServer(cfg.model, spec, ("--calibrate", "fresh"))
             last = _warm(server.url, toolsets, fmt)
             if last is None:
                 return server

@@ -214,7 +214,12 @@ def cli(argv: list[str] | None = None) -> int:
     for name, path in pairs:
         systems = {}
         for spec in args.speculate.split(","):
-            systems[f"prescient-{spec}"] = Server(["--model", path, "--weights", "native", "--speculate", spec], env)
+            # calibrate fresh, at start-up, before the peer starts: the default idle-time calibration
+            # would time its forwards while the other systems are measured (a table from those is
+            # wrong by up to 2x, and its forwards slow the system being measured), and a cached
+            # table may come from such a run
+            systems[f"prescient-{spec}"] = Server(["--model", path, "--weights", "native", "--speculate", spec,
+                                                   "--calibrate", "fresh"], env)
         try:
             systems["llama.cpp"] = LlamaCppHttp(path, args.peer_pythonpath)
         except PeerMissing as e:
