@@ -121,13 +121,12 @@ class _Systems:
 
     @staticmethod
     def _prescient(cfg: AgentBenchConfig, spec: str, toolsets: dict) -> PrescientServer:
-        # calibrate fresh, at start-up: the idle-time calibration would spend CPU while other systems
-        # are measured and time its forwards beside theirs, and a cached table may come from such a run
+        # calibrated at start-up, before other systems run (bench_servers.prescient_command)
         last = None
         # only the n-gram server serves the grammar modes; the other warms without tools' grammar
         fmt = "native" if spec == "ngram" else "free"
         for _ in range(3):  # a grammar compile that timed out on a loaded machine stays refused: restart
-            server = PrescientServer(cfg.model, spec, ("--calibrate", "fresh"))
+            server = PrescientServer(cfg.model, spec)
             last = _warm(server.url, toolsets, fmt)
             if last is None:
                 return server

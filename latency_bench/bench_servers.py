@@ -1,6 +1,7 @@
 """Servers the agent benchmark drives, each its own process: `prescient serve` and the peer.
 
-`PrescientServer` runs `python -m prescient.cli serve --port 0 ...` and reads its URL from the
+`PrescientServer` runs `python -m prescient.cli serve --port 0 --calibrate fresh ...`
+(`prescient_command`: calibrated at start-up, before any peer runs) and reads its URL from the
 banner; `LlamaCppServer` runs llama-cpp-python's OpenAI-compatible server (`python -m
 llama_cpp.server`, the `peers` extra; its web stack comes from llama-cpp-python's `server`
 extra) on the same GGUF and polls `/v1/models` until it answers. Either raises `PeerMissing`
@@ -87,14 +88,25 @@ class _Process:
                 self.proc.wait(20)
 
 
+def prescient_command(model: str | None, speculate: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The `prescient serve` command of a benchmark run beside other systems. It measures its
+    verify-cost table fresh, at start-up (`--calibrate fresh`, before any peer is started): the
+    default idle-time calibration would time its forwards while another system is measured (on two
+    cores such a table came out up to 2x off, and n-gram then ran below plain decoding) and slow
+    that system, and a cached table may come from such a run. `extra` comes after, so it may
+    override."""
+    args = [sys.executable, "-m", "prescient.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+            "--speculate", speculate, "--quiet", "--calibrate", "fresh", *extra]
+    if model:
+        args += ["--model", model]
+    return args
+
+
 class PrescientServer(_Process):
-    def __init__(self, model: str | None, speculate: str, extra: tuple[str, ...] = (), timeout_s: float = 300.0):
-        args = [sys.executable, "-m", "prescient.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-                "--speculate", speculate, "--quiet", *extra]
-        if model:
-            args += ["--model", model]
+    def __init__(self, model: str | None, speculate: str, extra: tuple[str, ...] = (), timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None):
         self.name = f"prescient serve --speculate {speculate}"
-        super().__init__(args)
+        super().__init__(prescient_command(model, speculate, extra), None if env is None else {**os.environ, **env})
         if not self._ready.wait(timeout_s) or self.url is None:
             self.stop()
             raise PeerMissing(f"{self.name} did not start:\n{self.tail()}")

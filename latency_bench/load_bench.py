@@ -85,10 +85,8 @@ def start_servers(cfg: LoadBenchConfig, t0: float) -> tuple[dict, dict, dict]:
     if "prescient" in cfg.systems:
         _log(cfg, t0, f"starting prescient serve --speculate {cfg.speculate}")
         try:
-            # calibrate fresh, before the peer starts: the idle-time calibration would spend CPU while
-            # the peer is measured and time its forwards beside the peer's (a wrong table), and a
-            # cached table may come from such a run
-            servers["prescient"] = PrescientServer(cfg.model, cfg.speculate, ("--calibrate", "fresh"))
+            # started (and calibrated: bench_servers.prescient_command) before the peer
+            servers["prescient"] = PrescientServer(cfg.model, cfg.speculate)
             info["prescient"] = {"server": servers["prescient"].name}
         except PeerMissing as e:
             not_run["prescient"] = str(e)

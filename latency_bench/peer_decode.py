@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 
 import torch
 
-from prescient.latency_bench.bench_servers import PeerMissing
+from prescient.latency_bench.bench_servers import PeerMissing, PrescientServer
 from prescient.latency_bench.bundled import WORKLOADS
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.runtime.slo import percentile
@@ -64,41 +61,20 @@ def step_weight_bytes(gguf_path: str) -> int:
 
 
 class Server:
-    """`prescient serve` on a free port, until close()."""
+    """`prescient serve` (bench_servers.PrescientServer: calibrated at start-up, before the peer)
+    driven through the openai SDK, until close()."""
 
-    def __init__(self, args: list[str], env: dict[str, str]):
-        exe = os.path.join(os.path.dirname(sys.executable), "prescient")
-        self.proc = subprocess.Popen([exe, "serve", "--host", "127.0.0.1", "--port", "0", "--quiet", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env={**os.environ, **env})
-        self.url, self.lines = None, []
-        ready = threading.Event()
-
-        def pump() -> None:
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                m = re.search(r"OpenAI API\s+(http://\S+)/v1", line)
-                if m:
-                    self.url = m.group(1)
-                if "/metrics" in line:
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(600) or self.url is None:
-            self.close()
-            raise RuntimeError("prescient serve did not start:\n" + "\n".join(self.lines[-20:]))
+    def __init__(self, path: str, speculate: str, env: dict[str, str]):
         import openai
 
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=600)
+        self.server = PrescientServer(path, speculate, ("--weights", "native"), timeout_s=600, env=env)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
         return _stream(self.client, messages, max_tokens)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        self.server.stop()
 
 
 def _stream(client, messages: list[dict], max_tokens: int, **extra) -> dict:
@@ -214,12 +190,7 @@ def cli(argv: list[str] | None = None) -> int:
     for name, path in pairs:
         systems = {}
         for spec in args.speculate.split(","):
-            # calibrate fresh, at start-up, before the peer starts: the default idle-time calibration
-            # would time its forwards while the other systems are measured (a table from those is
-            # wrong by up to 2x, and its forwards slow the system being measured), and a cached
-            # table may come from such a run
-            systems[f"prescient-{spec}"] = Server(["--model", path, "--weights", "native", "--speculate", spec,
-                                                   "--calibrate", "fresh"], env)
+            systems[f"prescient-{spec}"] = Server(path, spec, env)
         try:
             systems["llama.cpp"] = LlamaCppHttp(path, args.peer_pythonpath)
         except PeerMissing as e:
