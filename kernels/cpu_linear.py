@@ -26,8 +26,9 @@ Public API::
     set_num_threads(n), set_spin(spin_us, yield_us)
 
 The weight keeps torch's [out, in] row-major layout (no copy when it is already contiguous and
-of the requested dtype), so M > MAX_M calls (prefill) use the same tensor with ``F.linear`` and a
-tied LM head can share the embedding table.  Prefill of a bf16 weight below the avx512_bf16
+of the requested dtype), so M > MAX_M calls use the same tensor with ``F.linear`` (the runtime's
+prefill no longer makes them: runtime/linear.py runs it MAX_M rows a call) and a tied LM head can
+share the embedding table.  Prefill of a bf16 weight below the avx512_bf16
 tier does not use a bf16 GEMM: without AVX512_BF16, oneDNN's bf16 GEMM is several times
 slower than fp32 (150 vs 34 ms for 512x576 @ 576x3072, one thread, oneDNN capped at AVX2),
 so the weight is widened to fp32 a row block at a time (sized for L2) and each block is

@@ -3,17 +3,19 @@ Q6_K), for CPU decode without ever widening the weight to bf16/fp32 in memory.
 
 Small M (decode M=1, speculative verify M<=16) runs the native kernels of kernels/cpu_qgemv.c
 (through ``pg_linear_w`` and a ``pg_weight_t`` descriptor built once, as ``PackedLinear``), which
-stream the blocks as stored.  Larger M (prefill) dequantizes the weight a tile of rows at a time
-into one reused fp32 buffer (``pq_dequantize_rows``: every format of the library's table,
-vectorized per ISA tier) and multiplies it
-with ``torch.addmm`` into the matching output columns: fp32 GEMM speed without a full fp32 copy
-of the weight.  Without the C library (no compiler, ``PRESCIENT_CPU_GEMV=0``) or for a format
-it has no kernels for, both paths use kernels/quant_reference.py's dequantizer the same way.
+stream the blocks as stored.  A call of more than MAX_M rows dequantizes the weight a tile of
+rows at a time into one reused fp32 buffer (``pq_dequantize_rows``: every format of the
+library's table, vectorized per ISA tier) and multiplies it with ``torch.addmm`` into the
+matching output columns: fp32 GEMM speed without a full fp32 copy of the weight.  Without the
+C library (no compiler, ``PRESCIENT_CPU_GEMV=0``) or for a format it has no kernels for, every
+call takes the tiled path, with kernels/quant_reference.py's dequantizer.  The runtime
+(runtime/linear.QuantizedLinear) sends prefill through the native kernel too, MAX_M rows a call,
+so there the tiled path is only that fallback.
 
 Numerics: fp32 accumulation.  The native small-M kernels multiply either fp32 activations
 (exactly the dequantized W) or, where faster, activations quantized to int8 blocks of 32 as
 llama.cpp does (``act_block`` says which; kernels/cpu_qgemv.c's header gives the accuracy).
-The prefill path always uses fp32 activations.  y has x's dtype (bf16 rounded to nearest even).
+The tiled path never quantizes activations.  y has x's dtype (bf16 rounded to nearest even).
 
     lin = QuantLinear(blocks, "q4_0", N, K, bias=None)   # blocks uint8 [N, row_bytes]
     y = lin(x)                                           # x [..., K] fp32/bf16 -> [..., N]
@@ -35,7 +37,7 @@ from prescient.kernels.quant_reference import QTYPES, dequantize as _ref_dequant
 MAX_M = cpu_linear.MAX_M
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _MODES = {"auto": 0, "float": 1, "int8": 2}
-#: fp32 bytes of one prefill dequantization tile (about L2-sized, so the GEMM reads it hot).
+#: fp32 bytes of one tile of the tiled path (about L2-sized, so the GEMM reads it hot).
 _TILE_BYTES = 2 << 20
 
 _lock = threading.Lock()
@@ -113,7 +115,7 @@ def set_mode(mode: str) -> str:
 
 class QuantLinear:
     """y = x @ W^T (+ bias) for W [N, K] held as GGUF blocks; inference only (a gradient reaches
-    x through the prefill path's torch ops, never W)."""
+    x through the tiled path's torch ops, never W)."""
 
     __slots__ = ("blocks", "qtype", "in_features", "out_features", "weight_bytes", "bias",
                  "_wdt", "_desc", "_dptr", "_native", "_deq_native")
@@ -148,6 +150,11 @@ class QuantLinear:
         self._native = lib is not None and bool(lib.pq_supported(self._wdt))
         # pq_dequantize_rows / _ids run every format of the library's table (cpu_dispatch.c)
         self._deq_native = self._native
+
+    @property
+    def native(self) -> bool:
+        """Whether this format's small-M kernel runs natively here (else the tiled path)."""
+        return self._native
 
     def __repr__(self) -> str:
         return (f"QuantLinear({self.qtype}, in={self.in_features}, out={self.out_features}, "
@@ -225,7 +232,7 @@ class QuantLinear:
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's dtype: W dequantized a row tile at a time into one fp32
-        buffer, each tile multiplied into its output columns (prefill, and the fallback)."""
+        buffer, each tile multiplied into its output columns (M > MAX_M, and the fallback)."""
         M, K = x.shape
         N = self.out_features
         x32 = x.to(torch.float32)

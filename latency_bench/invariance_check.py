@@ -6,11 +6,12 @@ workloads, per weights format and ISA tier.
     (= python -m prescient.latency_bench.invariance_check ...)
 
 Prints one line per (weights, tier): how many workloads gave identical tokens with speculation,
-and how many of the batch's requests gave the same tokens as alone, with the first divergence of
-any that did not. Prompts are prefilled whole (prefix caching off, a large token budget) so that
-alone and batched runs chunk them alike: decode and verify rows are invariant to everything, a
-prompt's rows to everything but its own chunking (runtime/forward_plan.py). Exit status 1 if anything differed. tests/runtime/test_batch_invariance_real.py
-runs it with fewer tokens.
+how many of the batch's requests gave the same tokens as alone, and how many workloads gave
+them again through the prefix cache (each prompt run twice on an engine with prefix caching
+and the default 512-token chunks: cold, then its cached blocks and a recomputed tail), with
+the first divergence of any that did not. The reference runs prefill each prompt whole (prefix
+caching off, a large token budget). Exit status 1 if anything differed.
+tests/runtime/test_batch_invariance_real.py runs it with fewer tokens.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def check(weights: str, tiers: list[str], max_tokens: int | None, batch: int, dt
 
     workloads = workloads if workloads is not None else load_workloads()[0]
     loaded = load_model(EngineSpec(dtype=dtype, weights=weights, progress=False))
-    # Every prompt prefilled in one chunk, never from another request's cached blocks: a prompt's
-    # KV bits follow its chunking (runtime/forward_plan.py), and here alone and batched runs must
-    # chunk alike; decode and verify rows are what is checked.
+    # The reference: every prompt prefilled in one chunk, never from cached blocks. `cached`
+    # chunks prompts by default and serves the second run of each from its prefix cache.
     knobs = dict(dtype=dtype, weights=weights, progress=False, enable_prefix_caching=False,
                  max_num_batched_tokens=1 << 15)
     plain = build_engine(EngineSpec(speculate="off", **knobs), loaded)
     spec = build_engine(EngineSpec(speculate="ngram", calibrate="off", **knobs), loaded)
+    cached = build_engine(EngineSpec(speculate="off", dtype=dtype, weights=weights, progress=False), loaded)
     prompts = [plain.tokenizer.apply_chat_template(list(w.messages)) for w in workloads]
     budgets = [min(w.max_tokens, max_tokens or w.max_tokens) for w in workloads]
     rows = []
@@ -68,16 +69,27 @@ def check(weights: str, tiers: list[str], max_tokens: int | None, batch: int, dt
             together = _run(plain, [prompts[i] for i in idx], [budgets[i] for i in idx])
             batch_diff = [(workloads[i].name, _first_diff(alone[i], t)) for i, t in zip(idx, together)
                           if t != alone[i]]
+            cached.block_manager.reset_prefix_cache()  # nothing from another tier's run
+            cache_diff = []
+            for w, p, n, a in zip(workloads, prompts, budgets, alone):
+                for run in ("cold", "cached"):
+                    got = _run(cached, [p], [n])[0]
+                    if got != a:
+                        cache_diff.append((w.name, run, _first_diff(a, got)))
             row = {"weights": loaded.model.weights_description(), "tier": cpu_linear.kernel_info().get("isa"),
                    "workloads": len(prompts), "spec_identical": len(prompts) - len(spec_diff),
                    "batch": batch, "batch_identical": batch - len(batch_diff),
-                   "spec_diffs": spec_diff, "batch_diffs": batch_diff,
+                   "cache_identical": len(prompts) - len({d[0] for d in cache_diff}),
+                   "spec_diffs": spec_diff, "batch_diffs": batch_diff, "cache_diffs": cache_diff,
                    "seconds": round(time.perf_counter() - t0, 1)}
             rows.append(row)
             print(f"{row['weights']:<28} {row['tier']:<12} speculation identical {row['spec_identical']}/"
-                  f"{row['workloads']}, batch of {batch} identical {row['batch_identical']}/{batch}"
+                  f"{row['workloads']}, batch of {batch} identical {row['batch_identical']}/{batch}, "
+                  f"through the prefix cache {row['cache_identical']}/{row['workloads']}"
                   f" ({row['seconds']} s)" + (f"; spec diverged at {spec_diff}" if spec_diff else "")
-                  + (f"; batch diverged at {batch_diff[:4]}" if batch_diff else ""), file=out, flush=True)
+                  + (f"; batch diverged at {batch_diff[:4]}" if batch_diff else "")
+                  + (f"; cached runs diverged at {cache_diff[:4]}" if cache_diff else ""),
+                  file=out, flush=True)
     finally:
         cpu_linear._set_isa_cap(99)
     return rows
@@ -95,7 +107,8 @@ def cli(argv: list[str] | None = None) -> int:
     ok = True
     for weights in args.weights.split(","):
         for row in check(weights, tiers, args.max_tokens, args.batch):
-            ok &= row["spec_identical"] == row["workloads"] and row["batch_identical"] == row["batch"]
+            ok &= (row["spec_identical"] == row["workloads"] == row["cache_identical"]
+                   and row["batch_identical"] == row["batch"])
     return 0 if ok else 1
 
 

@@ -140,7 +140,6 @@ def _engine_mode(args) -> int:
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             engine, threads = setups[name]
             _set_threads(threads)
-            loaded.model._torch_threads = threads
             r = run_once(engine, [] if name.startswith("alone") else chats, long_ids, args.decode_tokens)
             runs[name].append(r)
             print(f"rep {rep} {name}: gap p99 {_pct(r['gaps_ms'], 0.99):.1f} ms, long TTFT {r['ttft_ms']:.0f} ms",

@@ -89,9 +89,6 @@ def cli(argv: list[str] | None = None) -> int:
         order = [("tp1", one), ("tp2", two)] if rep % 2 == 0 else [("tp2", two), ("tp1", one)]
         for name, engine in order:
             tp_worker._set_threads(full_threads if name == "tp1" else half_threads)
-            # the thread count a model restores for its prefill-sized forwards (runtime/model.py)
-            model = engine.model.local if name == "tp2" else engine.model
-            model._torch_threads = torch.get_num_threads()
             runs[name].append(_decode_ms_per_token(engine, ids, args.tokens))
             print(f"rep {rep} {name}: {runs[name][-1]:.2f} ms/token", file=sys.stderr, flush=True)
     tp1, tp2 = percentile(runs["tp1"], 50), percentile(runs["tp2"], 50)
@@ -99,8 +96,6 @@ def cli(argv: list[str] | None = None) -> int:
 
     def set_threads(name: str) -> None:
         tp_worker._set_threads(full_threads if name == "tp1" else half_threads)
-        model = two.model.local if name == "tp2" else one.model
-        model._torch_threads = torch.get_num_threads()
 
     outputs = _compare_outputs(one, two, args.tokens, set_threads) if args.outputs else None
     print(json.dumps({"outputs": outputs, "weights": args.weights, "dtype": args.dtype, "tokens": args.tokens, "reps": args.reps,

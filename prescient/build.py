@@ -330,8 +330,6 @@ def start_prefill_worker(spec: EngineSpec, engine: Engine) -> None:
 
     threads = default_threads(2)
     _set_threads(threads)
-    if not engine.model.is_sharded:  # the threads its prefill-sized forwards get back (model.CpuForward)
-        engine.model._torch_threads = threads
     source = CheckpointSource(spec.model, spec.dtype, spec.weights_cache, spec.weights, spec.quantize)
     kwargs = dict(dtype=DTYPES[spec.dtype], weights_dtype=None if spec.weights == "native" else DTYPES[spec.weights],
                   weights_mode=weights_label(spec), device=spec.device)

@@ -137,7 +137,8 @@ class SchedulerConfig:
     itl_margin: float = 0.8
     # A prompt is cut into chunks of `prefill_chunk` tokens (a last piece of at most
     # BATCH_INVARIANT_M tokens joins the chunk before it), whatever else runs: the same cuts alone
-    # and under load, so the same KV bits, and each chunk on the GEMM path at full efficiency.
+    # and under load, and each chunk in a forward of its own. With the kernels loaded a row's bits
+    # do not depend on the cuts; on the fallback GEMM path the same cuts keep the same KV bits.
     prefill_chunk: int = 512
     # A chunk whose full cost would break the ITL budget runs a few of its layers per step.
     layer_split: bool = True

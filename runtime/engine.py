@@ -4,8 +4,9 @@
     drafts  = speculator.propose(seqs)      draft trees for decoding requests (speculation on)
     logits  = run_forward(model, kv, ...)   the target forward(s), as the step path plans them
                                             (runtime/step_path.py, chosen once in __init__): on CPU
-                                            decode/verify rows on the small-M path, prefill chunks on
-                                            the GEMM (forward_plan); on CUDA one forward (or a CUDA
+                                            decode/verify rows on the fused native layers, prefill
+                                            chunks in the torch loop, whose linears call the same
+                                            kernels (forward_plan); on CUDA one forward (or a CUDA
                                             graph replay, EngineConfig.cuda_graphs)
     tokens  = sampler / verifier            plain sampling, or tree verification (on the device
                                             path batched, its result read back once)
@@ -273,8 +274,9 @@ class Engine:
             return failed
         if self.handoff is not None:  # a prefill worker: computed prompts go to the decode worker
             return failed + self._hand_off(seqs)
-        # the forwards the step path plans (the CPU's keep decode/verify rows on the small-M path,
-        # runtime/forward_plan.py; a GPU's is one); the one stage whose failure is everyone's
+        # the forwards the step path plans (the CPU's put decode/verify rows on the fused native
+        # layers, prefill chunks in forwards of their own: runtime/forward_plan.py; a GPU's is
+        # one); the one stage whose failure is everyone's
         # (AsyncEngine answers it for all)
         # an EAGLE head drafts from the target's hidden states: each sequence's rows, kept
         # until verification says which of them were accepted (a failure there is the

@@ -1,14 +1,16 @@
 """Batch-invariant forwards: which scheduled sequences share a target forward.
 
 A decode or verify row must get the same bits whatever else the step holds (greedy output with
-speculation equal to plain decoding; a request alone equal to the same request in a batch). The
-kernels give that only within one path: the small-M path (the GEMV kernels MAX_M rows a call,
-the fused native layers, up to `BATCH_INVARIANT_M` tokens a forward) computes a row alike in
-any such forward; the GEMM path (F.linear / the tiled quantized path, above it) does so only for
-the same row count, since the GEMM library picks its kernel by shape (on a 2-core AVX-512
-machine with AMX, twelve prompts' chunks in one GEMM gave other bits than each alone). So the
-plan decides the path per *sequence*, never by the step's total, and gives each prefill chunk a
-forward of its own:
+speculation equal to plain decoding; a request alone equal to the same request in a batch). With
+the kernels loaded every linear runs the GEMV kernels at any row count, MAX_M rows a call
+(runtime/linear.py), and the fused native layers (up to `BATCH_INVARIANT_M` tokens a forward) and
+the torch loop compute a row alike: decode rows and prefill chunks get the same bits in any
+forward, whatever shares it and however the prompt was cut. The fallback GEMM path (F.linear /
+the tiled quantized path: no kernel library, a block format without a native kernel at the tier,
+float64) computes a row alike only for the same row count, since the GEMM library picks its
+kernel by shape (on a 2-core AVX-512 machine with AMX, twelve prompts' chunks in one GEMM gave
+other bits than each alone). For that path the plan decides the forwards per *sequence*, never
+by the step's total, and gives each prefill chunk a forward of its own:
 
     small = [s for s in seqs if rows(s) <= BATCH_INVARIANT_M]   # decode, verify trees, short chunks
     large = the rest                                            # prefill chunks
@@ -17,13 +19,13 @@ forward of its own:
 
 and the logits come back in the sequences' order (a sequence whose logits row came with it, a
 P/D handoff, takes no forward: its row goes in its place). The scheduler cuts a prompt into the
-same chunks alone and under load, so a chunk's GEMM has the same rows either way; its weights are
-read once per chunk rather than once per step (prefill is compute-bound). A prefill chunk the
-scheduler split by layers (its `layers` set) runs alone through `model.forward_layers`, its
-hidden states kept on the request until its last layer has run (the same ops as one forward: the
-same bits). A step of only decodes (the common case) is one forward; a prefill chunk beside
-decodes costs one extra forward's dispatch, and more than BATCH_INVARIANT_M decode/verify rows
-cost one weight pass per forward (the price of giving up the GEMM for them).
+same chunks alone and under load, so on the fallback path a chunk's GEMM has the same rows either
+way. A prefill chunk the scheduler split by layers (its `layers` set) runs alone through
+`model.forward_layers`, its hidden states kept on the request until its last layer has run (the
+same ops as one forward: the same bits). A step of only decodes (the common case) is one
+forward; a prefill chunk beside decodes costs one extra forward's dispatch, and more than
+BATCH_INVARIANT_M decode/verify rows cost one weight pass per forward (no more than one forward
+would: the kernels take MAX_M = BATCH_INVARIANT_M rows a call).
 
 That plan is the CPU's (runtime/step_path.CpuStepPath). On a GPU a forward's launch and sync
 overhead, not its weight pass, is what a split costs, and its GEMMs are not batch invariant

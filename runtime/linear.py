@@ -3,7 +3,13 @@
 At batch 1 on these CPUs the decode step is a stream of GEMVs and `F.linear` reaches well under
 the memory-bandwidth floor (docs/CPU_PERFORMANCE.md); `prescient.kernels.cpu_linear` packs each
 float weight once at load time into a layout its bandwidth-bound kernel streams. Anything that
-kernel does not cover (GPU tensors, float64, large M) goes to `F.linear`.
+kernel does not cover (GPU tensors, float64) goes to `F.linear`.
+
+Every row count runs the same kernel, MAX_M rows a call: decode steps, verify trees and prefill
+chunks alike, so a row's bits do not depend on what shares its forward, how its prompt was cut
+or whether its prefix came from the cache (docs/ARCHITECTURE.md, batch invariance); and on the
+CPUs measured the kernel is the faster path for prefill too (the int8 small-M kernel against a
+tile-wise dequantize + GEMM: a prompt's TTFT 1.6-2.3x shorter, avx2).
 
 A weight kept in a checkpoint's quantized blocks (`QuantWeight`: a GGUF's Q4_1, Q8_0, ...) runs
 through `prescient.kernels.quant_linear.QuantLinear`, which reads the blocks as they are (a
@@ -99,12 +105,12 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] -> [num_tokens, out_features].
 
-        Up to BATCH_INVARIANT_M tokens run the packed GEMV kernel, its MAX_M rows a call (as
-        QuantizedLinear does): a decode or verify row gets the same bits in any batch, where
-        F.linear's GEMM rounds a row differently from the kernel."""
+        Any number of tokens runs the packed GEMV kernel, its MAX_M rows a call (as
+        QuantizedLinear does): a row gets the same bits in any batch and in any prefill chunk,
+        where F.linear's GEMM rounds a row differently from the kernel."""
         if self.packed is not None:
             m, step = x.shape[0], self._max_m
-            if m <= step or m > BATCH_INVARIANT_M or x.dim() != 2:
+            if m <= step or x.dim() != 2:
                 y = self.packed(x)
             else:
                 y = x.new_empty(m, self.out_features)
@@ -117,10 +123,10 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
-# the most tokens run through the decode kernels, MAX_M rows a call (Linear / QuantizedLinear
-# __call__): the fused native layers' bound too, so a batch planned by runtime/batch.py runs the
-# same kernels for every decode/verify row on either path. Defined once, as PL_MAX_T in
-# kernels/cpu_layer.c; read from the kernels library (kernels/cpu_layer.py).
+# the most tokens a forward of the fused native layers takes (runtime/forward_plan.py packs
+# decode/verify rows into forwards of at most this many; larger chunks run the torch loop, whose
+# linears call the same kernels). Defined once, as PL_MAX_T in kernels/cpu_layer.c; read from the
+# kernels library (kernels/cpu_layer.py).
 BATCH_INVARIANT_M = _cpu_layer.MAX_T
 
 
@@ -161,17 +167,17 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in_features] fp32/bf16 (others are computed in fp32) -> [num_tokens, out_features].
 
-        Up to BATCH_INVARIANT_M tokens (decode batches, verify trees: 17 nodes at the default
-        draft budget) run the decode kernel, MAX_M rows a call. Each row then gets the bits a
-        lone decode step gets (the kernel may quantize activations to int8, ~0.5% off fp32,
-        where the large-M path keeps fp32), and it is the faster path there: measured on the
-        2-core Zen 4, a 17-row Q4_1 gate_up 0.4 ms this way, 1 ms through the tiled path on
-        one torch thread and far more on two (torch's threads meet the kernel pool's spinning
-        workers). Above that (prefill chunks): QuantLinear's tiled fp32 path."""
+        Any number of tokens (decode batches, verify trees, prefill chunks) runs the decode
+        kernel, MAX_M rows a call, so every row gets the bits a lone decode step gets (the kernel
+        may quantize activations to int8, ~0.5% off fp32). It is also the faster path at every
+        M measured: a 17-row Q4_1 gate_up 0.4 ms against 1 ms through the tiled path (2-core Zen
+        4); a prompt's TTFT 1.6-2.3x shorter than with the tiled fp32 path (2-core Zen 3, avx2).
+        Only a format without a native kernel at this tier takes QuantLinear's tiled path (the
+        whole x in one call: its GEMM rows do not depend on M above MAX_M)."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             return self(x.to(torch.float32)).to(x.dtype)
         m, step = x.shape[0], self._max_m
-        if m <= step or m > BATCH_INVARIANT_M or x.dim() != 2:
+        if m <= step or x.dim() != 2 or not self.packed.native:
             return self.packed(x)
         out = x.new_empty(m, self.out_features)
         for i in range(0, m, step):

@@ -181,7 +181,7 @@ class LlamaModel:
         shallow copy, with this model's transformation (if any) bound to the draft."""
         if not 1 <= num_layers <= self.num_layers:
             raise ValueError(f"early-exit depth must be in [1, {self.num_layers}], got {num_layers}")
-        # shares every attribute: the tensors, the linears, the thread count and the fused-layers
+        # shares every attribute: the tensors, the linears and the fused-layers
         # cache (kernels/cpu_layer.fused_layers tells the draft's entries apart by their layers)
         draft = copy.copy(self)
         draft.layers = self.layers[:num_layers]
@@ -210,11 +210,12 @@ class LlamaModel:
     @torch.inference_mode()
     def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,
                        stop: int) -> torch.Tensor:
-        """Part of a prefill forward: layers [start, stop) of the torch loop (the GEMM path;
-        never the fused small-M one), from the embeddings when `h` is None (start 0), else from
-        the hidden states [num_tokens, hidden] an earlier call returned. The same ops in the same
-        order as `forward`, so a chunk split over several steps gets forward's bits; its logits
-        then come from `forward_head`. Each layer writes its K/V as it runs."""
+        """Part of a prefill forward: layers [start, stop) of the torch loop (never the fused
+        native layers; its linears call the same kernels), from the embeddings when `h` is None
+        (start 0), else from the hidden states [num_tokens, hidden] an earlier call returned. The
+        same ops in the same order as `forward`, so a chunk split over several steps gets
+        forward's bits; its logits then come from `forward_head`. Each layer writes its K/V as it
+        runs."""
         if h is None:
             h = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.tables(batch.positions)
@@ -355,12 +356,12 @@ class CpuForward:
     """What `prepare_for_cpu` installs on a CPU model: its `forward` and `forward_layers`. They
     run the reference's ops, plus the two CPU-only decisions, taken here and nowhere else:
 
-    * threads: the packed GEMV kernel runs its own 2-thread pool; torch's OpenMP workers would
-      fight it for the second core, so forwards small enough for that kernel (num_tokens <=
-      MAX_T: decode, draft trees) run torch's own ops on one thread, and larger ones (prefill,
-      and every `forward_layers` call) get `model._torch_threads` back (torch's count when the
-      model was prepared; the P/D split, prescient/build.py, and the benches set it). Only a
-      model whose LM head is packed (the GEMV kernel loaded) sets threads at all.
+    * threads: the GEMV kernels (every linear, at every row count: runtime/linear.py) and the
+      attention kernel run on the kernels' own pool; torch's OpenMP workers would fight it for
+      the cores, so every forward, prefill chunks and `forward_layers` included, runs torch's
+      own ops (norms, RoPE, residual adds) on one thread. (Prefill chunks once ran a tiled GEMM
+      on torch's threads: 1.6-2.3x the TTFT, 2-core Zen 3.) Only a model whose LM head is
+      packed (the GEMV kernel loaded) sets threads at all.
     * the native layers: a forward of 1..MAX_T tokens runs every layer and the final norm in
       kernels/cpu_layer.c (no per-op dispatch) when the env allows it (RuntimeEnv.fused_layers)
       and the model can take it (kernels/cpu_layer.fused_layers: float32/bfloat16, every linear
@@ -387,7 +388,7 @@ class CpuForward:
         num_tokens = batch.num_tokens
         small = num_tokens <= cpu_layer.MAX_T
         if self.packed:
-            torch.set_num_threads(1 if small else model._torch_threads)
+            torch.set_num_threads(1)
         env = runtime_env() if self.env is None else self.env
         fused = (cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
                  if small and num_tokens > 0 and env.fused_layers else None)
@@ -402,23 +403,21 @@ class CpuForward:
 
     def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,
                        stop: int) -> torch.Tensor:
-        """LlamaModel.forward_layers with torch's threads back (the GEMM path)."""
+        """LlamaModel.forward_layers, torch on one thread as in `forward`."""
         model = self._model()
         if self.packed:
-            torch.set_num_threads(model._torch_threads)
+            torch.set_num_threads(1)
         return LlamaModel.forward_layers(model, batch, kv_caches, h, start, stop)
 
 
 def prepare_for_cpu(model: LlamaModel, env: RuntimeEnv | None = None) -> LlamaModel:
     """Install the CPU transformation (CpuForward) on `model`, in place, and return it; a model
-    on another device is returned as it is (its forward is the reference). The thread count its
-    prefill-sized forwards get back is torch's current one. env: the switches to use; None =
-    the environment's, followed per forward (parsed here once first, so that a malformed
-    variable fails at build rather than at the first forward)."""
+    on another device is returned as it is (its forward is the reference). env: the switches to
+    use; None = the environment's, followed per forward (parsed here once first, so that a
+    malformed variable fails at build rather than at the first forward)."""
     if model.device.type != "cpu":
         return model
     if env is None:
         runtime_env()
-    model._torch_threads = torch.get_num_threads()
     CpuForward(model, env).install()
     return model

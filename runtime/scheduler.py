@@ -78,7 +78,7 @@ class Scheduler:
         (session pins); it returns False when it has nothing left to give. `cost`: the step cost
         model the time budget is read from (the engine refits it); None: token budgets only.
         `layer_split`: whether the model can run a chunk's layers over several steps."""
-        if config.prefill_chunk <= BATCH_INVARIANT_M:  # its chunks would run on the small-M path
+        if config.prefill_chunk <= BATCH_INVARIANT_M:  # its chunks would join the decodes' forwards
             raise ValueError(f"prefill_chunk must be > {BATCH_INVARIANT_M}, got {config.prefill_chunk}")
         self.config = config
         self.cost = cost
@@ -388,8 +388,9 @@ class _PrefillPlan:
     A prompt's chunks are `prefill_chunk` tokens (a tail of <= BATCH_INVARIANT_M tokens joins
     the chunk before it), alone or under load: the time budget decides how many layers of a
     chunk run in a step, never where the prompt is cut, so its KV has the same bits however
-    busy the server is; and every chunk of a prompt longer than BATCH_INVARIANT_M tokens runs
-    on the GEMM path at the full chunk's efficiency."""
+    busy the server is (with the kernels loaded a row's bits do not depend on the cuts at all;
+    on the fallback GEMM path they do); and every chunk of a prompt longer than
+    BATCH_INVARIANT_M tokens runs in a forward of its own (the torch loop)."""
 
     def __init__(self, scheduler: Scheduler, decodes: list[ScheduledSeq]):
         self.s = scheduler

@@ -61,10 +61,11 @@ class RecursiveLeastSquares:
 class StepShape:
     """What a step carries, as the cost model reads it."""
 
-    decode_rows: int = 0  # decode / verify rows (tree nodes) and short chunks on the small-M path
+    decode_rows: int = 0  # decode / verify rows (tree nodes) and short chunks: the small forwards
     decode_ctx: float = 0.0  # their mean context length
-    # tokens of prefill chunks (the GEMM path), each weighted by the fraction of the layers it
-    # runs this step (a chunk split by layers): token-equivalents of a whole forward
+    # tokens of prefill chunks (forwards of their own, the torch loop), each weighted by the
+    # fraction of the layers it runs this step (a chunk split by layers): token-equivalents of a
+    # whole forward
     prefill_tokens: float = 0
     prefill_ctx: float = 0.0  # the chunks' mean context at their middle
 
@@ -131,8 +132,8 @@ class StepCostModel:
 
 def step_shape(seqs, num_layers: int, small_m: int = BATCH_INVARIANT_M) -> StepShape:
     """The StepShape of a scheduled step (ScheduledSeqs): decode rows with their draft slots
-    and chunks of at most `small_m` tokens on the small-M path, longer chunks by the fraction of
-    layers they run."""
+    and chunks of at most `small_m` tokens in the small forwards (runtime/forward_plan.py),
+    longer chunks by the fraction of layers they run."""
     shape = StepShape()
     dctx = pctx = 0.0
     for seq in seqs:

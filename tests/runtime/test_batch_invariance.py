@@ -9,7 +9,10 @@ tier this CPU runs:
 - the forward plan (runtime/forward_plan.py): decode/verify-sized sequences never share a forward
   with a prefill chunk, and their logits come back in order;
 - a tiny model: a chain draft tree's rows equal the decode steps they stand for, and a decode row
-  equals itself beside other decodes or a verify tree, in fp32 and bf16, float and block weights.
+  equals itself beside other decodes or a verify tree, in fp32 and bf16, float and block weights;
+- a prompt's rows (logits and KV) whole in one prefill-sized forward, as a prefix then a short
+  tail on the native layers (a prefix-cache hit), or decoded token by token: the same bits, in
+  fp32 and bf16, float and Q4_1 weights.
 """
 
 from __future__ import annotations
@@ -174,3 +177,31 @@ def test_verify_rows_equal_decode_steps_and_batches(tiny, tier, weights, dtype):
         batched = _forward(model, kv, others[:2] + [SeqRows([tokens[0]], [ctx], ctx, blocks_a, None, [0])]
                            + others[2:])
         assert torch.equal(batched[18], steps[0]), f"{tier} {weights} {dtype} ctx={ctx}: decode in a batch"
+
+
+@pytest.mark.parametrize("tier", ISA_TIERS, indirect=True)
+@pytest.mark.parametrize("weights", ["float", "q4_1"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_prompt_gets_the_same_bits_whole_in_pieces_or_decoded(tiny, tier, weights, dtype):
+    """A prompt's rows do not depend on how it was computed: one prefill-sized forward (the
+    torch loop), a prefix then a short tail (a prefix-cache hit: the tail on the native layers),
+    or token by token (a session's KV, written by decode steps). Same logits, same KV."""
+    w = tiny.weights if weights == "float" else quantize_linears(tiny.weights, "int4")
+    model = LlamaModel(tiny.config, w, dtype=dtype)
+    n = BATCH_INVARIANT_M + 36
+    ids = torch.randint(3, tiny.config.vocab_size, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+    blocks = list(range(n // BLOCK + 1))
+
+    def run(cuts: list[int]):
+        kv = model.allocate_kv_cache(len(blocks), BLOCK)
+        logits = [_forward(model, kv, [SeqRows(ids[a:b], range(a, b), a, blocks, None, range(b - a))])
+                  for a, b in zip(cuts, cuts[1:])]
+        return torch.cat(logits), kv
+
+    whole, kv_whole = run([0, n])
+    for cuts in ([0, n - 20, n], [0, 30, n], list(range(n + 1))):
+        got, kv = run(cuts)
+        where = f"{tier} {weights} {dtype} cuts {cuts[:4]}"
+        assert torch.equal(got, whole), f"{where}: {(got != whole).any(dim=1).sum()} rows differ"
+        for (k, v), (k0, v0) in zip(kv, kv_whole):
+            assert torch.equal(k, k0) and torch.equal(v, v0), f"{where}: KV differs"

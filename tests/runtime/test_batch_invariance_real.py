@@ -1,6 +1,7 @@
 """The real default model, end to end (latency_bench/invariance_check.py): greedy output with
-n-gram speculation is token-identical to plain decoding on all 11 shared workloads, and every
-request of a batch gives the tokens it gives alone, in native Q4_1 and bf16 weights, on this
+n-gram speculation is token-identical to plain decoding on all 11 shared workloads, every
+request of a batch gives the tokens it gives alone, and so does each workload chunked by
+default and served again from the prefix cache, in native Q4_1 and bf16 weights, on this
 CPU's best ISA tier and on AVX2 (the tier of CPUs without AVX-512). Tokens are capped to keep it
 to about a minute a case; the command runs the full lengths on every tier."""
 
@@ -30,3 +31,4 @@ def test_speculation_and_batching_do_not_change_greedy_tokens(weights):
     for row in rows:
         assert row["spec_identical"] == row["workloads"], log.getvalue()
         assert row["batch_identical"] == row["batch"], log.getvalue()
+        assert row["cache_identical"] == row["workloads"], log.getvalue()

@@ -159,7 +159,7 @@ def test_runtime_env_follows_the_environment(monkeypatch):
 
 
 def _steps(vocab: int) -> list[tuple[str, list[SeqRows]]]:
-    """A prefill-sized forward (more than MAX_T tokens: the GEMM path either way), then
+    """A prefill-sized forward (more than MAX_T tokens: the torch loop either way), then
     decode-sized ones (the native layers when prepared): a short prompt, two decode tokens, a
     verify tree of 8 nodes beside a decode token."""
     g = torch.Generator().manual_seed(4)
@@ -209,7 +209,7 @@ def tiny_ckpt(tiny_llama_dir, monkeypatch):
 def test_prepared_cpu_forward_gives_the_reference_logits(tiny_ckpt, dtype, monkeypatch):
     """prepare_for_cpu on the reference model: the same logits and KV bit for bit (bfloat16;
     float32's native SiLU is an ulp off now and then, kernels/cpu_layer.py, so there only the
-    prefill-sized forward, the GEMM path in both, is asserted equal)."""
+    prefill-sized forward, the torch loop in both, is asserted equal)."""
     model = prepare_for_cpu(LlamaModel(tiny_ckpt.config, tiny_ckpt.weights, dtype=dtype, prepare=False), RuntimeEnv())
     out, sizes = _run_pair(model, model, monkeypatch)
     assert sizes == [20, 2, 9], "the decode-sized forwards did not run the native layers"
@@ -239,37 +239,39 @@ def test_the_default_model_is_prepared_and_follows_the_environment(tiny_ckpt, mo
 
 
 def test_the_thread_policy_lives_in_the_prepared_forward(tiny_ckpt, monkeypatch):
-    """Decode-sized forwards run torch on one thread, prefill-sized ones (and forward_layers) on
-    model._torch_threads; the reference forward leaves the thread count alone."""
+    """Every forward of a prepared model (decode-sized, prefill-sized, forward_layers) runs
+    torch on one thread: the linears and attention run on the kernels' pool at every row count;
+    the reference forward leaves the thread count alone."""
     model = LlamaModel(tiny_ckpt.config, tiny_ckpt.weights, dtype=torch.bfloat16)
     if not model.prepared.packed:
         pytest.skip("no packed GEMV kernel: the prepared forward sets no threads")
-    model._torch_threads = 2
     steps = dict(_steps(model.config.vocab_size))
     kv = model.allocate_kv_cache(16, BLOCK)
     prefill = pack_forward_batch(steps["prefill"], BLOCK, torch.device("cpu"))
     short = pack_forward_batch(steps["short prompt"], BLOCK, torch.device("cpu"))
-    model.forward(short, kv)
-    assert torch.get_num_threads() == 1
-    model.forward(prefill, kv)
-    assert torch.get_num_threads() == 2
-    torch.set_num_threads(1)
-    model.forward_layers(prefill, kv, None, 0, 1)
-    assert torch.get_num_threads() == 2
-    LlamaModel.forward(model, short, kv)
-    assert torch.get_num_threads() == 2
+    saved = torch.get_num_threads()
+    try:
+        for run in (lambda: model.forward(short, kv), lambda: model.forward(prefill, kv),
+                    lambda: model.forward_layers(prefill, kv, None, 0, 1)):
+            torch.set_num_threads(2)
+            run()
+            assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        LlamaModel.forward(model, short, kv)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(saved)
 
 
 def test_early_exit_draft_carries_the_transformation(tiny_ckpt, monkeypatch):
-    """The draft shares the target's tensors and thread count; its prepared forward runs its own
-    layers, and gives its reference logits bit for bit."""
+    """The draft shares the target's tensors; its prepared forward runs its own layers, and
+    gives its reference logits bit for bit."""
     target = LlamaModel(tiny_ckpt.config, tiny_ckpt.weights, dtype=torch.bfloat16)
-    target._torch_threads = 1
     draft = target.early_exit(1)
     assert draft.num_layers == len(draft.layers) == 1 and draft.layers[0] is target.layers[0]
     assert draft.lm_head is target.lm_head and draft.embed is target.embed
     assert draft.prepared is not target.prepared and draft.prepared.env is target.prepared.env
-    assert draft._torch_threads == 1 and target.num_layers == 2
+    assert target.num_layers == 2
     out, sizes = _run_pair(draft, draft, monkeypatch)
     assert sizes == [20, 2, 9]
     assert all(torch.equal(got, want) for _, _, got, want in out)

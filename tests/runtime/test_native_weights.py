@@ -224,15 +224,15 @@ def test_native_logits_match_the_dequantized_float32_model(tiny_gguf, act_mode):
     a = LlamaModel(native.config, native.weights, dtype=torch.float32)
     b = LlamaModel(floats.config, floats.weights, dtype=torch.float32)
     assert isinstance(a.layers[0].qkv, QuantizedLinear) and isinstance(b.layers[0].qkv, Linear)
-    # a prefill past BATCH_INVARIANT_M tokens: tiles dequantized into fp32, fp32 activations
+    # every row count runs the decode kernel (runtime/linear.py), a prefill past
+    # BATCH_INVARIANT_M tokens as a short prompt and decode: with fp32 activations, the same
+    # arithmetic as F.linear
+    act_mode("float")
     long = tokens(BATCH_INVARIANT_M + 16, seed=5)
     pa, pb = full_forward(a, long), full_forward(b, long)
     scale = pb.abs().max()
     assert (pa - pb).abs().max() <= 1e-5 * scale
-    # up to BATCH_INVARIANT_M tokens, prefill and decode run the decode kernel: with fp32
-    # activations, the same arithmetic as F.linear
     prompt = tokens(40, seed=1)
-    act_mode("float")
     assert (full_forward(a, prompt) - full_forward(b, prompt)).abs().max() <= 1e-5 * scale
     ta, la = greedy_decode(a, prompt, 8)
     tb, lb = greedy_decode(b, prompt, 8)
@@ -243,6 +243,7 @@ def test_native_logits_match_the_dequantized_float32_model(tiny_gguf, act_mode):
     ta, la = greedy_decode(a, prompt, 8)
     assert (la - lb).abs().max() <= 5e-2 * scale
     assert ta[:4] == tb[:4]
+    assert (full_forward(a, long) - pb).abs().max() <= 5e-2 * scale  # the long prefill too
 
 
 def test_decode_sized_batches_compute_each_row_as_alone(tiny_gguf, act_mode):
