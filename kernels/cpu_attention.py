@@ -22,9 +22,10 @@ row and no prefix) gets zeros, not NaN.
 
 Threads: the pool of cpu_linear (caller + 1 worker by default; ``cpu_linear.set_num_threads``
 or ``PRESCIENT_GEMV_THREADS`` size it for both kernels).  Small calls run on the caller only,
-and so does every call made while torch runs more than one intra-op thread (the model's
-prefill-sized forwards): torch's OpenMP worker then spins on the pool's core, and sharing it
-made a 512 + 64-token prefill chunk 20x slower on a busy 2-core machine.
+and so does every call made while torch runs more than one intra-op thread (a caller that did
+not set torch to one thread: the prepared model's forwards all do, runtime/model.CpuForward):
+torch's OpenMP worker then spins on the pool's core, and sharing it made a 512 + 64-token
+prefill chunk 20x slower on a busy 2-core machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 /*
  * cpu_layer.c -- one decoder layer of a Llama-family model (Llama, SmolLM2, Qwen2) in one
- * native call, for decode- and verify-sized batches (T <= PL_MAX_T tokens).
+ * native call, for any forward of up to PL_MAX_T tokens: decode steps, verify trees, prefill
+ * chunks.
  *
  * Role: the CPU twin of the layer loop of runtime/model.py (LlamaModel.forward), called by
  * kernels/cpu_layer.py.  There a decode step makes ~30 torch ops per layer; at batch 1 each
@@ -46,11 +47,13 @@
 
 #define PL_VERSION 4
 
-/* Most tokens of one call.  The linears run PG_MAX_M rows at a time (the GEMV kernels' M
- * bound): every kernel on this path gives a row the same bits whatever the call's M, so a
- * decode row computes alike alone, in a batch of decodes or beside a verify tree (batch
- * invariance; runtime/batch.py sends every decode/verify-sized sequence here). */
-#define PL_MAX_T 64
+/* Most tokens of one call (a sanity bound: the scratch the caller passes is sized for the T it
+ * calls with, pl_scratch_bytes).  The linears run PG_MAX_M rows at a time (the GEMV kernels' M
+ * bound): every kernel on this path gives a row the same bits whatever the call's T, so a
+ * row computes alike alone, in a batch of decodes, beside a verify tree or in a prefill chunk
+ * (batch invariance).  Prefill chunks are at most 512 + 64 tokens by default (the scheduler's
+ * prefill_chunk; an EAGLE head's feature collection uses ~1024). */
+#define PL_MAX_T 2048
 
 /* Keep in step with _Step in cpu_layer.py.  What one forward shares across its layers:
  * shapes, the tokens' RoPE rows and KV slots, the attention's batch metadata, h and the

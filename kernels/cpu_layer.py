@@ -1,7 +1,9 @@
-"""Decoder layers in native calls for decode/verify-sized CPU forwards: the wrapper of cpu_layer.c.
+"""Decoder layers in native calls for CPU forwards (decode steps, verify trees, prefill chunks):
+the wrapper of cpu_layer.c.
 
 A CPU decode step of the torch layer loop (runtime/model.py) makes ~30 torch ops per layer, and
-at batch 1 their dispatch cost about as much as streaming the weights.  ``FusedLayers`` runs the
+at batch 1 their dispatch cost about as much as streaming the weights (for a prefill chunk the
+torch ops' glue was ~15% of its time).  ``FusedLayers`` runs the
 same layers with one C call per layer (``pl_layer``) or one for all of them (``pl_layers``),
 through the very GEMV and attention kernels the torch path calls (cpu_gemv.c, cpu_attention.c,
 the block formats of cpu_qgemv.c: anything with a ``pg_weight_t`` descriptor), and mirrors the
@@ -59,8 +61,7 @@ def _max_tokens() -> int:
 
 
 #: most tokens of one native forward (PL_MAX_T in cpu_layer.c): a prepared CPU model
-#: (runtime/model.CpuForward) takes this path for every batch of decode/verify-sized sequences
-#: up to it (runtime/batch.py plans them); also runtime/linear.py's BATCH_INVARIANT_M
+#: (runtime/model.CpuForward) takes this path for every forward up to it, prefill chunks included
 MAX_T = _max_tokens()
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _I32 = torch.int64, torch.int32
@@ -266,10 +267,7 @@ class FusedLayers:
                      head_dim=D, inter=cfg.intermediate_size, dtype=_DT[dtype], num_blocks=shape[0],
                      block_size=shape[1], sum_lanes=torch_sum_lanes(cfg.hidden_size),
                      eps=float(cfg.rms_norm_eps), scale=float(model.scale))
-        nbytes = _scratch_fn(ctypes.byref(step), MAX_T)
-        raw = torch.empty(nbytes + 64, dtype=torch.uint8)
-        step.scratch = raw.data_ptr() + (-raw.data_ptr() % 64)
-        self._scratch = raw
+        self._scratch, self._capacity = None, 0  # scratch for up to _capacity tokens (_reserve)
         self._step = step
         self._step_ptr = ctypes.addressof(step)
 
@@ -335,6 +333,18 @@ class FusedLayers:
         self._args_ptr = ctypes.addressof(args)
         self._layer_ptrs = [ctypes.addressof(args[i]) for i in range(n)]
 
+    def _reserve(self, T: int) -> None:
+        """Scratch for a T-token forward: grown on demand (to a multiple of 64 tokens), so decode
+        steps keep a small one and a prefill chunk's (~14 MB at 576 tokens for SmolLM2-135M)
+        is only made where prefill runs."""
+        if T <= self._capacity:
+            return
+        cap = min(MAX_T, -(-T // 64) * 64)
+        nbytes = _scratch_fn(ctypes.byref(self._step), cap)
+        raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+        self._step.scratch = raw.data_ptr() + (-raw.data_ptr() % 64)
+        self._scratch, self._capacity = raw, cap
+
     @classmethod
     def build(cls, model, kv_caches, per_layer: bool = False) -> Optional["FusedLayers"]:
         try:
@@ -376,6 +386,7 @@ class FusedLayers:
                                                           and cl.is_contiguous() and cu.is_contiguous())):
             raise ValueError("batch: slot_mapping int64 [T], block_tables int32 [S, B], context_lens int32 [S] "
                              "and cu_seqlens_q int32 [S + 1], all contiguous")
+        self._reserve(T)
         s = self._step
         s.T = T
         s.h = h.data_ptr()
@@ -395,8 +406,9 @@ class FusedLayers:
                 mask = mask.contiguous()
             s.mask_bits = mask.data_ptr()
             s.num_words = mask.shape[1]
-        # torch's own OpenMP worker spinning on the second core: the attention stays on this
-        # thread (cpu_attention.py's PA_SOLO rule); the GEMV pool decides for itself
+        # torch's own OpenMP worker spinning on the second core (a caller that did not set torch
+        # to one thread, as CpuForward does): the attention stays on this thread (cpu_attention.py's
+        # PA_SOLO rule); the GEMV pool decides for itself
         s.attn_flags = 1 if _torch_threads() > 1 else 0
         if self.per_layer:
             fn = _layer_fn

@@ -25,12 +25,17 @@ from prescient.runtime.sampling_params import SamplingParams
 from prescient.latency_bench.suites import suite_parser
 
 
-def _run(engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Greedy outputs of the prompts, all submitted at once (one batch)."""
+def _requests(engine, prompts: list[list[int]], max_tokens: list[int]) -> list:
+    """The finished requests of the prompts, all submitted at once (one batch), greedy."""
     reqs = [engine.add_request(ids, SamplingParams(temperature=0, max_tokens=n)) for ids, n in zip(prompts, max_tokens)]
     while engine.has_unfinished_requests():
         engine.step()
-    return [list(r.output_token_ids) for r in reqs]
+    return reqs
+
+
+def _run(engine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    """Greedy outputs of the prompts, all submitted at once (one batch)."""
+    return [list(r.output_token_ids) for r in _requests(engine, prompts, max_tokens)]
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -72,10 +77,15 @@ def check(weights: str, tiers: list[str], max_tokens: int | None, batch: int, dt
             cached.block_manager.reset_prefix_cache()  # nothing from another tier's run
             cache_diff = []
             for w, p, n, a in zip(workloads, prompts, budgets, alone):
+                hits = []  # prompt tokens each run read from the cache (cold: a shared prefix at most)
                 for run in ("cold", "cached"):
-                    got = _run(cached, [p], [n])[0]
+                    req = _requests(cached, [p], [n])[0]
+                    hits.append(req.num_cached_tokens)
+                    got = list(req.output_token_ids)
                     if got != a:
                         cache_diff.append((w.name, run, _first_diff(a, got)))
+                if not hits[1] > hits[0]:
+                    raise RuntimeError(f"{w.name}: the second run did not hit the prefix cache ({hits})")
             row = {"weights": loaded.model.weights_description(), "tier": cpu_linear.kernel_info().get("isa"),
                    "workloads": len(prompts), "spec_identical": len(prompts) - len(spec_diff),
                    "batch": batch, "batch_identical": batch - len(batch_diff),

@@ -5,8 +5,8 @@
     logits  = run_forward(model, kv, ...)   the target forward(s), as the step path plans them
                                             (runtime/step_path.py, chosen once in __init__): on CPU
                                             decode/verify rows on the fused native layers, prefill
-                                            chunks in the torch loop, whose linears call the same
-                                            kernels (forward_plan); on CUDA one forward (or a CUDA
+                                            chunks in forwards of their own on the same layers
+                                            (forward_plan); on CUDA one forward (or a CUDA
                                             graph replay, EngineConfig.cuda_graphs)
     tokens  = sampler / verifier            plain sampling, or tree verification (on the device
                                             path batched, its result read back once)

@@ -6,7 +6,7 @@ the kernels loaded every linear runs the GEMV kernels at any row count, MAX_M ro
 (runtime/linear.py), and the fused native layers (up to `BATCH_INVARIANT_M` tokens a forward) and
 the torch loop compute a row alike: decode rows and prefill chunks get the same bits in any
 forward, whatever shares it and however the prompt was cut. The fallback GEMM path (F.linear /
-the tiled quantized path: no kernel library, a block format without a native kernel at the tier,
+the tiled quantized path: no kernel library, a block format without a native kernel,
 float64) computes a row alike only for the same row count, since the GEMM library picks its
 kernel by shape (on a 2-core AVX-512 machine with AMX, twelve prompts' chunks in one GEMM gave
 other bits than each alone). For that path the plan decides the forwards per *sequence*, never

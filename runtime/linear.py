@@ -8,8 +8,8 @@ kernel does not cover (GPU tensors, float64) goes to `F.linear`.
 Every row count runs the same kernel, MAX_M rows a call: decode steps, verify trees and prefill
 chunks alike, so a row's bits do not depend on what shares its forward, how its prompt was cut
 or whether its prefix came from the cache (docs/ARCHITECTURE.md, batch invariance); and on the
-CPUs measured the kernel is the faster path for prefill too (the int8 small-M kernel against a
-tile-wise dequantize + GEMM: a prompt's TTFT 1.6-2.3x shorter, avx2).
+CPU measured the kernel is the faster path for prefill too (the int8 small-M kernel against a
+tile-wise dequantize + GEMM: a prompt's TTFT 1.5-1.6x shorter, 2-core Zen 3, avx2).
 
 A weight kept in a checkpoint's quantized blocks (`QuantWeight`: a GGUF's Q4_1, Q8_0, ...) runs
 through `prescient.kernels.quant_linear.QuantLinear`, which reads the blocks as they are (a
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prescient.kernels import cpu_layer as _cpu_layer
+from prescient.kernels import cpu_linear as _cpu_linear
 
 
 @dataclass
@@ -109,8 +109,10 @@ class Linear:
         QuantizedLinear does): a row gets the same bits in any batch and in any prefill chunk,
         where F.linear's GEMM rounds a row differently from the kernel."""
         if self.packed is not None:
+            if x.dim() != 2:  # [..., in] as rows, so that every row takes the same path
+                return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
             m, step = x.shape[0], self._max_m
-            if m <= step or x.dim() != 2:
+            if m <= step:
                 y = self.packed(x)
             else:
                 y = x.new_empty(m, self.out_features)
@@ -123,16 +125,17 @@ class Linear:
         return y if self.bias is None else y + self.bias
 
 
-# the most tokens a forward of the fused native layers takes (runtime/forward_plan.py packs
-# decode/verify rows into forwards of at most this many; larger chunks run the torch loop, whose
-# linears call the same kernels). Defined once, as PL_MAX_T in kernels/cpu_layer.c; read from the
-# kernels library (kernels/cpu_layer.py).
-BATCH_INVARIANT_M = _cpu_layer.MAX_T
+# the most rows of one GEMV kernel call (PG_MAX_M in kernels/cpu_runtime.h, read from the kernels
+# library): runtime/forward_plan.py packs decode/verify rows and short chunks into forwards of at
+# most this many, each weight tile read once for all of them; a longer prefill chunk gets a
+# forward of its own, its linears this many rows a call.
+BATCH_INVARIANT_M = _cpu_linear.MAX_M
 
 
 class QuantizedLinear:
     """y = x @ W.T (+ bias) with W in its quantized blocks (kernels/quant_linear.QuantLinear:
-    a C kernel for decode-sized M, tile-wise dequantize + matmul above). `packed` is that kernel
+    its native kernel at every M, MAX_M rows a call; its tile-wise dequantize + matmul only for
+    a format without a native kernel). `packed` is that kernel
     object, as `Linear.packed` is the float one; `weight` is the uint8 block matrix, so byte
     counts (`weight.nbytes`) read the same for both. Also an embedding: `lookup(ids)` dequantizes
     only the rows it is asked for, so a tied LM head and the embedding share one copy."""
@@ -171,13 +174,15 @@ class QuantizedLinear:
         kernel, MAX_M rows a call, so every row gets the bits a lone decode step gets (the kernel
         may quantize activations to int8, ~0.5% off fp32). It is also the faster path at every
         M measured: a 17-row Q4_1 gate_up 0.4 ms against 1 ms through the tiled path (2-core Zen
-        4); a prompt's TTFT 1.6-2.3x shorter than with the tiled fp32 path (2-core Zen 3, avx2).
-        Only a format without a native kernel at this tier takes QuantLinear's tiled path (the
-        whole x in one call: its GEMM rows do not depend on M above MAX_M)."""
+        4); a prompt's TTFT 1.5-1.6x shorter than with the tiled fp32 path (2-core Zen 3, avx2).
+        Only a format without a native kernel in the library (or no library) takes
+        QuantLinear's tiled path, the whole x in one call."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             return self(x.to(torch.float32)).to(x.dtype)
+        if x.dim() != 2:  # [..., in] as rows, so that every row takes the same path
+            return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         m, step = x.shape[0], self._max_m
-        if m <= step or x.dim() != 2 or not self.packed.native:
+        if m <= step or not self.packed.native:
             return self.packed(x)
         out = x.new_empty(m, self.out_features)
         for i in range(0, m, step):

@@ -90,7 +90,7 @@ class ModelRunner(Protocol):
 def _silu_mul(gate_up: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; on the CPU the fused native layer's own SiLU (kernels/cpu_layer.silu_mul:
     its exp is correctly rounded, torch's vectorised one an ulp off now and then), so that the
-    torch loop (prefill chunks, TP ranks) and the fused layer agree bit for bit in fp32 too."""
+    torch loop (chunks split by layers, TP ranks) and the fused layer agree bit for bit in fp32 too."""
     act = cpu_layer.silu_mul(gate_up)  # None where the native layer does not take it
     return act if act is not None else F.silu(gate) * up
 
@@ -360,22 +360,29 @@ class CpuForward:
       attention kernel run on the kernels' own pool; torch's OpenMP workers would fight it for
       the cores, so every forward, prefill chunks and `forward_layers` included, runs torch's
       own ops (norms, RoPE, residual adds) on one thread. (Prefill chunks once ran a tiled GEMM
-      on torch's threads: 1.6-2.3x the TTFT, 2-core Zen 3.) Only a model whose LM head is
-      packed (the GEMV kernel loaded) sets threads at all.
-    * the native layers: a forward of 1..MAX_T tokens runs every layer and the final norm in
-      kernels/cpu_layer.c (no per-op dispatch) when the env allows it (RuntimeEnv.fused_layers)
-      and the model can take it (kernels/cpu_layer.fused_layers: float32/bfloat16, every linear
-      with a native descriptor, the kernels' own switches); otherwise the reference forward.
+      on torch's threads: 1.5-1.6x the TTFT, 2-core Zen 3.) Only a model whose LM head runs
+      the GEMV kernels (the library loaded, its format native) sets threads at all. The pool
+      has 2 threads by default (PRESCIENT_GEMV_THREADS): on a host with more cores prefill no
+      longer takes torch's other threads (not measured there).
+    * the native layers: a forward of 1..MAX_T tokens (decode steps, verify trees, prefill
+      chunks) runs every layer and the final norm in kernels/cpu_layer.c (no per-op dispatch;
+      for a prefill chunk 1.1-1.25x the torch loop's speed, avx2) when the env allows it
+      (RuntimeEnv.fused_layers) and the model can take it (kernels/cpu_layer.fused_layers:
+      float32/bfloat16, every linear with a native descriptor, the kernels' own switches);
+      otherwise the reference forward. `forward_layers` (a chunk split by layers) is always
+      the reference's loop.
 
-    A bfloat16 model's results are the reference's bit for bit; a float32 one's differ by an ulp
-    here and there on the native path (SiLU's exp, kernels/cpu_layer.py). `env` None: follow the
+    A bfloat16 model's results are the reference's bit for bit (the same kernels, the same
+    roundings between them; the torch loop uses the native layer's SiLU); so are a float32
+    one's on the models tested (tests/runtime/test_batch_invariance.py). `env` None: follow the
     environment (runtime.env.runtime_env(), looked up per forward). The model is held weakly:
     it holds this object's methods, and must stay free to go when dropped."""
 
     def __init__(self, model: LlamaModel, env: RuntimeEnv | None = None):
         self._model = weakref.ref(model)
         self.env = env
-        self.packed = model.lm_head.packed is not None
+        packed = model.lm_head.packed
+        self.packed = packed is not None and getattr(packed, "native", True)
 
     def install(self) -> None:
         model = self._model()
@@ -386,12 +393,11 @@ class CpuForward:
         """The model's forward -> logits [num_logits, vocab] (see the class)."""
         model = self._model()
         num_tokens = batch.num_tokens
-        small = num_tokens <= cpu_layer.MAX_T
         if self.packed:
             torch.set_num_threads(1)
         env = runtime_env() if self.env is None else self.env
         fused = (cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
-                 if small and num_tokens > 0 and env.fused_layers else None)
+                 if 0 < num_tokens <= cpu_layer.MAX_T and env.fused_layers else None)
         if fused is None:
             return LlamaModel.forward(model, batch, kv_caches)
         h = model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]

@@ -390,7 +390,7 @@ class _PrefillPlan:
     chunk run in a step, never where the prompt is cut, so its KV has the same bits however
     busy the server is (with the kernels loaded a row's bits do not depend on the cuts at all;
     on the fallback GEMM path they do); and every chunk of a prompt longer than
-    BATCH_INVARIANT_M tokens runs in a forward of its own (the torch loop)."""
+    BATCH_INVARIANT_M tokens runs in a forward of its own."""
 
     def __init__(self, scheduler: Scheduler, decodes: list[ScheduledSeq]):
         self.s = scheduler

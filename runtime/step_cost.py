@@ -63,7 +63,7 @@ class StepShape:
 
     decode_rows: int = 0  # decode / verify rows (tree nodes) and short chunks: the small forwards
     decode_ctx: float = 0.0  # their mean context length
-    # tokens of prefill chunks (forwards of their own, the torch loop), each weighted by the
+    # tokens of prefill chunks (forwards of their own), each weighted by the
     # fraction of the layers it runs this step (a chunk split by layers): token-equivalents of a
     # whole forward
     prefill_tokens: float = 0

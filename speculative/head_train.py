@@ -204,9 +204,9 @@ def _groups(samples: list[Sample], tokens: int) -> Iterable[list[Sample]]:
 def collect_features(model, samples: list[Sample], dtype: torch.dtype = torch.bfloat16, chunk: int = 1024,
                      progress: bool = True) -> list[Seq]:
     """Every sample's features, kept in `dtype` (bf16: half the memory; the loss widens them).
-    Samples go through in groups of about `chunk` tokens: a larger forward amortises the
-    quantized weights' dequantization over more rows (the prefill path dequantizes per call),
-    and keeps most forwards off the decode-sized path (at most 64 rows: int8 activations)."""
+    Samples go through in groups of about `chunk` tokens: one forward for many samples (each
+    forward reads every weight; its linears run the decode kernels 64 rows a call, as serving
+    does, so the features are the ones the head sees when it drafts)."""
     seqs, tokens = [], 0
     bar = _Progress("features", len(samples), progress)
     for group in _groups(samples, chunk):

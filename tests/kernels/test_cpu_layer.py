@@ -125,11 +125,11 @@ def _compare(model, T, ctx, seed, tree, monkeypatch):
 
 
 # (T, context before the step, tree mask): decode at several lengths (a split context at 300
-# and 1000), verify trees of 8 and 40 nodes (the linears then run 16 rows a call), and
-# cpu_layer.MAX_T, the largest forward the path takes.
+# and 1000), verify trees of 8 and 40 nodes, and prefill chunks of 64 and 150 tokens (the
+# linears 64 rows a call, then a shorter last call).
 CASES = [(1, 0, False), (1, 40, False), (1, 300, False), (1, 1000, False),
          (8, 0, True), (8, 37, True), (8, 300, True), (16, 100, False), (40, 120, True),
-         (cpu_layer.MAX_T, 10, False)]
+         (64, 10, False), (150, 30, False)]
 
 
 @pytest.mark.parametrize("isa", ISA_TIERS)
@@ -261,7 +261,9 @@ def test_hook_conditions(ckpts, monkeypatch):
     assert cpu_layer.fused_layers(unpacked, unpacked.allocate_kv_cache(4, BLOCK)) is None
     f64 = LlamaModel(ck.config, ck.weights, dtype=torch.float64)
     assert cpu_layer.fused_layers(f64, f64.allocate_kv_cache(4, BLOCK)) is None
-    # more than MAX_T tokens (a prefill chunk): the torch loop
+    # more than MAX_T tokens (a larger prefill chunk than the scheduler makes): the torch loop;
+    # MAX_T lowered here, the real bound (2048) being past this model's positions
+    monkeypatch.setattr(cpu_layer, "MAX_T", 40)
     n = cpu_layer.MAX_T + 1
     big_kv = model.allocate_kv_cache(-(-n // BLOCK), BLOCK)
     rows = [SeqRows([3 + i % 20 for i in range(n)], range(n), 0, list(range(-(-n // BLOCK))), None, [n - 1])]

@@ -26,6 +26,7 @@ from prescient.kernels import cpu_layer, cpu_linear
 from prescient.kernels.cpu_linear import ISA_TIERS
 from prescient.runtime import forward_plan
 from prescient.runtime.batch import SeqRows, pack_forward_batch
+from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.linear import BATCH_INVARIANT_M, QuantWeight, make_linear
 from prescient.runtime.loader import load_checkpoint, quantize_linears
 from prescient.runtime.model import LlamaModel
@@ -47,8 +48,10 @@ def tier(request):
 
 
 def test_bounds_agree():
-    """One bound for the plan, the linears and the fused layers."""
-    assert BATCH_INVARIANT_M == cpu_layer.MAX_T
+    """The plan packs decode/verify rows into forwards of one GEMV call's rows; the fused layers
+    take a default prefill chunk whole (512 tokens and a joined tail of up to 64)."""
+    assert BATCH_INVARIANT_M == cpu_linear.MAX_M
+    assert cpu_layer.MAX_T >= SchedulerConfig().prefill_chunk + BATCH_INVARIANT_M
 
 
 def _weights(kind: str, n: int, k: int, g: torch.Generator):
@@ -73,9 +76,10 @@ def test_linear_rows_do_not_depend_on_the_batch(tier, kind, k):
     g = torch.Generator().manual_seed(len(kind) + len(tier) + k)
     lin = make_linear(_weights(kind, 200, k, g))
     for xdt in (torch.float32, torch.bfloat16):
-        x = torch.randn(BATCH_INVARIANT_M, k, generator=g).to(xdt)  # [M, K]
+        x = torch.randn(150, k, generator=g).to(xdt)  # [M, K]
         alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
-        for m in (2, 7, 16, 17, 40, BATCH_INVARIANT_M):
+        # past BATCH_INVARIANT_M (prefill chunks): MAX_M rows a call, and a shorter last call
+        for m in (2, 7, 16, 17, 40, BATCH_INVARIANT_M, BATCH_INVARIANT_M + 1, 129, 150):
             got = lin(x[:m])
             assert torch.equal(got, alone[:m]), f"{kind} {xdt} M={m}: {(got != alone[:m]).sum()} elements differ"
         # a row's place in the call does not matter either
@@ -183,9 +187,10 @@ def test_verify_rows_equal_decode_steps_and_batches(tiny, tier, weights, dtype):
 @pytest.mark.parametrize("weights", ["float", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_a_prompt_gets_the_same_bits_whole_in_pieces_or_decoded(tiny, tier, weights, dtype):
-    """A prompt's rows do not depend on how it was computed: one prefill-sized forward (the
-    torch loop), a prefix then a short tail (a prefix-cache hit: the tail on the native layers),
-    or token by token (a session's KV, written by decode steps). Same logits, same KV."""
+    """A prompt's rows do not depend on how it was computed: one prefill-sized forward, a prefix
+    then a short tail (a prefix-cache hit), token by token (a session's KV, written by decode
+    steps), or split by layers (the torch loop, as the scheduler runs a chunk over several
+    steps). Same logits, same KV."""
     w = tiny.weights if weights == "float" else quantize_linears(tiny.weights, "int4")
     model = LlamaModel(tiny.config, w, dtype=dtype)
     n = BATCH_INVARIANT_M + 36
@@ -205,3 +210,9 @@ def test_a_prompt_gets_the_same_bits_whole_in_pieces_or_decoded(tiny, tier, weig
         assert torch.equal(got, whole), f"{where}: {(got != whole).any(dim=1).sum()} rows differ"
         for (k, v), (k0, v0) in zip(kv, kv_whole):
             assert torch.equal(k, k0) and torch.equal(v, v0), f"{where}: KV differs"
+    kv = model.allocate_kv_cache(len(blocks), BLOCK)
+    batch = pack_forward_batch([SeqRows(ids, range(n), 0, blocks, None, range(n))], BLOCK, CPU)
+    h = model.forward_layers(batch, kv, None, 0, 1)
+    h = model.forward_layers(batch, kv, h, 1, model.num_layers)
+    split = model.forward_head(batch, h)
+    assert torch.equal(split, whole), f"{tier} {weights} {dtype} by layers: {(split != whole).any(dim=1).sum()} rows differ"

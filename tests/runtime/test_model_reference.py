@@ -23,6 +23,7 @@ import torch
 from prescient.kernels import cpu_layer
 from prescient.runtime.batch import SeqRows, build_forward_batch, pack_forward_batch
 from prescient.runtime.env import FUSED_LAYERS, TP_STEP_TIMEOUT, RuntimeEnv, runtime_env
+from prescient.runtime.linear import BATCH_INVARIANT_M
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel, prepare_for_cpu
 from prescient.runtime.request import Request
@@ -159,13 +160,13 @@ def test_runtime_env_follows_the_environment(monkeypatch):
 
 
 def _steps(vocab: int) -> list[tuple[str, list[SeqRows]]]:
-    """A prefill-sized forward (more than MAX_T tokens: the torch loop either way), then
-    decode-sized ones (the native layers when prepared): a short prompt, two decode tokens, a
-    verify tree of 8 nodes beside a decode token."""
+    """A prefill-sized forward (more than one GEMV call's BATCH_INVARIANT_M rows), then
+    decode-sized ones, all on the native layers when prepared: a short prompt, two decode
+    tokens, a verify tree of 8 nodes beside a decode token."""
     g = torch.Generator().manual_seed(4)
     ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
     a, b = list(range(9)), [12, 10, 14]  # 144 and 48 KV positions
-    n = cpu_layer.MAX_T + 36
+    n = BATCH_INVARIANT_M + 36
     tree = DraftTree(ids(8), [-1, 0, 0, 1, 2, 2, 3, 6])
     return [
         ("prefill", [SeqRows(ids(n), range(n), 0, a, None, range(n))]),
@@ -207,18 +208,15 @@ def tiny_ckpt(tiny_llama_dir, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 def test_prepared_cpu_forward_gives_the_reference_logits(tiny_ckpt, dtype, monkeypatch):
-    """prepare_for_cpu on the reference model: the same logits and KV bit for bit (bfloat16;
-    float32's native SiLU is an ulp off now and then, kernels/cpu_layer.py, so there only the
-    prefill-sized forward, the torch loop in both, is asserted equal)."""
+    """prepare_for_cpu on the reference model: the same logits and KV bit for bit, bfloat16 and
+    float32 (the same kernels, the same roundings between them, the native layer's SiLU in
+    both), prefill-sized forwards included."""
     model = prepare_for_cpu(LlamaModel(tiny_ckpt.config, tiny_ckpt.weights, dtype=dtype, prepare=False), RuntimeEnv())
     out, sizes = _run_pair(model, model, monkeypatch)
-    assert sizes == [20, 2, 9], "the decode-sized forwards did not run the native layers"
+    assert sizes == [BATCH_INVARIANT_M + 36, 20, 2, 9], "a forward did not run the native layers"
     for name, num_tokens, got, want in out:
         assert got.shape == want.shape and got.dtype == want.dtype == torch.float32, name
-        if dtype == torch.bfloat16 or num_tokens > cpu_layer.MAX_T:
-            assert torch.equal(got, want), f"{name}: {(got - want).abs().max().item():.3g}"
-        else:
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
+        assert torch.equal(got, want), f"{name}: {(got - want).abs().max().item():.3g}"
 
 
 def test_the_default_model_is_prepared_and_follows_the_environment(tiny_ckpt, monkeypatch):
@@ -232,10 +230,10 @@ def test_the_default_model_is_prepared_and_follows_the_environment(tiny_ckpt, mo
     out, sizes = _run_pair(model, model, monkeypatch)
     assert sizes == [] and all(torch.equal(got, want) for _, _, got, want in out)
     monkeypatch.delenv(FUSED_LAYERS)
-    assert _run_pair(model, model, monkeypatch)[1] == [20, 2, 9]
+    assert _run_pair(model, model, monkeypatch)[1] == [BATCH_INVARIANT_M + 36, 20, 2, 9]
     monkeypatch.setenv(FUSED_LAYERS, "0")
     fixed = prepare_for_cpu(LlamaModel(cfg, w, dtype=torch.bfloat16, prepare=False), RuntimeEnv(fused_layers=True))
-    assert _run_pair(fixed, fixed, monkeypatch)[1] == [20, 2, 9]
+    assert _run_pair(fixed, fixed, monkeypatch)[1] == [BATCH_INVARIANT_M + 36, 20, 2, 9]
 
 
 def test_the_thread_policy_lives_in_the_prepared_forward(tiny_ckpt, monkeypatch):
@@ -273,7 +271,7 @@ def test_early_exit_draft_carries_the_transformation(tiny_ckpt, monkeypatch):
     assert draft.prepared is not target.prepared and draft.prepared.env is target.prepared.env
     assert target.num_layers == 2
     out, sizes = _run_pair(draft, draft, monkeypatch)
-    assert sizes == [20, 2, 9]
+    assert sizes == [BATCH_INVARIANT_M + 36, 20, 2, 9]
     assert all(torch.equal(got, want) for _, _, got, want in out)
     reference = LlamaModel(tiny_ckpt.config, tiny_ckpt.weights, dtype=torch.bfloat16, prepare=False).early_exit(1)
     assert reference.prepared is None
