@@ -100,28 +100,34 @@ def test_c_block_structs_are_checked_against_ggml():
 
 # ---- the small-M limit -------------------------------------------------------------------------
 
-def test_small_m_limit_has_one_definition():
+def test_small_m_limits_have_one_definition_each():
+    """Two limits, each written once in C and read from the library: the GEMV kernels' rows per
+    call (PG_MAX_M, runtime/linear.py's BATCH_INVARIANT_M) and the fused layers' tokens per call
+    (PL_MAX_T, cpu_layer.MAX_T)."""
     from prescient.runtime.linear import BATCH_INVARIANT_M
 
     lib = _built_lib()
-    lib.pl_max_tokens.restype = ctypes.c_int
-    assert lib.pl_max_tokens() == cpu_layer.MAX_T == BATCH_INVARIANT_M
-    # the C definition, once (a token limit by name: tile sizes such as PA_MAX_ROWS are others)
-    defs = []
-    for f in os.listdir(_KDIR):
-        if f.endswith((".c", ".h")):
-            src = open(os.path.join(_KDIR, f)).read()
-            defs += [(f, name) for name, v in re.findall(r"^#define (\w*(?:MAX_T|MAX_TOKENS|BATCH_INVARIANT_M))\s+(\d+)", src, re.M)
-                     if int(v) == cpu_layer.MAX_T]
-    assert defs == [("cpu_layer.c", "PL_MAX_T")]
-    # no Python module binds a name to a literal copy of it
-    for rel in ("runtime/linear.py", "kernels/cpu_layer.py", "kernels/quant_linear.py", "kernels/cpu_linear.py"):
-        tree = ast.parse(open(os.path.join(REPO, rel)).read())
-        for node in tree.body:
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
-                names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                         if isinstance(t, ast.Name)]
-                assert node.value.value != cpu_layer.MAX_T, f"{rel}: {names} = {node.value.value}"
+    lib.pl_max_tokens.restype = lib.pg_max_m.restype = ctypes.c_int
+    assert lib.pl_max_tokens() == cpu_layer.MAX_T
+    assert lib.pg_max_m() == cpu_linear.MAX_M == BATCH_INVARIANT_M
+    for limit, name, pattern in ((cpu_layer.MAX_T, ("cpu_layer.c", "PL_MAX_T"), r"MAX_T|MAX_TOKENS"),
+                                 (cpu_linear.MAX_M, ("cpu_runtime.h", "PG_MAX_M"), r"MAX_M|BATCH_INVARIANT_M")):
+        # the C definition, once (a limit by name: tile sizes such as PA_MAX_ROWS are others)
+        defs = []
+        for f in os.listdir(_KDIR):
+            if f.endswith((".c", ".h")):
+                src = open(os.path.join(_KDIR, f)).read()
+                defs += [(f, n) for n, v in re.findall(rf"^#define (\w*(?:{pattern}))\s+(\d+)", src, re.M)
+                         if int(v) == limit]
+        assert defs == [name]
+        # no Python module binds a name to a literal copy of it
+        for rel in ("runtime/linear.py", "kernels/cpu_layer.py", "kernels/quant_linear.py", "kernels/cpu_linear.py"):
+            tree = ast.parse(open(os.path.join(REPO, rel)).read())
+            for node in tree.body:
+                if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
+                    names = [t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                             if isinstance(t, ast.Name)]
+                    assert node.value.value != limit, f"{rel}: {names} = {node.value.value}"
 
 
 # ---- the C files' symbol graph -----------------------------------------------------------------
