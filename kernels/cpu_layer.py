@@ -362,8 +362,10 @@ class FusedLayers:
                 return False
         return True
 
-    def forward(self, h: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Every layer on h (the embeddings) -> h after the last layer, in place.
+    def forward(self, h: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor, start: int = 0,
+                stop: int | None = None) -> torch.Tensor:
+        """Layers [start, stop) (default: every layer) on h -> h after them, in place: the
+        embeddings for layer 0, else what an earlier call returned (a chunk split by layers).
         h: [T, hidden] contiguous, the model dtype, T <= MAX_T; batch: the ForwardBatch (its
         slot_mapping, block_tables, context_lens, cu_seqlens_q, mask_bits); cos, sin:
         [T, 1, head_dim] or [T, head_dim] contiguous (Rope.tables of batch.positions).
@@ -374,6 +376,9 @@ class FusedLayers:
                 or not h.is_contiguous() or not h.is_cpu):
             raise ValueError(f"h must be a contiguous [1..{MAX_T}, {self._hidden}] {dtype} CPU tensor, "
                              f"got {h.dtype} {tuple(h.shape)}")
+        stop = self.num_layers if stop is None else stop
+        if not 0 <= start < stop <= self.num_layers:
+            raise ValueError(f"layers [{start}, {stop}) are not within the {self.num_layers} layers")
         D = self._head_dim
         for t in (cos, sin):
             if t.dtype is not dtype or t.numel() != T * D or t.shape[-1] != D or not t.is_contiguous():
@@ -412,12 +417,12 @@ class FusedLayers:
         s.attn_flags = 1 if _torch_threads() > 1 else 0
         if self.per_layer:
             fn = _layer_fn
-            for p in self._layer_ptrs:
+            for p in self._layer_ptrs[start:stop]:
                 rc = fn(p)
                 if rc:
                     raise _error(rc)
         else:
-            rc = _layers_fn(self._args_ptr, self.num_layers)
+            rc = _layers_fn(self._layer_ptrs[start], stop - start)
             if rc:
                 raise _error(rc)
         return h

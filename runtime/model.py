@@ -90,7 +90,8 @@ class ModelRunner(Protocol):
 def _silu_mul(gate_up: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; on the CPU the fused native layer's own SiLU (kernels/cpu_layer.silu_mul:
     its exp is correctly rounded, torch's vectorised one an ulp off now and then), so that the
-    torch loop (chunks split by layers, TP ranks) and the fused layer agree bit for bit in fp32 too."""
+    torch loop (TP ranks, forwards the native layers do not take) and the fused layer agree bit
+    for bit in fp32 too."""
     act = cpu_layer.silu_mul(gate_up)  # None where the native layer does not take it
     return act if act is not None else F.silu(gate) * up
 
@@ -369,8 +370,7 @@ class CpuForward:
       for a prefill chunk 1.1-1.25x the torch loop's speed, avx2) when the env allows it
       (RuntimeEnv.fused_layers) and the model can take it (kernels/cpu_layer.fused_layers:
       float32/bfloat16, every linear with a native descriptor, the kernels' own switches);
-      otherwise the reference forward. `forward_layers` (a chunk split by layers) is always
-      the reference's loop.
+      otherwise the reference forward. `forward_layers` (a chunk split by layers) likewise.
 
     A bfloat16 model's results are the reference's bit for bit (the same kernels, the same
     roundings between them; the torch loop uses the native layer's SiLU); so are a float32
@@ -409,11 +409,22 @@ class CpuForward:
 
     def forward_layers(self, batch: ForwardBatch, kv_caches, h: torch.Tensor | None, start: int,
                        stop: int) -> torch.Tensor:
-        """LlamaModel.forward_layers, torch on one thread as in `forward`."""
+        """LlamaModel.forward_layers (a chunk split by layers) on the native layers where
+        `forward` would take them, torch on one thread as there: the same bits either way, and
+        the same speed as the whole chunk's forward (the time budget prices both alike)."""
         model = self._model()
         if self.packed:
             torch.set_num_threads(1)
-        return LlamaModel.forward_layers(model, batch, kv_caches, h, start, stop)
+        env = runtime_env() if self.env is None else self.env
+        num_tokens = batch.num_tokens
+        fused = (cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
+                 if 0 < num_tokens <= cpu_layer.MAX_T and env.fused_layers else None)
+        if fused is None:
+            return LlamaModel.forward_layers(model, batch, kv_caches, h, start, stop)
+        if h is None:
+            h = model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        cos, sin = model.rope.tables(batch.positions)
+        return fused.forward(h, batch, cos, sin, start, stop)
 
 
 def prepare_for_cpu(model: LlamaModel, env: RuntimeEnv | None = None) -> LlamaModel:

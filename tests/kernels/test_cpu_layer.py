@@ -282,6 +282,9 @@ def test_bad_arguments_raise(ckpts):
         fl.forward(h.to(torch.bfloat16), batch, cos, sin)
     with pytest.raises(ValueError, match="cos/sin"):
         fl.forward(h, batch, cos[:, :, :8], sin)
+    for start, stop in ((1, 1), (-1, 1), (0, fl.num_layers + 1)):
+        with pytest.raises(ValueError, match="not within"):
+            fl.forward(h, batch, cos, sin, start, stop)
     out = fl.forward(h, batch, cos, sin)
     with pytest.raises(ValueError, match="rows must lie"):
         fl.final_norm(out, torch.tensor([1]), model.norm)  # T = 1: row 1 does not exist

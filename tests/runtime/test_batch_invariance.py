@@ -189,8 +189,8 @@ def test_verify_rows_equal_decode_steps_and_batches(tiny, tier, weights, dtype):
 def test_a_prompt_gets_the_same_bits_whole_in_pieces_or_decoded(tiny, tier, weights, dtype):
     """A prompt's rows do not depend on how it was computed: one prefill-sized forward, a prefix
     then a short tail (a prefix-cache hit), token by token (a session's KV, written by decode
-    steps), or split by layers (the torch loop, as the scheduler runs a chunk over several
-    steps). Same logits, same KV."""
+    steps), or split by layers (as the scheduler runs a chunk over several steps). Same logits,
+    same KV."""
     w = tiny.weights if weights == "float" else quantize_linears(tiny.weights, "int4")
     model = LlamaModel(tiny.config, w, dtype=dtype)
     n = BATCH_INVARIANT_M + 36
