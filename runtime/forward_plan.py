@@ -3,8 +3,8 @@
 A decode or verify row must get the same bits whatever else the step holds (greedy output with
 speculation equal to plain decoding; a request alone equal to the same request in a batch). With
 the kernels loaded every linear runs the GEMV kernels at any row count, MAX_M rows a call
-(runtime/linear.py), and the fused native layers (up to `BATCH_INVARIANT_M` tokens a forward) and
-the torch loop compute a row alike: decode rows and prefill chunks get the same bits in any
+(runtime/linear.py), and the fused native layers (kernels/cpu_layer.c) and the torch loop compute
+a row alike: decode rows and prefill chunks get the same bits in any
 forward, whatever shares it and however the prompt was cut. The fallback GEMM path (F.linear /
 the tiled quantized path: no kernel library, a block format without a native kernel,
 float64) computes a row alike only for the same row count, since the GEMM library picks its
