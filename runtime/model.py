@@ -367,7 +367,7 @@ class CpuForward:
       longer takes torch's other threads (not measured there).
     * the native layers: a forward of 1..MAX_T tokens (decode steps, verify trees, prefill
       chunks) runs every layer and the final norm in kernels/cpu_layer.c (no per-op dispatch;
-      for a prefill chunk 1.1-1.25x the torch loop's speed, avx2) when the env allows it
+      for a prefill chunk 1.04-1.27x the torch loop's speed, avx2) when the env allows it
       (RuntimeEnv.fused_layers) and the model can take it (kernels/cpu_layer.fused_layers:
       float32/bfloat16, every linear with a native descriptor, the kernels' own switches);
       otherwise the reference forward. `forward_layers` (a chunk split by layers) likewise.
@@ -388,16 +388,21 @@ class CpuForward:
         model = self._model()
         model.prepared, model.forward, model.forward_layers = self, self.forward, self.forward_layers
 
+    def _prepare(self, model: LlamaModel, batch: ForwardBatch, kv_caches) -> "cpu_layer.FusedLayers | None":
+        """The two decisions of the class for one forward: torch's threads, and the native
+        layers to run it on (None: the reference's loop)."""
+        if self.packed:
+            torch.set_num_threads(1)
+        env = runtime_env() if self.env is None else self.env
+        if not (0 < batch.num_tokens <= cpu_layer.MAX_T and env.fused_layers):
+            return None
+        return cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_caches) -> torch.Tensor:
         """The model's forward -> logits [num_logits, vocab] (see the class)."""
         model = self._model()
-        num_tokens = batch.num_tokens
-        if self.packed:
-            torch.set_num_threads(1)
-        env = runtime_env() if self.env is None else self.env
-        fused = (cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
-                 if 0 < num_tokens <= cpu_layer.MAX_T and env.fused_layers else None)
+        fused = self._prepare(model, batch, kv_caches)
         if fused is None:
             return LlamaModel.forward(model, batch, kv_caches)
         h = model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
@@ -413,12 +418,7 @@ class CpuForward:
         `forward` would take them, torch on one thread as there: the same bits either way, and
         the same speed as the whole chunk's forward (the time budget prices both alike)."""
         model = self._model()
-        if self.packed:
-            torch.set_num_threads(1)
-        env = runtime_env() if self.env is None else self.env
-        num_tokens = batch.num_tokens
-        fused = (cpu_layer.fused_layers(model, kv_caches, env.fused_per_layer)
-                 if 0 < num_tokens <= cpu_layer.MAX_T and env.fused_layers else None)
+        fused = self._prepare(model, batch, kv_caches)
         if fused is None:
             return LlamaModel.forward_layers(model, batch, kv_caches, h, start, stop)
         if h is None:
