@@ -101,11 +101,11 @@
 #ifndef PA_PIECE
 #define PA_PIECE 256
 #endif
-/* When a call has fewer row blocks than this, their pieces are spread over about this many
- * work items (2 threads: 4 each, so uneven items or a worker that wakes late cost little).
- * Scheduling only: the numbers do not depend on it. */
-#ifndef PA_TARGET_ITEMS
-#define PA_TARGET_ITEMS 8
+/* When a call has fewer row blocks than this many per pool thread, their pieces are spread
+ * over about that many work items (4 each, so uneven items or a worker that wakes late cost
+ * little).  Scheduling only: the numbers do not depend on it. */
+#ifndef PA_ITEMS_PER_THREAD
+#define PA_ITEMS_PER_THREAD 4
 #endif
 /* How far (context positions) the software prefetch runs ahead of the compute. */
 #ifndef PA_PF_POS
@@ -1740,7 +1740,8 @@ int pa_tree_attention(const pa_args_t *a)
         return pa_err(PA_EDIMS, 0);
     /* Few row blocks (one sequence decoding): spread each one's pieces over several items.
      * This only schedules; the pieces and their fold are the same either way. */
-    const int want = nbase < PA_TARGET_ITEMS ? (int)((PA_TARGET_ITEMS + nbase - 1) / nbase) : 1;
+    const int target = PA_ITEMS_PER_THREAD * (pg_num_threads() > 2 ? pg_num_threads() : 2);
+    const int want = nbase < target ? (int)((target + nbase - 1) / nbase) : 1;
 
     /* Pass 1 counts items and partial slots, pass 2 fills them in. */
     pa_item_t *items = NULL;

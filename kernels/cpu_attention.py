@@ -20,7 +20,7 @@ node gets the bits of the plain decode step over the same prefix.  One differenc
 reference: a query row that sees no position at all (possible only with an all-zero mask_bits
 row and no prefix) gets zeros, not NaN.
 
-Threads: the pool of cpu_linear (caller + 1 worker by default; ``cpu_linear.set_num_threads``
+Threads: the pool of cpu_linear (one thread per usable physical core by default; ``cpu_linear.set_num_threads``
 or ``PRESCIENT_GEMV_THREADS`` size it for both kernels).  Small calls run on the caller only,
 and so does every call made while torch runs more than one intra-op thread (a caller that did
 not set torch to one thread: the prepared model's forwards all do, runtime/model.CpuForward):

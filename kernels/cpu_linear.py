@@ -40,9 +40,10 @@ x is rounded to bf16 once per call, as F.linear on a bf16 weight would); elsewhe
 fp32 (also in the blocked prefill).  A bf16 output is rounded to nearest even from the fp32
 sum.
 
-Threads: the kernel runs its own pool (caller + 1 worker by default), independent of torch's
-intra-op threads.  On a 2-core machine use ``torch.set_num_threads(1)`` next to it: torch's
-OpenMP worker would otherwise compete for the core the pool's worker spins on.  Calls may come
+Threads: the kernel runs its own pool (caller + workers, one thread per usable physical core by
+default: kernels/cpu_threads.py), independent of torch's intra-op threads.  Use
+``torch.set_num_threads(1)`` next to it: torch's OpenMP workers would otherwise compete for the
+cores the pool's workers spin on.  Calls may come
 from any thread; the pool serves one call at a time and a concurrent caller runs on its own
 thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel, ``PRESCIENT_ISA=portable|avx2|
 avx512|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
@@ -71,6 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from prescient.cache_dir import cache_dir
+from prescient.kernels import cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -244,8 +246,7 @@ def _env_isa_cap() -> Optional[int]:
 
 def _apply_env(lib: ctypes.CDLL) -> None:
     n = os.environ.get("PRESCIENT_GEMV_THREADS")
-    if n:
-        lib.pg_set_num_threads(int(n))
+    lib.pg_set_num_threads(int(n) if n else cpu_threads.default_threads())
     cap = _env_isa_cap()
     if cap is not None:
         lib.pg_set_isa_cap(cap)
@@ -342,7 +343,7 @@ def kernel_info() -> dict:
 
 def set_num_threads(n: int) -> int:
     """Threads per call (caller included) of the pool, which the GEMV and cpu_attention share.
-    Default: 2, or 1 on a single-CPU affinity mask."""
+    Default: the usable physical cores (kernels/cpu_threads.default_threads)."""
     lib = library()
     return lib.pg_set_num_threads(int(n)) if lib is not None else 1
 

@@ -286,6 +286,8 @@ __attribute__((constructor)) static void pg_init(void)
     cpu_set_t cs;
     if (sched_getaffinity(0, sizeof(cs), &cs) == 0)
         n = CPU_COUNT(&cs);
+    /* A start value only: the Python loader sets the pool to the usable physical cores
+     * (kernels/cpu_threads.py: SMT siblings once, the cgroup quota) right after loading. */
     g_nthreads = n >= 2 ? 2 : 1;
 }
 

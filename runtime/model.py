@@ -363,8 +363,9 @@ class CpuForward:
       own ops (norms, RoPE, residual adds) on one thread. (Prefill chunks once ran a tiled GEMM
       on torch's threads: 1.5-1.6x the TTFT, 2-core Zen 3.) Only a model whose LM head runs
       the GEMV kernels (the library loaded, its format native) sets threads at all. The pool
-      has 2 threads by default (PRESCIENT_GEMV_THREADS): on a host with more cores prefill no
-      longer takes torch's other threads (not measured there).
+      has one thread per usable physical core by default (kernels/cpu_threads.py;
+      PRESCIENT_GEMV_THREADS overrides): on a host with more cores prefill and decode take
+      them all, as torch's GEMM once did for prefill (measured only on 2 cores).
     * the native layers: a forward of 1..MAX_T tokens (decode steps, verify trees, prefill
       chunks) runs every layer and the final norm in kernels/cpu_layer.c (no per-op dispatch;
       for a prefill chunk 1.04-1.27x the torch loop's speed, avx2) when the env allows it

@@ -253,11 +253,11 @@ def describe_plan(config: ModelConfig, plans: list[ShardPlan]) -> str:
 
 
 def default_threads(world: int) -> int:
-    """Threads per rank: the machine's cores shared out (two ranks on 2 cores: one each)."""
-    import os
+    """Threads per rank: the usable physical cores (kernels/cpu_threads.usable_cores) shared
+    out (two ranks on 2 cores: one each)."""
+    from prescient.kernels.cpu_threads import usable_cores
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // world)
+    return max(1, usable_cores() // world)
 
 
 __all__ = ["ShardPlan", "TensorParallelError", "TensorParallelRefusal", "plan_shards", "column_cuts", "shard_weights", "shard_model", "RowParallel",
