@@ -31,8 +31,10 @@
  * ulp, here exp is evaluated in double and rounded (the correctly rounded value); the torch
  * loop calls this file's SiLU (pl_silu_mul) on CPU, so the two paths agree bit for bit.
  *
- * Threads: the linears and the attention use the shared pool (pg_parallel_for); the
- * elementwise work is microseconds and runs on the caller.  No state: scratch space is the
+ * Threads: the linears and the attention use the shared pool (pg_parallel_for); so does the
+ * elementwise work of a step of PL_PAR_T rows or more (prefill chunks), split by rows
+ * (pl_rows: rows are independent, so the split changes no bits), and a decode step's, a few
+ * microseconds, runs on the caller.  No state: scratch space is the
  * caller's (pl_scratch_bytes), so calls on different scratch may run concurrently.
  */
 #include <stdint.h>
@@ -43,6 +45,7 @@
 
 #include "cpu_bf16.h"
 #include "cpu_dispatch.h"
+#include "cpu_runtime.h"
 #include "cpu_attention.h"
 
 #define PL_VERSION 4
@@ -506,6 +509,68 @@ static void silu_mul(const pl_step_t *s, const char *gu, char *act, int T)
 }
 
 /* ------------------------------------------------------------------------- */
+/* The elementwise ops over the pool                                          */
+/* ------------------------------------------------------------------------- */
+
+/* Rows from which a step's elementwise ops run on the pool: below it, a pool hand-off (~1-2 us)
+ * costs about what the split saves. */
+#define PL_PAR_T 16
+
+enum { PR_NORM, PR_ADD, PR_ROPE, PR_SILU };
+
+/* One elementwise op of a step over rows [0, T): out = op(x, w) as rms_norm / add_rows (out
+ * += x, x's rows bstride apart) / rope (out = qkv, in place) / silu_mul (x = gu). */
+typedef struct {
+    int op;
+    const pl_step_t *s;
+    const void *x, *w;
+    void *out;
+    int n, bstride;  /* add_rows' */
+} pl_rows_t;
+
+/* Rows [t0, t1) of the op: its pointers moved to row t0, its own scratch row. */
+static void rows_task(const void *ctx, int t0, int t1)
+{
+    const pl_rows_t *c = (const pl_rows_t *)ctx;
+    const pl_step_t *s = c->s;
+    const size_t esz = s->dtype == DT_F32 ? 4 : 2;
+    const int T = t1 - t0;
+    float sq[s->hidden > s->head_dim ? s->hidden : s->head_dim];  /* rms_norm's squares, rope's x * cos */
+    switch (c->op) {
+    case PR_NORM:
+        rms_norm(s, (const char *)c->x + (size_t)t0 * s->hidden * esz, c->w,
+                 (char *)c->out + (size_t)t0 * s->hidden * esz, T, sq);
+        break;
+    case PR_ADD:
+        add_rows((int)s->dtype, (char *)c->out + (size_t)t0 * c->n * esz,
+                 (const char *)c->x + (size_t)t0 * c->bstride * esz, T, c->n, c->bstride);
+        break;
+    case PR_ROPE: {
+        pl_step_t r = *s;  /* cos and sin rows from t0 */
+        r.cos += (int64_t)((size_t)t0 * s->head_dim * esz);
+        r.sin += (int64_t)((size_t)t0 * s->head_dim * esz);
+        const size_t row = (size_t)(s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
+        rope(&r, (char *)c->out + (size_t)t0 * row * esz, T, sq);
+        break;
+    }
+    default:
+        silu_mul(s, (const char *)c->x + (size_t)t0 * 2 * s->inter * esz,
+                 (char *)c->out + (size_t)t0 * s->inter * esz, T);
+    }
+}
+
+static void pl_rows(const pl_rows_t *c, int T)
+{
+    const int nth = pg_num_threads();
+    if (T < PL_PAR_T || nth < 2) {
+        rows_task(c, 0, T);
+        return;
+    }
+    int per = (T + 2 * nth - 1) / (2 * nth);
+    pg_parallel_for(rows_task, c, T, per < 4 ? 4 : per);
+}
+
+/* ------------------------------------------------------------------------- */
 /* Linears                                                                    */
 /* ------------------------------------------------------------------------- */
 
@@ -654,11 +719,15 @@ int pl_layer(const pl_layer_args *a)
         PL_LAP(PL_GEMV); \
     } while (0)
 
-    rms_norm(s, h, a->attn_norm, b.x, T, (float *)b.sq);
+    const pl_rows_t norm1 = {PR_NORM, s, h, a->attn_norm, b.x, 0, 0};
+    pl_rows(&norm1, T);
     PL_LINEAR(a->qkv, NULL, 0, b.x, b.qkv);
-    if (a->qkv_bias)
-        add_rows(dt, b.qkv, a->qkv_bias, T, (int)nqkv, 0);
-    rope(s, b.qkv, T, (float *)b.sq);
+    if (a->qkv_bias) {
+        const pl_rows_t bias = {PR_ADD, s, a->qkv_bias, NULL, b.qkv, (int)nqkv, 0};
+        pl_rows(&bias, T);
+    }
+    const pl_rows_t roped = {PR_ROPE, s, NULL, NULL, b.qkv, 0, 0};
+    pl_rows(&roped, T);
     if ((rc = store_kv(s, a, b.qkv, T)))
         return rc;
     const pa_args_t pa = {
@@ -678,13 +747,16 @@ int pl_layer(const pl_layer_args *a)
         return rc;
     PL_LAP(PL_ATTN);
     PL_LINEAR(a->o, a->o_b, a->o_cut, b.attn, b.y);
-    add_rows(dt, h, b.y, T, (int)s->hidden, (int)s->hidden);
+    const pl_rows_t residual = {PR_ADD, s, b.y, NULL, h, (int)s->hidden, (int)s->hidden};
+    pl_rows(&residual, T);
 
-    rms_norm(s, h, a->mlp_norm, b.x, T, (float *)b.sq);
+    const pl_rows_t norm2 = {PR_NORM, s, h, a->mlp_norm, b.x, 0, 0};
+    pl_rows(&norm2, T);
     PL_LINEAR(a->gate_up, NULL, 0, b.x, b.gu);
-    silu_mul(s, b.gu, b.act, T);
+    const pl_rows_t act = {PR_SILU, s, b.gu, NULL, b.act, 0, 0};
+    pl_rows(&act, T);
     PL_LINEAR(a->down, a->down_b, a->down_cut, b.act, b.y);
-    add_rows(dt, h, b.y, T, (int)s->hidden, (int)s->hidden);
+    pl_rows(&residual, T);
     PL_LAP(PL_GLUE);
     return 0;
 #undef PL_LINEAR
