@@ -138,10 +138,7 @@ static int g_solo_work = 2048;
 /* pa_args_t (cpu_attention.h): the call's arguments, packed by the Python wrapper into one
  * buffer.  Keep in step with _ARGS in cpu_attention.py. */
 
-/* The caller knows the pool's second core is taken (torch's own OpenMP worker spins there
- * during multi-threaded forwards): sharing it would leave the caller waiting for a worker
- * that gets half a core, or none. */
-#define PA_SOLO 1
+/* PA_SOLO (cpu_attention.h): run on the calling thread only. */
 
 /* Work item: query tokens [t0, t0 + nt) of sequence seq against kv heads [h0, h0 + nh)
  * (with their G query heads each) over pieces [p0, p1) of the row block's context

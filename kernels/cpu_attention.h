@@ -14,6 +14,11 @@
  * use DT_F32 / DT_BF16 of cpu_runtime.h). */
 #define PA_KV_I8 8
 
+/* pa_args_t.flags: the caller knows the pool's cores are taken (torch's own OpenMP workers spin
+ * there during multi-threaded forwards): sharing them would leave the caller waiting for workers
+ * that get part of a core, or none.  The fused layer's elementwise ops honour it too. */
+#define PA_SOLO 1
+
 /* pa_tree_attention's arguments, one buffer (one ctypes argument instead of twenty: each costs
  * ~70 ns and the op runs once per layer). */
 typedef struct {

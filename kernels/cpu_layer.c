@@ -535,12 +535,13 @@ static void rows_task(const void *ctx, int t0, int t1)
     const pl_step_t *s = c->s;
     const size_t esz = s->dtype == DT_F32 ? 4 : 2;
     const int T = t1 - t0;
-    float sq[s->hidden > s->head_dim ? s->hidden : s->head_dim];  /* rms_norm's squares, rope's x * cos */
     switch (c->op) {
-    case PR_NORM:
+    case PR_NORM: {
+        float sq[s->hidden];  /* one row's squares (the step's b.sq is one row: not shared here) */
         rms_norm(s, (const char *)c->x + (size_t)t0 * s->hidden * esz, c->w,
                  (char *)c->out + (size_t)t0 * s->hidden * esz, T, sq);
         break;
+    }
     case PR_ADD:
         add_rows((int)s->dtype, (char *)c->out + (size_t)t0 * c->n * esz,
                  (const char *)c->x + (size_t)t0 * c->bstride * esz, T, c->n, c->bstride);
@@ -550,7 +551,8 @@ static void rows_task(const void *ctx, int t0, int t1)
         r.cos += (int64_t)((size_t)t0 * s->head_dim * esz);
         r.sin += (int64_t)((size_t)t0 * s->head_dim * esz);
         const size_t row = (size_t)(s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
-        rope(&r, (char *)c->out + (size_t)t0 * row * esz, T, sq);
+        float xc[s->head_dim];  /* x * cos of one head */
+        rope(&r, (char *)c->out + (size_t)t0 * row * esz, T, xc);
         break;
     }
     default:
@@ -559,10 +561,12 @@ static void rows_task(const void *ctx, int t0, int t1)
     }
 }
 
+/* The op over rows [0, T): split over the pool from PL_PAR_T rows, on the caller below that or
+ * when the step says so (PA_SOLO: torch's own threads hold the cores, see cpu_attention.py). */
 static void pl_rows(const pl_rows_t *c, int T)
 {
     const int nth = pg_num_threads();
-    if (T < PL_PAR_T || nth < 2) {
+    if (T < PL_PAR_T || nth < 2 || (c->s->attn_flags & PA_SOLO)) {
         rows_task(c, 0, T);
         return;
     }

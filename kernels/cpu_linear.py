@@ -327,8 +327,8 @@ def available() -> bool:
 def kernel_info() -> dict:
     """What is in use: {'available', 'isa', 'threads', 'so', 'reason'} and pool counters:
     'pool_calls' (calls split over the pool) and 'worker_share' (fraction of their row chunks
-    the worker threads ran: about 0.5 with 2 threads when the worker keeps up, near 0 when it
-    rarely gets a core, e.g. on an oversubscribed machine)."""
+    the worker threads ran: about (n - 1) / n with n threads when the workers keep up, near 0
+    when they rarely get a core, e.g. on an oversubscribed machine)."""
     ok = available()
     info = {"available": ok, "so": _so_path, "reason": _why_not}
     if ok:

@@ -8,7 +8,8 @@ prefill's compute on two cores while llama.cpp, the peer, uses them all. The def
     usable_cores = min(physical cores in the affinity mask, the cgroup CPU quota)
 
 SMT siblings count once: two hyperthreads share one core's integer-dot and FMA units, and a
-worker spinning beside the caller on the same core only slows it. A container's CPU quota
+worker spinning beside the caller on the same core only slows prefill (a lone core's two
+threads are the exception: 2, as on every 2-vCPU machine measured). A container's CPU quota
 (`docker --cpus 2` on a 64-core host: 64 CPUs in the mask, 2 CPUs of time) bounds it, or the
 pool's spinning workers would be descheduled mid-chunk. `PRESCIENT_GEMV_THREADS` overrides it
 (kernels/cpu_linear.py); the pool's own cap is PG_MAX_THREADS (16). Ranks of one machine (tensor
@@ -35,12 +36,17 @@ def _read(path: Path) -> str | None:
 
 
 def physical_cores(cpus: Iterable[int], sysfs: Path = _SYSFS_CPU) -> int:
-    """Distinct (package, core) pairs among `cpus` (logical CPU ids); the number of CPUs when
-    the topology cannot be read for one of them (no sysfs: count every CPU as a core)."""
+    """Distinct physical cores among `cpus` (logical CPU ids): a core is its set of SMT siblings
+    (topology/thread_siblings_list), or its (package, core id) where that list is missing; the
+    number of CPUs when the topology cannot be read for one of them (count every CPU a core)."""
     cpus = list(cpus)
     seen = set()
     for c in cpus:
         topo = sysfs / f"cpu{c}" / "topology"
+        siblings = _read(topo / "thread_siblings_list")
+        if siblings:
+            seen.add(siblings)
+            continue
         package, core = _read(topo / "physical_package_id"), _read(topo / "core_id")
         if package is None or core is None:
             return len(cpus)
@@ -48,34 +54,62 @@ def physical_cores(cpus: Iterable[int], sysfs: Path = _SYSFS_CPU) -> int:
     return len(seen)
 
 
-def cgroup_cpu_limit(cgroup: Path = _CGROUP) -> float | None:
-    """CPUs of time the cgroup quota allows (cgroup v2 cpu.max, v1 cpu.cfs_quota_us / period),
-    None without a quota. Read at the hierarchy's root as a container sees it (its own cgroup
-    is mounted there)."""
-    v2 = _read(cgroup / "cpu.max")
-    if v2:
-        quota, _, period = v2.partition(" ")
-        if quota != "max":
-            try:
-                return int(quota) / int(period or "100000")
-            except ValueError:
-                return None
+def _quota(text: str | None, period: str | None = None) -> float | None:
+    """CPUs of time of one cgroup level: v2 "quota period" / "max period", or v1's quota (-1:
+    none) with its period."""
+    if not text:
         return None
-    quota, period = _read(cgroup / "cpu" / "cpu.cfs_quota_us"), _read(cgroup / "cpu" / "cpu.cfs_period_us")
+    quota, _, p = text.partition(" ")
+    p = period if period is not None else p
     try:
-        q, p = int(quota or "-1"), int(period or "0")
-    except ValueError:
+        q, per = int(quota), int(p or "100000")
+    except ValueError:  # "max", or unreadable
         return None
-    return q / p if q > 0 and p > 0 else None
+    return q / per if q > 0 and per > 0 else None
 
 
-def usable_cores(cpus: Iterable[int] | None = None, sysfs: Path = _SYSFS_CPU, cgroup: Path = _CGROUP) -> int:
+def cgroup_cpu_limit(cgroup: Path = _CGROUP, proc_cgroup: str | None = None) -> float | None:
+    """CPUs of time the cgroup quotas allow this process, None without a quota: the smallest
+    quota from its own cgroup (/proc/self/cgroup: v2 "0::/path", v1 "n:cpu,...:/path") up to the
+    hierarchy's root, as mounted under `cgroup` (a container sees its own cgroup at the root)."""
+    if proc_cgroup is None:
+        proc_cgroup = _read(Path("/proc/self/cgroup")) or ""
+    levels = []  # (directory, v1) from the process's cgroup up to the root
+    for line in proc_cgroup.splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        v1 = "cpu" in controllers.split(",")
+        if controllers and not v1:
+            continue
+        mount = cgroup if not v1 else next((cgroup / d for d in ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+                                            if (cgroup / d).is_dir()), cgroup / "cpu")
+        parts = [q for q in path.strip("/").split("/") if q]
+        levels += [(mount.joinpath(*parts[:i]), v1) for i in range(len(parts), -1, -1)]
+    if not levels:  # no /proc: the root as a container sees it
+        levels = [(cgroup, False), (cgroup / "cpu", True)]
+    limits = []
+    for directory, v1 in levels:
+        if v1:
+            limit = _quota(_read(directory / "cpu.cfs_quota_us"), _read(directory / "cpu.cfs_period_us"))
+        else:
+            limit = _quota(_read(directory / "cpu.max"))
+        if limit is not None:
+            limits.append(limit)
+    return min(limits) if limits else None
+
+
+def usable_cores(cpus: Iterable[int] | None = None, sysfs: Path = _SYSFS_CPU, cgroup: Path = _CGROUP,
+                 proc_cgroup: str | None = None) -> int:
     """Physical cores of the affinity mask (`cpus`; default this process's), bounded by the
-    cgroup quota (rounded down: 1.5 CPUs of time keep one thread busy, not two); at least 1."""
+    cgroup quota (rounded down: 1.5 CPUs of time keep one thread busy, not two); at least 1.
+    One core with two SMT threads (a common 2-vCPU cloud VM) still gets 2: the pool's measured
+    default on every 2-vCPU machine seen, where decode's weight streaming gains from the second."""
     if cpus is None:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = list(cpus)
     n = physical_cores(cpus, sysfs)
-    limit = cgroup_cpu_limit(cgroup)
+    if n < 2 <= len(cpus):
+        n = 2
+    limit = cgroup_cpu_limit(cgroup, proc_cgroup)
     if limit is not None:
         n = min(n, math.floor(limit))
     return max(1, n)

@@ -7,7 +7,7 @@ stored: blocks with their scales) read per second.  Each case cycles through eno
 matrices (--mb MiB, several times the L3) that every call reads its weight from DRAM, at M=1
 (decode) and M=8 (speculative verify), on 576x1536, 1536x576 and the 49152x576 LM head.  The
 timing includes each call's fixed cost (ctypes, activation prep), as a decode step pays it.
-Each shape ends with the pool's worker share: on a busy machine the pool's worker rarely gets a
+Each shape ends with the pool's worker share: on a busy machine the pool's workers rarely get a
 core and the figures are one thread's.
 
 Baselines: ``torch._weight_int8pack_mm`` (int8 weights, one scale per output channel) and
