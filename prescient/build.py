@@ -14,6 +14,7 @@ with hand-set cost tables).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -184,6 +185,8 @@ def load_model(spec: EngineSpec) -> LoadedModel:
                 cpu_linear.available()
         else:
             cpu_linear.available()
+        if spec.progress and cpu_linear.available():
+            print(f"prescient: {kernels_line(cpu_linear.kernel_info(), spec.tp)}", file=sys.stderr, flush=True)
     return LoadedModel(model, files.tokenizer, files.eos_token_ids, files.identity, files.config)
 
 
@@ -192,6 +195,19 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB; "
             f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
+
+
+def kernels_line(info: dict, tp: int = 1) -> str:
+    """"CPU kernels avx2, 8 threads (...)": the tier and the pool size in use
+    (kernels/cpu_linear.kernel_info), where the size came from and how to change it."""
+    if os.environ.get("PRESCIENT_GEMV_THREADS"):
+        how = "PRESCIENT_GEMV_THREADS"
+    elif tp > 1:
+        how = f"the usable cores shared by {tp} ranks"
+    else:
+        how = "one per usable core; PRESCIENT_GEMV_THREADS=n to change"
+    n = info["threads"]
+    return f"CPU kernels {info['isa']}, {n} thread{'s' if n != 1 else ''} ({how})"
 
 
 def _draft_config(spec: EngineSpec, loaded: LoadedModel):

@@ -124,3 +124,15 @@ def test_the_loaded_pool_takes_the_default_unless_the_variable_says(env, expect)
             "print(cpu_linear.kernel_info()['threads'])")
     out = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, check=True)
     assert int(out.stdout.split()[-1]) == expect
+
+
+def test_the_startup_line_says_the_pool_size_and_where_it_came_from(monkeypatch):
+    from prescient.build import kernels_line
+
+    monkeypatch.delenv("PRESCIENT_GEMV_THREADS", raising=False)
+    assert kernels_line({"isa": "avx2", "threads": 8}) == \
+        "CPU kernels avx2, 8 threads (one per usable core; PRESCIENT_GEMV_THREADS=n to change)"
+    assert kernels_line({"isa": "avx2", "threads": 4}, tp=2) == \
+        "CPU kernels avx2, 4 threads (the usable cores shared by 2 ranks)"
+    monkeypatch.setenv("PRESCIENT_GEMV_THREADS", "1")
+    assert kernels_line({"isa": "portable", "threads": 1}) == "CPU kernels portable, 1 thread (PRESCIENT_GEMV_THREADS)"
