@@ -9,7 +9,7 @@ prefill's compute on two cores while llama.cpp, the peer, uses them all. The def
 
 SMT siblings count once: two hyperthreads share one core's integer-dot and FMA units, and a
 worker spinning beside the caller on the same core only slows prefill (a lone core's two
-threads are the exception: 2, as on every 2-vCPU machine measured). A container's CPU quota
+threads are the exception: 2, the old default every 2-vCPU machine here ran). A container's CPU quota
 (`docker --cpus 2` on a 64-core host: 64 CPUs in the mask, 2 CPUs of time) bounds it, or the
 pool's spinning workers would be descheduled mid-chunk. `PRESCIENT_GEMV_THREADS` overrides it
 (kernels/cpu_linear.py); the pool's own cap is PG_MAX_THREADS (16). Ranks of one machine (tensor
@@ -101,8 +101,9 @@ def usable_cores(cpus: Iterable[int] | None = None, sysfs: Path = _SYSFS_CPU, cg
                  proc_cgroup: str | None = None) -> int:
     """Physical cores of the affinity mask (`cpus`; default this process's), bounded by the
     cgroup quota (rounded down: 1.5 CPUs of time keep one thread busy, not two); at least 1.
-    One core with two SMT threads (a common 2-vCPU cloud VM) still gets 2: the pool's measured
-    default on every 2-vCPU machine seen, where decode's weight streaming gains from the second."""
+    One core with two SMT threads (a common 2-vCPU cloud VM) still gets 2: the pool's default on
+    every 2-vCPU machine measured here (whether any of them was an SMT pair is not known), which
+    this keeps rather than halving decode's weight streaming on an unmeasured guess."""
     if cpus is None:
         cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     cpus = list(cpus)
