@@ -138,8 +138,6 @@ static int g_solo_work = 2048;
 /* pa_args_t (cpu_attention.h): the call's arguments, packed by the Python wrapper into one
  * buffer.  Keep in step with _ARGS in cpu_attention.py. */
 
-/* PA_SOLO (cpu_attention.h): run on the calling thread only. */
-
 /* Work item: query tokens [t0, t0 + nt) of sequence seq against kv heads [h0, h0 + nh)
  * (with their G query heads each) over pieces [p0, p1) of the row block's context
  * [0, end).  A row block is one item (all its pieces, part0 = -1: it writes the output) or
@@ -1737,7 +1735,8 @@ int pa_tree_attention(const pa_args_t *a)
         return pa_err(PA_EDIMS, 0);
     /* Few row blocks (one sequence decoding): spread each one's pieces over several items.
      * This only schedules; the pieces and their fold are the same either way. */
-    const int target = PA_ITEMS_PER_THREAD * (pg_num_threads() > 2 ? pg_num_threads() : 2);
+    const int nth = pg_num_threads();
+    const int target = PA_ITEMS_PER_THREAD * (nth > 2 ? nth : 2);
     const int want = nbase < target ? (int)((target + nbase - 1) / nbase) : 1;
 
     /* Pass 1 counts items and partial slots, pass 2 fills them in. */

@@ -37,7 +37,7 @@ from prescient.latency_bench.bench_servers import LlamaCppServer, PeerMissing, P
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.latency_bench.tool_agents import closed_loop, open_loop, run_task
 from prescient.runtime.slo import CPU_INTERACTIVE, SLOConfig
-from prescient.kernels.cpu_threads import usable_cores
+from prescient.kernels.cpu_threads import default_threads
 
 SYSTEMS = ("prescient-off", "prescient-ngram", "prescient-ngram-grammar", "prescient-ngram-grammar-ws", "llamacpp")
 
@@ -59,7 +59,7 @@ class AgentBenchConfig:
     slo_ttft_s: float = CPU_INTERACTIVE.ttft_s
     slo_itl_s: float = CPU_INTERACTIVE.itl_emission_p99_s
     price_per_core_hour: float = 0.05  # USD: about an on-demand cloud vCPU-hour
-    peer_threads: int = field(default_factory=usable_cores)  # the count prescient's pool takes
+    peer_threads: int = field(default_factory=default_threads)  # the count prescient's pool takes
     peer_pythonpath: str | None = None  # where llama-cpp-python's server extra is installed, if apart
     plots: bool = True
     progress: bool = True

@@ -17,7 +17,7 @@ import time
 from prescient.latency_bench.efficiency import kv_bytes_per_token
 from prescient.latency_bench.modes import ModeSpec, RunResult, Unavailable, decode_steps, register_runner
 from prescient.runtime.slo import RequestTrace
-from prescient.kernels.cpu_threads import usable_cores
+from prescient.kernels.cpu_threads import default_threads
 
 
 class LlamaCppRunner:
@@ -32,7 +32,7 @@ class LlamaCppRunner:
             raise Unavailable(f"llama.cpp needs a .gguf file, got {path}")
         self.spec = spec
         self.path = path
-        self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=usable_cores(), flash_attn=True, verbose=False)
+        self.llm = Llama(model_path=path, n_ctx=n_ctx, n_threads=default_threads(), flash_attn=True, verbose=False)
         self.eos = set(ctx.eos_token_ids) | {self.llm.token_eos()}
         self.weight_bytes = os.path.getsize(path)  # the file is the weights as llama.cpp streams them
         self.kv_bytes_per_token = kv_bytes_per_token(ctx.model_config, ctx.model(spec.dtype).dtype)

@@ -38,7 +38,7 @@ from prescient.latency_bench.load_report import build_report, phase_figures, pha
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.latency_bench.workloads import load_workloads, long_prompt, with_fresh_prefix
 from prescient.runtime.slo import CPU_INTERACTIVE, SLOConfig
-from prescient.kernels.cpu_threads import usable_cores
+from prescient.kernels.cpu_threads import default_threads
 
 SYSTEMS = ("prescient", "llamacpp")
 
@@ -59,7 +59,7 @@ class LoadBenchConfig:
     speculate: str = "ngram"  # prescient serve's default
     slo_ttft_s: float = CPU_INTERACTIVE.ttft_s
     slo_itl_s: float = CPU_INTERACTIVE.itl_emission_p99_s
-    peer_threads: int = field(default_factory=usable_cores)  # the count prescient's pool takes
+    peer_threads: int = field(default_factory=default_threads)  # the count prescient's pool takes
     peer_pythonpath: str | None = None  # where llama-cpp-python's server extra is installed, if apart
     plots: bool = True
     progress: bool = True

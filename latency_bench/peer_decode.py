@@ -38,7 +38,7 @@ from prescient.latency_bench.bench_servers import PeerMissing, PrescientServer
 from prescient.latency_bench.bundled import WORKLOADS
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.runtime.slo import percentile
-from prescient.kernels.cpu_threads import usable_cores
+from prescient.kernels.cpu_threads import default_threads
 
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
@@ -103,7 +103,7 @@ class LlamaCppHttp:
 
         from prescient.latency_bench.bench_servers import LlamaCppServer
 
-        self.server = LlamaCppServer(path, usable_cores(), chat_format="chatml", pythonpath=pythonpath)
+        self.server = LlamaCppServer(path, default_threads(), chat_format="chatml", pythonpath=pythonpath)
         self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="none", max_retries=0, timeout=600)
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:
@@ -120,7 +120,7 @@ class LlamaCpp:
             sys.path += [p for p in pythonpath.split(os.pathsep) if p not in sys.path]
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=path, n_ctx=4096, n_threads=usable_cores(), flash_attn=True, verbose=False)
+        self.llm = Llama(model_path=path, n_ctx=4096, n_threads=default_threads(), flash_attn=True, verbose=False)
         self.tokenizer, self.eos = tokenizer, eos | {self.llm.token_eos()}
 
     def run(self, messages: list[dict], max_tokens: int) -> dict:

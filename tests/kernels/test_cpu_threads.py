@@ -48,7 +48,7 @@ def test_without_a_topology_every_cpu_counts(tmp_path):
 
 
 def test_a_lone_core_keeps_its_two_threads(tmp_path):
-    # a 2-vCPU VM that is one core's two hyperthreads: 2, the pool's old measured default
+    # a 2-vCPU VM that is one core's two hyperthreads keeps the pool's old default of 2
     sysfs = _topology(tmp_path / "sys", {0: (0, 0), 1: (0, 0)})
     assert cpu_threads.physical_cores([0, 1], sysfs) == 1
     assert cpu_threads.usable_cores([0, 1], sysfs, tmp_path / "cg", proc_cgroup="0::/") == 2
