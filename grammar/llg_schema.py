@@ -1,4 +1,4 @@
-"""A prepared schema (GrammarCompiler.prepare_schema) said in the keywords llguidance implements.
+r"""A prepared schema (GrammarCompiler.prepare_schema) said in the keywords llguidance implements.
 
 Two rewrites, each exact (the same set of instances), so `auto` keeps the cheap llguidance
 compile for schemas it would otherwise hand to xgrammar (Github_hard: 60 + 45 of 116 fallbacks):

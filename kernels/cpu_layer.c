@@ -450,28 +450,63 @@ __attribute__((target("avx2,fma"))) static void silu_avx2_step(float *x)
     }
 }
 
-/* Every element through silu_avx2_step (a last partial step via a zero-padded copy), so an
- * element's bits do not depend on where n ends. */
-static void silu_avx2(float *x, int n)
+/* silu_avx2_step's arithmetic on 8-lane double vectors: 4 chains of 8 instead of 8 of 4, half
+ * the instructions an element (the same operations per element, so the same bits). */
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) static void silu_avx512_step(float *x)
+{
+    const __m512d shift = _mm512_set1_pd(6755399441055744.0), l2e = _mm512_set1_pd(1.4426950408889634);
+    const __m512d ln2 = _mm512_set1_pd(0.6931471805599453);
+    const __m512i bias = _mm512_set1_epi64(1023 - 0x4338000000000000LL);
+    static const double c[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
+                                 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+    __m256 v[4];
+    __m512d kd[4], r[4], p[4];
+    for (int q = 0; q < 4; q++) {
+        v[q] = _mm256_loadu_ps(x + 8 * q);
+        __m256 a = _mm256_xor_ps(v[q], _mm256_set1_ps(-0.f));
+        a = _mm256_min_ps(_mm256_max_ps(a, _mm256_set1_ps(-104.f)), _mm256_set1_ps(89.f));
+        const __m512d xd = _mm512_cvtps_pd(a);
+        kd[q] = _mm512_fmadd_pd(xd, l2e, shift);
+        r[q] = _mm512_fnmadd_pd(_mm512_sub_pd(kd[q], shift), ln2, xd);
+        p[q] = _mm512_set1_pd(1.0 / 3628800.0);
+    }
+    for (int i = 0; i < 10; i++)
+        for (int q = 0; q < 4; q++)
+            p[q] = _mm512_fmadd_pd(p[q], r[q], _mm512_set1_pd(c[i]));
+    for (int q = 0; q < 4; q++) {
+        const __m512i e = _mm512_slli_epi64(_mm512_add_epi64(_mm512_castpd_si512(kd[q]), bias), 52);
+        const __m256 ex = _mm512_cvtpd_ps(_mm512_mul_pd(p[q], _mm512_castsi512_pd(e)));
+        _mm256_storeu_ps(x + 8 * q, _mm256_div_ps(v[q], _mm256_add_ps(_mm256_set1_ps(1.f), ex)));
+    }
+}
+
+/* Every element through step (a last partial step via a zero-padded copy), so an element's
+ * bits do not depend on where n ends. */
+static void silu_steps(float *x, int n, void (*step)(float *))
 {
     int i = 0;
     for (; i + PL_SILU_V <= n; i += PL_SILU_V)
-        silu_avx2_step(x + i);
+        step(x + i);
     if (i < n) {
         float t[PL_SILU_V] = {0};
         memcpy(t, x + i, (size_t)(n - i) * 4);
-        silu_avx2_step(t);
+        step(t);
         memcpy(x + i, t, (size_t)(n - i) * 4);
     }
 }
 #endif
 
-/* The tier's SiLU: AVX2 + FMA from ISA_AVX2 up, else the scalar loop (the same bits). */
+/* The tier's SiLU: AVX-512 from ISA_AVX512, AVX2 + FMA from ISA_AVX2, else the scalar loop
+ * (the same bits). */
 static void silu_f32(float *x, int n)
 {
 #if defined(__x86_64__) || defined(__i386__)
+    if (pg_isa() >= ISA_AVX512) {
+        silu_steps(x, n, silu_avx512_step);
+        return;
+    }
     if (pg_isa() >= ISA_AVX2) {
-        silu_avx2(x, n);
+        silu_steps(x, n, silu_avx2_step);
         return;
     }
 #endif

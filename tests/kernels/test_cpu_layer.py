@@ -145,9 +145,9 @@ def test_matches_torch_loop_every_tier(ckpts, isa, dtype, monkeypatch):
 
 def test_silu_same_bits_every_tier():
     """The SiLU of the native layer (and of the torch loop, which calls it) gives the same bits at
-    every ISA tier: the AVX2 path fuses the multiply-adds of its double-precision exp as gcc
-    contracts the scalar loop (checked over all 2^32 floats when written), and a length that is
-    not a whole number of its 32-float steps goes through the same arithmetic.  Random values
+    every ISA tier: the AVX2 and AVX-512 paths fuse the multiply-adds of their double-precision
+    exp as gcc contracts the scalar loop (each checked over all 2^32 floats when written), and a
+    length that is not a whole number of their 32-float steps goes through the same arithmetic.  Random values
     over exp's whole range and its edges (clamps, overflow, zeros, infinities)."""
     g = torch.Generator().manual_seed(7)
     x = torch.cat([torch.randn(3 * 1000, generator=g) * 30,
