@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -77,6 +78,26 @@ class _Process:
 
     def tail(self, n: int = 15) -> str:
         return "\n".join(self.lines[-n:])
+
+    def exit_reason(self) -> str | None:
+        """None while the process runs; else how it ended and its last lines, for an error that
+        says more than the client's "connection error" (a peer built for another CPU dies of
+        SIGILL mid-request: llama-cpp-python 0.3.36 built with GGML_NATIVE on a 2-core Xeon with
+        AMX did, in its AMX path, once a prompt was long enough to take it)."""
+        rc = self.proc.poll()
+        if rc is None:
+            return None
+        if rc < 0:
+            try:
+                how = f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"was killed by signal {-rc}"
+            if -rc == signal.SIGILL:
+                how += " (an instruction this machine refused: a build for another CPU, or a feature the OS did not enable)"
+        else:
+            how = f"exited with status {rc}"
+        self._ready.wait(5)  # the pump has read its last lines
+        return f"{self.name} {how}" + (f":\n{self.tail()}" if self.lines else "")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -133,7 +133,8 @@ async def _phases(cfg: LoadBenchConfig, servers: dict, not_run: dict, workloads,
                 if long_messages:
                     await transport.stream(with_fresh_prefix(long_messages, f"warm-long-{t0}"), "warm-long", 1)
             except Exception as e:  # noqa: BLE001
-                not_run[name] = f"warm-up request failed: {type(e).__name__}: {e}"
+                died = servers[name].exit_reason()  # a dead server says how (SIGILL: a build for another CPU)
+                not_run[name] = f"warm-up request failed: {type(e).__name__}: {e}" + (f"; {died}" if died else "")
                 await transports.pop(name).aclose()
         names = list(transports)
         for i, n in enumerate(cfg.concurrencies):

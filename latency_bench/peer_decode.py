@@ -209,7 +209,14 @@ def cli(argv: list[str] | None = None) -> int:
                     for s in (order if (rep + i) % 2 == 0 else order[::-1]):
                         msgs = [dict(m) for m in w["messages"]]
                         msgs[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + msgs[0]["content"]
-                        r = systems[s].run(msgs, w["max_tokens"])
+                        try:
+                            r = systems[s].run(msgs, w["max_tokens"])
+                        except Exception as e:  # a server that died: say how, not "connection error"
+                            server = getattr(systems[s], "server", None)
+                            reason = server.exit_reason() if server is not None else None
+                            if reason is None:
+                                raise
+                            raise RuntimeError(f"{s} died during {w['workload']}: {reason}") from e
                         r["workload"] = w["workload"]
                         if rep:
                             rows[s].append(r)

@@ -31,3 +31,29 @@ def test_a_peer_without_its_server_extra_is_refused_naming_what_is_missing(tmp_p
     path = _fake_llama_cpp(tmp_path, server_error="No module named 'fastapi'")
     with pytest.raises(PeerMissing, match=r"--peer-pythonpath .*No module named 'fastapi'"):
         check_llamacpp_server(path)
+
+
+def test_a_server_that_dies_says_how_rather_than_connection_error():
+    """A peer killed by SIGILL mid-request (a build for another CPU) is named with the signal and
+    its last output lines; a running one has no exit reason; a plain exit gives its status."""
+    import signal
+    import sys
+
+    from prescient.latency_bench.bench_servers import _Process
+
+    code = "import os, signal, sys; print('loading'); sys.stdout.flush(); os.kill(os.getpid(), signal.SIGILL)"
+    dying = _Process([sys.executable, "-c", code])
+    dying.name = "fake peer"
+    assert dying.proc.wait(30) == -signal.SIGILL
+    reason = dying.exit_reason()
+    assert reason.startswith("fake peer was killed by SIGILL (an instruction this machine refused")
+    assert reason.endswith("\nloading")
+
+    running = _Process([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert running.exit_reason() is None
+    finally:
+        running.stop()
+    exiting = _Process([sys.executable, "-c", "raise SystemExit(3)"])
+    exiting.proc.wait(30)
+    assert exiting.exit_reason().startswith("server exited with status 3")
