@@ -350,8 +350,9 @@ PA_VINLINE pvf exp2_pv(pvf x)
 /* One head's RH rows (from row r0) against n positions, on generic vectors in the shape of
  * the AVX-512 path: K is transposed into kt[D][16] so a row's 16 scores are FMAs over d
  * with no horizontal sums, and P.V keeps 4 vectors of columns in registers across the
- * positions. */
-static void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+ * positions.  Not inlined (nor the SIMD head_* steps): one compiled body for run_item and
+ * tree_chunk, so the compiler's contraction choices cannot differ between the two callers. */
+static __attribute__((noinline)) void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                           const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
                           size_t hoff)
 {
@@ -839,7 +840,7 @@ static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, i
 
 /* One kv head (rows [r0, r0 + RH)) against the n positions of the chunk; pf: the chunk
  * to prefetch meanwhile. */
-static void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+static __attribute__((noinline)) void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                         const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
                         size_t hoff, const pa_pf_t *pf)
 {
@@ -1282,7 +1283,7 @@ static void perm_q_avx2(const void *src, int dt, int D, float *dst)
 
 /* One kv head (rows [r0, r0 + RH)) against the chunk's n positions, AVX2; pf: the chunk to
  * prefetch meanwhile. */
-static void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+static __attribute__((noinline)) void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                       const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
                       size_t hoff, const pa_pf_t *pf)
 {
@@ -1426,6 +1427,77 @@ static __attribute__((noinline)) void fold_piece(float *M, float *L, float *F, f
     *M = m > *M ? m : *M;
 }
 
+/* The chunk at pos0 (< c1, the piece's end) of a draft tree's tokens, each in the layout a
+ * lone decode step of it has: its visible new positions (its ancestors and itself, the set
+ * bits of its mask row, ascending: depth order, parents come first) moved down to
+ * prefix, prefix + 1, ... (its depth + 1 of them), the prefix positions as they are.  So a
+ * node gets the bits of the decode step that would have produced it after its ancestors were
+ * accepted -- whichever branch it is on -- not only a node of the tree's first chain: a node
+ * laid out after another branch's nodes would otherwise see them as holes (other lanes of
+ * its chunks, another chunk, another piece), which change the sums in the last bits.  Each
+ * token runs alone here (its G rows per kv head); a chunk of only prefix positions is shared
+ * by all rows as before.  Tokens see virtual positions < prefix + popcount(mask row); the
+ * item's pieces cover them (the actual positions of the ancestors are no lower). */
+static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int tok0, int prefix,
+                       int pos0, int c1, int RH, size_t head_bytes, const char *kbase,
+                       const char *vbase, size_t row_stride)
+{
+    const int G = J->G, qlen = J->cu[it->seq + 1] - J->cu[it->seq];
+    const int32_t *bt = J->bt + (size_t)it->seq * J->MB;
+    const char *krow[PA_CHUNK], *vrow[PA_CHUNK];
+    size_t slots[PA_CHUNK];
+    const pa_pf_t none = {0};
+    for (int i = 0; i < it->nt; i++) {
+        const int32_t *mrow = J->mask + (size_t)(tok0 + i) * J->W;
+        /* this token's last virtual position + 1, capped by the piece */
+        int vend = prefix;
+        for (int j = 0; j < qlen; j++)
+            vend += ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+        int n = (vend < c1 ? vend : c1) - pos0;
+        n = n < PA_CHUNK ? n : PA_CHUNK;
+        if (n <= 0)
+            continue;  /* sees nothing here: as a lone step, whose context ends before */
+        int rank = prefix, j = 0;  /* virtual position of the next set bit at or after j */
+        for (int t = 0; t < n; t++) {
+            const int vp = pos0 + t;
+            int ap = vp;  /* a prefix position is itself */
+            if (vp >= prefix) {
+                while (!(((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u) || rank < vp) {
+                    rank += ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+                    j++;
+                }
+                ap = prefix + j;
+            }
+            const size_t slot = (size_t)bt[ap / J->BS] * J->BS + ap % J->BS;
+            slots[t] = slot;
+            krow[t] = kbase + slot * row_stride;
+            vrow[t] = vbase + slot * row_stride;
+        }
+        w->vis[0] = (1u << n) - 1u;
+        for (int hi = 0; hi < it->nh; hi++) {
+            if (J->kvdt == PA_KV_I8) {
+                const int h = it->h0 + hi;
+                for (int t = 0; t < PA_CHUNK; t++) {
+                    w->ksc[t] = t < n ? J->ks[slots[t] * J->KVH + h] * J->scl : 0.f;
+                    w->vsc[t] = t < n ? J->vs[slots[t] * J->KVH + h] : 0.f;
+                }
+            }
+            const int r0 = hi * RH + i * G;
+#ifdef PA_X86
+            if (J->isa >= ISA_AVX512) {
+                head_avx512(J, w, r0, G, n, krow, vrow, hi * head_bytes, &none);
+                continue;
+            }
+            if (J->isa == ISA_AVX2) {
+                head_avx2(J, w, r0, G, n, krow, vrow, hi * head_bytes, &none);
+                continue;
+            }
+#endif
+            head_portable(J, w, r0, G, n, krow, vrow, hi * head_bytes);
+        }
+    }
+}
+
 static void run_item(const pa_job_t *J, const pa_item_t *it)
 {
     const int D = J->D, G = J->G, esz = J->esz;
@@ -1519,6 +1591,11 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
                         __builtin_prefetch(J->vs + pf_slots[t] * J->KVH + it->h0);
                     }
                 }
+            }
+            if (J->mask && pos0 + PA_CHUNK > prefix) {
+                /* A chunk holding new (tree) positions: each token in its own layout. */
+                tree_chunk(J, w, it, tok0, prefix, pos0, c1, RH, head_bytes, kbase, vbase, row_stride);
+                continue;
             }
             for (int i = 0; i < it->nt; i++)
                 w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);

@@ -136,6 +136,34 @@ def _masks(parents: list[int]) -> torch.Tensor:  # [n, 1] int32: each node's anc
     return reference.pack_bits(tree_ancestors(parents))
 
 
+def _path(parents: list[int], j: int) -> list[int]:
+    """Node j's ancestors and itself, root first."""
+    out = []
+    while j >= 0:
+        out.append(j)
+        j = parents[j]
+    return out[::-1]
+
+
+def _decode_after(cache: Cache, q_row, table, prefix: int, path: list[int]) -> torch.Tensor:
+    """q_row as the lone decode step (1 thread) that follows the tokens of `path` once accepted:
+    a new sequence holding the prefix and then the path's K/V in depth order, as the engine's KV
+    moves leave them (the tree's node i sits at prefix + i)."""
+    ctx = prefix + len(path)
+    new = cache.table(ctx)
+    src = [*range(prefix), *(prefix + a for a in path)]
+
+    def slots(tab, positions):
+        return torch.tensor([tab[p // BLOCK] * BLOCK + p % BLOCK for p in positions])
+
+    s, d = slots(table, src), slots(new, range(ctx))
+    for t in (cache.k, cache.v, *cache.scales.values()):
+        flat = t.view(-1, *t.shape[2:])
+        flat[d] = flat[s]
+    with _threads(1):
+        return cache.attend([(q_row, new, ctx)])[0]
+
+
 def _close_to_reference(out, ref, q_dtype) -> None:
     """The accuracy test_cpu_attention.py asks for: invariance must not come from a wrong answer."""
     if q_dtype == torch.float32:
@@ -184,11 +212,12 @@ def test_wide_tree_over_a_long_context_gets_the_decode_steps_bits(tier, kind, sh
     """A 17-node verify tree (17 x G query rows sharing each K/V chunk) over a 2000-position
     prefix (eight 256-position pieces, spread over several work items): every row gets exactly
     the bits of its own lone decode step.  Checked for a 17-deep chain and for a tree whose
-    accepted path is nodes 0-8 with eight side branches hanging off it (side nodes: against the
-    reference)."""
+    path 0-8 is a chain with eight side branches hanging off it: a side node gets the bits of
+    the decode step after its own ancestors (the kernel reads each node's new positions in
+    depth order, so the other branches' positions in between are no holes)."""
     _tier(tier)
     n, prefix = 17, 2000
-    cache = Cache(kind, shape, 2 * (prefix + n) + 4 * BLOCK, seed=4)
+    cache = Cache(kind, shape, (prefix + n + BLOCK) * 11, seed=4)
     table, q = cache.table(prefix + n), cache.q(n)
     lone = _decodes(cache, q, table, prefix + n)
     chain = _masks([-1] + list(range(n - 1)))
@@ -204,10 +233,33 @@ def test_wide_tree_over_a_long_context_gets_the_decode_steps_bits(tier, kind, sh
         _same_bits(as_chain[j], lone[j], f"17-chain node {j}")
     for j in range(path):
         _same_bits(as_tree[j], lone[j], f"branched tree, path node {j}")
-    # The side nodes see gaps (other branches' positions), so no decode step matches them bit
-    # for bit; they must still be right.
+    for j in range(path, n):
+        _same_bits(as_tree[j], _decode_after(cache, q[j:j + 1], table, prefix, _path(parents, j)),
+                   f"branched tree, side node {j}")
     ref = cache.reference(q, table, prefix + n, branched)
     _close_to_reference(as_tree[path:], ref[path:], kind.q_dtype)
+
+
+@tiers
+@kinds
+def test_interleaved_branches_get_their_own_decode_steps_bits(tier, kind):
+    """Two branches from the root laid out breadth first (nodes 1, 3, 5, ... and 2, 4, 6, ...,
+    as a best-first n-gram tree of two near-equal continuations comes): a node of either
+    branch gets the bits of the decode step after its own ancestors, at prefixes where the
+    branches cross a chunk, a piece (256) or neither.  (Before the kernel read a node's new
+    positions in depth order, the second branch's nodes saw the first's as holes, and greedy
+    decoding with such trees left plain decoding's tokens.)"""
+    _tier(tier)
+    parents = [-1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    n = len(parents)
+    cache = Cache(kind, (9, 3, 64), (3 + 250 + 1990 + 3 * (n + 2 * BLOCK)) * (n + 2), seed=9)
+    for prefix in (3, 250, 1990):
+        table, q = cache.table(prefix + n), cache.q(n)
+        with _threads(2):
+            out = cache.attend([(q, table, prefix + n)], _masks(parents))
+        for j in range(n):
+            _same_bits(out[j], _decode_after(cache, q[j:j + 1], table, prefix, _path(parents, j)),
+                       f"prefix {prefix}, node {j}")
 
 
 @tiers
