@@ -45,10 +45,15 @@
  * Batch invariance: a query row's output is bitwise the same whatever else is in the call
  * -- other sequences, its place in the batch, the rows sharing its item, being a lone
  * decode step (q_len 1, causal) or a draft-tree node / prefill token (mask_bits, or causal
- * with q_len > 1) -- and whatever the thread count, for a given ISA tier and dtype.  So a
- * tree node whose ancestors are exactly the chain before it gets the bits that a decode
- * step with the same KV prefix gets, which a speculative decoder needs to reproduce
- * non-speculative output exactly.  Why it holds: (1) the pieces are fixed positions and
+ * with q_len > 1) -- and whatever the thread count, for a given ISA tier and dtype.  And a
+ * draft-tree node, on any branch, gets the bits of the decode step that follows its
+ * ancestors once accepted (their K/V moved to prefix, prefix + 1, ...), which a speculative
+ * decoder needs to reproduce non-speculative output exactly: the chunks that hold a tree's
+ * new positions run per token (tree_chunk), each reading its own visible positions in depth
+ * order, so the other branches' positions are no holes in its lanes, chunks or pieces.  (A
+ * node laid out after another branch's nodes used to see them as holes, which moved its
+ * positions to other lanes and chunks: the last bits changed and greedy outputs with
+ * branched trees could leave plain decoding's.)  Why it holds: (1) the pieces are fixed positions and
  * their fold a left fold in piece order, so how a call is split never shows; (2) a piece a
  * row sees nothing of (past its last visible position: other rows of its tree need it)
  * folds as nothing, and a position it does not see in a piece it does see adds exact zeros

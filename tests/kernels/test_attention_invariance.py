@@ -3,9 +3,9 @@
 A query row's output must be bit for bit the same whatever else shares the call: other
 sequences and their lengths, the row's place in the batch, the other rows of its own query
 (a draft tree, a causal multi-token query) and the thread count.  The invariant a speculative
-decoder relies on: a tree node at depth j whose ancestors are exactly the chain before it gets
-the bits of a plain decode step (q_len 1, causal) over the same KV prefix, context
-prefix + j + 1.  Checked on every ISA tier this CPU runs, for fp32 and bf16 caches and an int8
+decoder relies on: a tree node at depth j, on any branch, gets the bits of the plain decode
+step (q_len 1, causal) that follows its ancestors once accepted -- the KV prefix, then its
+ancestors' K/V in depth order, context prefix + j + 1.  Checked on every ISA tier this CPU runs, for fp32 and bf16 caches and an int8
 cache (with fp32 and bf16 q), at contexts inside one 256-position piece, straddling a piece
 boundary, and long enough to be split over several work items.  Bits are compared as integers
 (so -0.0 against 0.0 or a NaN would fail too).
