@@ -1432,20 +1432,37 @@ static __attribute__((noinline)) void fold_piece(float *M, float *L, float *F, f
     *M = m > *M ? m : *M;
 }
 
-/* The chunk at pos0 (< c1, the piece's end) of a draft tree's tokens, each in the layout a
- * lone decode step of it has: its visible new positions (its ancestors and itself, the set
- * bits of its mask row, ascending: depth order, parents come first) moved down to
- * prefix, prefix + 1, ... (its depth + 1 of them), the prefix positions as they are.  So a
+/* Whether row tok's visible new positions (its mask row's set bits below q_len) are exactly
+ * 0, 1, ..., k: then its chunks hold them where its decode step has them. */
+static int contiguous_row(const pa_job_t *J, int tok, int qlen)
+{
+    const int32_t *mrow = J->mask + (size_t)tok * J->W;
+    int ended = 0;
+    for (int j = 0; j < qlen; j++) {
+        const int bit = ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+        if (bit && ended)
+            return 0;
+        ended |= !bit;
+    }
+    return 1;
+}
+
+/* The chunk at pos0 (< c1, the piece's end) for the draft-tree tokens in the bit set `tokens`
+ * (of the item's), each in the layout a lone decode step of it has: its visible new
+ * positions (its ancestors and itself, the set bits of its mask row, ascending: depth order,
+ * parents come first) moved down to prefix, prefix + 1, ... (its depth + 1 of them), the
+ * prefix positions as they are.  So a
  * node gets the bits of the decode step that would have produced it after its ancestors were
  * accepted -- whichever branch it is on -- not only a node of the tree's first chain: a node
  * laid out after another branch's nodes would otherwise see them as holes (other lanes of
- * its chunks, another chunk, another piece), which change the sums in the last bits.  Each
- * token runs alone here (its G rows per kv head); a chunk of only prefix positions is shared
- * by all rows as before.  Tokens see virtual positions < prefix + popcount(mask row); the
+ * its chunks, another chunk, another piece), which change the sums in the last bits.  These
+ * tokens run alone here (their G rows per kv head each), after the chunk's shared pass in
+ * which they saw nothing; a chain's tokens and every chunk of only prefix positions take
+ * the shared pass alone.  Tokens see virtual positions < prefix + popcount(mask row); the
  * item's pieces cover them (the actual positions of the ancestors are no lower). */
 static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int tok0, int prefix,
                        int pos0, int c1, int RH, size_t head_bytes, const char *kbase,
-                       const char *vbase, size_t row_stride)
+                       const char *vbase, size_t row_stride, uint64_t tokens)
 {
     const int G = J->G, qlen = J->cu[it->seq + 1] - J->cu[it->seq];
     const int32_t *bt = J->bt + (size_t)it->seq * J->MB;
@@ -1453,6 +1470,8 @@ static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int t
     size_t slots[PA_CHUNK];
     const pa_pf_t none = {0};
     for (int i = 0; i < it->nt; i++) {
+        if (!(tokens >> i & 1))
+            continue;
         const int32_t *mrow = J->mask + (size_t)(tok0 + i) * J->W;
         /* this token's last virtual position + 1, capped by the piece */
         int vend = prefix;
@@ -1597,13 +1616,16 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
                     }
                 }
             }
-            if (J->mask && pos0 + PA_CHUNK > prefix) {
-                /* A chunk holding new (tree) positions: each token in its own layout. */
-                tree_chunk(J, w, it, tok0, prefix, pos0, c1, RH, head_bytes, kbase, vbase, row_stride);
-                continue;
-            }
+            /* In a chunk holding new (tree) positions, a token whose visible new positions are
+             * not 0, 1, ..., k (a node after another branch's nodes) sees nothing in the shared
+             * pass and runs alone in its own layout after it (tree_chunk); a chain's tokens --
+             * the common tree -- are already laid out as their decode steps are. */
+            uint64_t gapped = 0;
+            if (J->mask && pos0 + PA_CHUNK > prefix)
+                for (int i = 0; i < it->nt; i++)
+                    gapped |= (uint64_t)!contiguous_row(J, tok0 + i, qlen) << i;
             for (int i = 0; i < it->nt; i++)
-                w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
+                w->vis[i] = gapped >> i & 1 ? 0u : visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
             for (int hi = 0; hi < it->nh; hi++) {
                 if (i8) {
                     /* This head's scales of the chunk's positions; lanes past n are masked. */
@@ -1625,6 +1647,9 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
 #endif
                 head_portable(J, w, hi * RH, RH, n, krow, vrow, hi * head_bytes);
             }
+            if (gapped)
+                tree_chunk(J, w, it, tok0, prefix, pos0, c1, RH, head_bytes, kbase, vbase, row_stride,
+                           gapped);
         }
         for (int r = 0; r < RT; r++) {
             float sum = 0.f;
