@@ -48,9 +48,10 @@
  * with q_len > 1) -- and whatever the thread count, for a given ISA tier and dtype.  And a
  * draft-tree node, on any branch, gets the bits of the decode step that follows its
  * ancestors once accepted (their K/V moved to prefix, prefix + 1, ...), which a speculative
- * decoder needs to reproduce non-speculative output exactly: the chunks that hold a tree's
- * new positions run per token (tree_chunk), each reading its own visible positions in depth
- * order, so the other branches' positions are no holes in its lanes, chunks or pieces.  (A
+ * decoder needs to reproduce non-speculative output exactly: in a chunk that holds a tree's
+ * new positions, a token whose visible new positions are not 0, 1, ..., k runs alone
+ * (tree_chunk), reading them in depth order, so the other branches' positions are no holes
+ * in its lanes, chunks or pieces; a chain's tokens are laid out so already.  (A
  * node laid out after another branch's nodes used to see them as holes, which moved its
  * positions to other lanes and chunks: the last bits changed and greedy outputs with
  * branched trees could leave plain decoding's.)  Why it holds: (1) the pieces are fixed positions and
