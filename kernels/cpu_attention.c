@@ -98,6 +98,15 @@
 #define PA_X86 1
 #endif
 
+/* One compiled body for every caller of a head step (run_item, tree_chunk): GCC's noipa also
+ * rules out a clone specialised for one call site's constants, whose floating-point
+ * contractions could differ; other compilers get noinline. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define PA_ONE_BODY __attribute__((noipa))
+#else
+#define PA_ONE_BODY __attribute__((noinline))
+#endif
+
 #define PA_CHUNK 16       /* context positions per step: one zmm of scores per query row */
 #define PA_MAX_ROWS 64    /* query rows per kv head (tokens x group) per item, at head_dim 64 */
 #define PA_ACC_FLOATS 16384  /* accumulators of an item (rows x head_dim over its kv heads) */
@@ -356,9 +365,9 @@ PA_VINLINE pvf exp2_pv(pvf x)
 /* One head's RH rows (from row r0) against n positions, on generic vectors in the shape of
  * the AVX-512 path: K is transposed into kt[D][16] so a row's 16 scores are FMAs over d
  * with no horizontal sums, and P.V keeps 4 vectors of columns in registers across the
- * positions.  Not inlined (nor the SIMD head_* steps): one compiled body for run_item and
+ * positions.  PA_ONE_BODY (as the SIMD head_* steps): one compiled body for run_item and
  * tree_chunk, so the compiler's contraction choices cannot differ between the two callers. */
-static __attribute__((noinline)) void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+static PA_ONE_BODY void head_portable(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                           const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
                           size_t hoff)
 {
@@ -846,7 +855,7 @@ static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, i
 
 /* One kv head (rows [r0, r0 + RH)) against the n positions of the chunk; pf: the chunk
  * to prefetch meanwhile. */
-static __attribute__((noinline)) void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                         const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
                         size_t hoff, const pa_pf_t *pf)
 {
@@ -1289,7 +1298,7 @@ static void perm_q_avx2(const void *src, int dt, int D, float *dst)
 
 /* One kv head (rows [r0, r0 + RH)) against the chunk's n positions, AVX2; pf: the chunk to
  * prefetch meanwhile. */
-static __attribute__((noinline)) void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+static PA_ONE_BODY void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                       const char *const krow[PA_CHUNK], const char *const vrow[PA_CHUNK],
                       size_t hoff, const pa_pf_t *pf)
 {
@@ -1585,6 +1594,11 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
     size_t slots[PA_CHUNK], pf_slots[PA_CHUNK];
     const int i8 = J->kvdt == PA_KV_I8;
     pa_pf_t pf;
+    /* the item's tokens whose visible new positions are not 0, 1, ..., k (bit i: token t0 + i) */
+    uint64_t item_gapped = 0;
+    if (J->mask)
+        for (int i = 0; i < it->nt; i++)
+            item_gapped |= (uint64_t)!contiguous_row(J, tok0 + i, qlen) << i;
     int blk = cs / J->BS, off = cs % J->BS;
     int pf_blk = blk, pf_off = off, pf_pos = cs;
     for (int ahead = 0; ahead < PA_PF_POS && pf_pos < ce; ahead += PA_CHUNK)
@@ -1621,10 +1635,7 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
              * not 0, 1, ..., k (a node after another branch's nodes) sees nothing in the shared
              * pass and runs alone in its own layout after it (tree_chunk); a chain's tokens --
              * the common tree -- are already laid out as their decode steps are. */
-            uint64_t gapped = 0;
-            if (J->mask && pos0 + PA_CHUNK > prefix)
-                for (int i = 0; i < it->nt; i++)
-                    gapped |= (uint64_t)!contiguous_row(J, tok0 + i, qlen) << i;
+            const uint64_t gapped = pos0 + PA_CHUNK > prefix ? item_gapped : 0;
             for (int i = 0; i < it->nt; i++)
                 w->vis[i] = gapped >> i & 1 ? 0u : visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
             for (int hi = 0; hi < it->nh; hi++) {
