@@ -232,6 +232,12 @@ static void *tls_scratch(int slot, size_t bytes)
     return t->p[slot];
 }
 
+/* Bit j of a mask row (query token's view of the sequence's new token j). */
+static inline uint32_t mask_bit(const int32_t *mrow, int j)
+{
+    return ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+}
+
 /* Bit t of the result: query token `li` of the sequence (global row `tok`) sees context
  * position pos0 + t, for t < n.  Prefix positions are always visible; a new token j is
  * visible by its mask bit, or causally (j <= li) without a mask. */
@@ -245,7 +251,7 @@ static inline uint32_t visible_bits(const pa_job_t *J, int tok, int li, int pref
     for (int t = 0; t < n; t++) {
         int j = pos0 + t - prefix;
         uint32_t v = j < 0 ? 1u
-                   : mrow ? ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u
+                   : mrow ? mask_bit(mrow, j)
                    : (uint32_t)(j <= li);
         bits |= v << t;
     }
@@ -1449,7 +1455,7 @@ static int contiguous_row(const pa_job_t *J, int tok, int qlen)
     const int32_t *mrow = J->mask + (size_t)tok * J->W;
     int ended = 0;
     for (int j = 0; j < qlen; j++) {
-        const int bit = ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+        const int bit = mask_bit(mrow, j);
         if (bit && ended)
             return 0;
         ended |= !bit;
@@ -1486,7 +1492,7 @@ static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int t
         /* this token's last virtual position + 1, capped by the piece */
         int vend = prefix;
         for (int j = 0; j < qlen; j++)
-            vend += ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+            vend += mask_bit(mrow, j);
         int n = (vend < c1 ? vend : c1) - pos0;
         n = n < PA_CHUNK ? n : PA_CHUNK;
         if (n <= 0)
@@ -1496,8 +1502,8 @@ static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int t
             const int vp = pos0 + t;
             int ap = vp;  /* a prefix position is itself */
             if (vp >= prefix) {
-                while (!(((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u) || rank < vp) {
-                    rank += ((uint32_t)mrow[j >> 5] >> (j & 31)) & 1u;
+                while (!mask_bit(mrow, j) || rank < vp) {
+                    rank += mask_bit(mrow, j);
                     j++;
                 }
                 ap = prefix + j;

@@ -415,7 +415,12 @@ static void silu_scalar(float *x, int n)
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#define PL_SILU_V 32  /* floats per step of silu_avx2: 8 independent 4-lane double chains */
+#define PL_SILU_V 32  /* floats per step of the SIMD SiLUs: 8 (AVX2) or 4 (AVX-512) double chains */
+
+/* exp_f32's Taylor coefficients after the first, 1/9! down to 1 (Horner from 1/10!), for the
+ * SIMD steps. */
+static const double PL_EXP_C[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
+                                    1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
 
 /* exp_f32's arithmetic with its multiply-adds fused (as gcc contracts them where FMA exists),
  * 32 floats a step: the same bits as the scalar loop, contracted or not (checked over all 2^32
@@ -427,8 +432,6 @@ __attribute__((target("avx2,fma"))) static void silu_avx2_step(float *x)
     const __m256d shift = _mm256_set1_pd(6755399441055744.0), l2e = _mm256_set1_pd(1.4426950408889634);
     const __m256d ln2 = _mm256_set1_pd(0.6931471805599453);
     const __m256i bias = _mm256_set1_epi64x(1023 - 0x4338000000000000LL);
-    static const double c[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
-                                 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
     __m128 v[8];
     __m256d kd[8], r[8], p[8];
     for (int q = 0; q < 8; q++) {
@@ -442,7 +445,7 @@ __attribute__((target("avx2,fma"))) static void silu_avx2_step(float *x)
     }
     for (int i = 0; i < 10; i++)
         for (int q = 0; q < 8; q++)
-            p[q] = _mm256_fmadd_pd(p[q], r[q], _mm256_set1_pd(c[i]));
+            p[q] = _mm256_fmadd_pd(p[q], r[q], _mm256_set1_pd(PL_EXP_C[i]));
     for (int q = 0; q < 8; q++) {
         const __m256i e = _mm256_slli_epi64(_mm256_add_epi64(_mm256_castpd_si256(kd[q]), bias), 52);
         const __m128 ex = _mm256_cvtpd_ps(_mm256_mul_pd(p[q], _mm256_castsi256_pd(e)));
@@ -457,8 +460,6 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void silu_avx512_ste
     const __m512d shift = _mm512_set1_pd(6755399441055744.0), l2e = _mm512_set1_pd(1.4426950408889634);
     const __m512d ln2 = _mm512_set1_pd(0.6931471805599453);
     const __m512i bias = _mm512_set1_epi64(1023 - 0x4338000000000000LL);
-    static const double c[10] = {1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
-                                 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
     __m256 v[4];
     __m512d kd[4], r[4], p[4];
     for (int q = 0; q < 4; q++) {
@@ -472,7 +473,7 @@ __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void silu_avx512_ste
     }
     for (int i = 0; i < 10; i++)
         for (int q = 0; q < 4; q++)
-            p[q] = _mm512_fmadd_pd(p[q], r[q], _mm512_set1_pd(c[i]));
+            p[q] = _mm512_fmadd_pd(p[q], r[q], _mm512_set1_pd(PL_EXP_C[i]));
     for (int q = 0; q < 4; q++) {
         const __m512i e = _mm512_slli_epi64(_mm512_add_epi64(_mm512_castpd_si512(kd[q]), bias), 52);
         const __m256 ex = _mm512_cvtpd_ps(_mm512_mul_pd(p[q], _mm512_castsi512_pd(e)));

@@ -210,9 +210,9 @@ class LlamaCppServer(_Process):
         deadline = time.monotonic() + timeout_s
         while not self._answers(port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                died = self.exit_reason()  # before stop(), which would make it SIGTERM
                 self.stop()
-                why = "exited" if self.proc.returncode is not None else "did not answer"
-                raise PeerMissing(f"{self.name} {why}:\n{self.tail()}")
+                raise PeerMissing(died or f"{self.name} did not answer:\n{self.tail()}")
             time.sleep(0.3)
 
     @staticmethod
