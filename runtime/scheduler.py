@@ -150,9 +150,10 @@ class Scheduler:
         preempted: list[Request] = []
         # Decoding requests, oldest first; preempt from the newest end when blocks run out. With a
         # time budget, draft slots come last (`_add_drafts`): what the ITL bound leaves after every
-        # decode's own row and the step's prefill work. The step's time is every stream's gap, a
-        # draft only saves time if the step stays within it, and a waiting prompt's TTFT comes
-        # before a running stream's speed-up.
+        # decode's own row and the step's prefill work, and none while prompt work waits beyond
+        # this step (`_prefill_backlog`). The step's time is every stream's gap, a draft only
+        # saves time if the step stays within it, and a waiting prompt's TTFT comes before a
+        # running stream's speed-up.
         decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1]
         timed = self.cost is not None and itl_bound(decoding, self.config.itl_target_s) is not None
         for request in list(self.running):
@@ -225,9 +226,26 @@ class Scheduler:
             plan.commit(request, num_new, layers)
             seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
             budget -= num_new
-        if timed and decodes:
+        if timed and decodes and not self._prefill_backlog(seqs):
             self._add_drafts(decodes, seqs, budget)
         return SchedulerOutput(seqs, preempted)
+
+    def _prefill_backlog(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether prompt work waits beyond this step: a waiting request, or a running prompt
+        this step does not finish (not fed, or fed a chunk or some layers short of its end).
+        Under a backlog the step carries no drafts (docs/SCHEDULING.md): the time left after
+        the prefill work is not free, it lengthens the step, and the backlog only moves as
+        fast as steps follow one another."""
+        if self.waiting:
+            return True
+        fed = {id(seq.request): seq for seq in seqs}
+        for request in self.running:
+            if request.status != RequestStatus.RUNNING or request.num_uncomputed <= 1:
+                continue
+            seq = fed.get(id(request))
+            if seq is None or not seq.completes or seq.num_new_tokens < request.num_uncomputed:
+                return True
+        return False
 
     def _add_drafts(self, decodes: list[ScheduledSeq], seqs: list[ScheduledSeq], budget: int) -> None:
         """Draft slots for the decodes, oldest first, within the step's time left after its

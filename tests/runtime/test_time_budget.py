@@ -2,7 +2,8 @@
 beside decodes stays within margin x the tightest ITL bound of the decoding requests (a chunk too
 costly for it runs a few layers a step), a prefill always progresses, a prompt with nothing else
 running gets whole chunks, a prompt is cut the same alone and under load (no short chunk on the other path), a
-request's own `max_itl_s` tightens the budget with speculation off, waiting prompts start
+request's own `max_itl_s` tightens the budget with speculation off, drafts get only what a step
+leaves when no prompt work waits beyond it, waiting prompts start
 earliest TTFT deadline first, and greedy output is the same alone and under load, layer splits
 included. Tests check the policy, never the machine's speed."""
 
@@ -185,24 +186,56 @@ def test_draft_slots_are_what_the_itl_budget_leaves_after_every_decode(tiny):
     assert sum(s.num_spec_slots for s in loose.scheduler.schedule().seqs) == 8 * 40  # no bound: no cap
 
 
-def test_a_waiting_prompt_gets_the_step_before_drafts_do(tiny):
-    """Beside a prompt to prefill, drafts take only what its chunk leaves of the ITL budget: the
-    prompt advances as far as it would with no drafts wanted, and the step stays in the bound."""
-    def first_step(spec_budget):
-        engine = make_engine(tiny, itl_target_s=0.1)
-        start_decodes(engine, n=2, tokens=20)
-        engine.add_request(prompt(700, seed=11), greedy(2), request_id="long")
-        for request in engine.scheduler.running:
-            request.spec_budget = spec_budget
-        out = engine.scheduler.schedule()
-        long = [(s.num_new_tokens, s.layers) for s in out.seqs if s.request.request_id == "long"]
-        drafts = sum(s.num_spec_slots for s in out.seqs)
-        return long, drafts, engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers))
+def _first_step(tiny, spec_budget, prompt_tokens):
+    """The first step after a prompt of `prompt_tokens` arrives beside two decodes that each
+    want `spec_budget` draft slots: the prompt's (tokens, layers), the draft slots granted, and
+    the step's predicted cost."""
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_batched_tokens=1024)  # time, not tokens, binds
+    start_decodes(engine, n=2, tokens=20)
+    engine.add_request(prompt(prompt_tokens, seed=21), greedy(2), request_id="p")
+    for request in engine.scheduler.running:
+        request.spec_budget = spec_budget
+    out = engine.scheduler.schedule()
+    work = [(s.num_new_tokens, s.layers) for s in out.seqs if s.request.request_id == "p"]
+    drafts = sum(s.num_spec_slots for s in out.seqs)
+    return work, drafts, engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers))
 
-    plain, no_drafts, _ = first_step(0)
-    greedy_drafts, drafts, cost = first_step(40)
-    assert plain and greedy_drafts == plain and no_drafts == 0
-    assert cost <= 0.08 + 1e-9 and drafts < 2 * 40  # what was left, not what was wanted
+
+def test_no_drafts_while_prompt_work_waits_beyond_the_step(tiny):
+    """A 700-token prompt cannot finish in one step beside decodes (its 512-token chunk runs a
+    few layers): the step carries no drafts, however many the decodes want -- the time left
+    after the prompt's layers would lengthen the step, and the prompt's next layers wait for the
+    next step. The prompt advances exactly as with no drafts wanted."""
+    plain, no_drafts, _ = _first_step(tiny, 0, 700)
+    wanting, drafts, cost = _first_step(tiny, 40, 700)
+    assert plain and plain[0][1] is not None  # split by layers: work is left for later steps
+    assert wanting == plain and no_drafts == 0 and drafts == 0
+    assert cost <= 0.08 + 1e-9
+
+
+def test_drafts_take_what_a_finished_prompt_leaves_of_the_bound(tiny):
+    """A 40-token prompt finishes in this step (one chunk, all layers): nothing waits beyond it,
+    so the drafts get what it leaves of the ITL budget -- some, not all they want -- and the
+    prompt advances as with no drafts wanted."""
+    plain, _, _ = _first_step(tiny, 0, 40)
+    wanting, drafts, cost = _first_step(tiny, 40, 40)
+    assert plain == [(40, None)] and wanting == plain
+    assert 0 < drafts < 2 * 40 and cost <= 0.08 + 1e-9
+
+
+def test_a_prompt_left_waiting_stops_the_drafts(tiny):
+    """A prompt that is not admitted this step (the sequence limit) is work waiting too: no
+    drafts; once nothing waits, the decodes speculate again."""
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_seqs=2)
+    start_decodes(engine, n=2, tokens=20)
+    engine.add_request(prompt(30, seed=12), greedy(2), request_id="w")
+    for request in engine.scheduler.running:
+        request.spec_budget = 4
+    out = engine.scheduler.schedule()
+    assert [s.request.request_id for s in out.seqs] == ["d0", "d1"]
+    assert sum(s.num_spec_slots for s in out.seqs) == 0
+    engine.abort("w")
+    assert [s.num_spec_slots for s in engine.scheduler.schedule().seqs] == [4, 4]
 
 
 def first_tokens_order(engine) -> list[str]:
