@@ -150,8 +150,8 @@ class Scheduler:
         preempted: list[Request] = []
         # Decoding requests, oldest first; preempt from the newest end when blocks run out. With a
         # time budget, draft slots come last (`_add_drafts`): what the ITL bound leaves after every
-        # decode's own row and the step's prefill work, and none while prompt work waits beyond
-        # this step (`_prefill_backlog`). The step's time is every stream's gap, a draft only
+        # decode's own row and the step's prefill work, and only grammar-forced tokens while
+        # prompt work waits beyond this step (`_prefill_backlog`). The step's time is every stream's gap, a draft only
         # saves time if the step stays within it, and a waiting prompt's TTFT comes before a
         # running stream's speed-up.
         decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1]
@@ -226,16 +226,16 @@ class Scheduler:
             plan.commit(request, num_new, layers)
             seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
             budget -= num_new
-        if timed and decodes and not self._prefill_backlog(seqs):
-            self._add_drafts(decodes, seqs, budget)
+        if timed and decodes:
+            self._add_drafts(decodes, seqs, budget, forced_only=self._prefill_backlog(seqs))
         return SchedulerOutput(seqs, preempted)
 
     def _prefill_backlog(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether prompt work waits beyond this step: a waiting request, or a running prompt
         this step does not finish (not fed, or fed a chunk or some layers short of its end).
-        Under a backlog the step carries no drafts (docs/SCHEDULING.md): the time left after
-        the prefill work is not free, it lengthens the step, and the backlog only moves as
-        fast as steps follow one another."""
+        Under a backlog the step carries no guessed drafts (docs/SCHEDULING.md): the time left
+        after the prefill work is not free, it lengthens the step, and the backlog only moves
+        as fast as steps follow one another."""
         if self.waiting:
             return True
         fed = {id(seq.request): seq for seq in seqs}
@@ -247,17 +247,21 @@ class Scheduler:
                 return True
         return False
 
-    def _add_drafts(self, decodes: list[ScheduledSeq], seqs: list[ScheduledSeq], budget: int) -> None:
+    def _add_drafts(self, decodes: list[ScheduledSeq], seqs: list[ScheduledSeq], budget: int,
+                    forced_only: bool = False) -> None:
         """Draft slots for the decodes, oldest first, within the step's time left after its
         decode rows and prefill work (the cost model) and the token budget left; a draft that
-        cannot get its KV blocks is dropped (never a preemption for a draft)."""
+        cannot get its KV blocks is dropped (never a preemption for a draft). `forced_only`
+        (prompt work waits): only the tokens a grammar forces next, which are accepted for
+        certain -- rows the stream needs anyway, only sooner."""
         shape = step_shape(seqs, self.num_layers)
         left = self.config.itl_margin * itl_bound([s.request for s in decodes], self.config.itl_target_s) - \
             self.cost.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx)
         rows = self.cost.decode_rows_within(left, shape.decode_ctx) - shape.decode_rows
         for seq in decodes:
             r = seq.request
-            spec = max(0, min(r.spec_budget, budget, rows, self.max_seq_len - r.num_tokens - 1))
+            want = min(r.forced_budget, r.spec_budget) if forced_only else r.spec_budget
+            spec = max(0, min(want, budget, rows, self.max_seq_len - r.num_tokens - 1))
             n = self._blocks_needed(r, 1 + spec) if spec else 0
             if spec and self.blocks.can_allocate(n):  # free blocks only: never a reclaim for a draft
                 r.block_ids.extend(self.blocks.allocate(n))

@@ -273,6 +273,7 @@ class Speculator:
             # room for the next forced span and the grammar's narrow choices after it, even
             # when drafts are not paying
             request.spec_budget = max(request.spec_budget, tree_size(grammar_draft_paths(request.grammar)))
+            request.forced_budget = len(request.grammar.forced_tokens())
 
     def idle_work(self) -> bool:
         """One forward of a pending calibration; True while there is more to do."""

@@ -100,6 +100,21 @@ def test_proposer_drafts_past_a_forced_span(tiny):
         assert spec[3].speculator.stats.num_span_tail_tokens > 0
 
 
+def test_the_speculator_tells_the_scheduler_what_the_grammar_forces_next(tiny):
+    """After each commit a constrained request's `forced_budget` is the length of the span its
+    grammar forces next (what the scheduler still grants while prompts wait for prefill)."""
+    e = engine(tiny, (1,), True)
+    request = e.add_request([5, 9, 11, 4], SamplingParams(temperature=0, max_tokens=12),
+                            grammar=compiler((1,)).compile(GrammarSpec("regex", "axyzxyzxyz")).matcher())
+    seen = []
+    while e.has_unfinished_requests():
+        e.step()
+        if request.finish_reason is None:
+            seen.append((request.forced_budget, len(request.grammar.forced_tokens())))
+    assert seen and all(budget == forced for budget, forced in seen)
+    assert seen[0][0] > 0
+
+
 def test_forced_tokens_are_not_accepted_drafts(tiny):
     """A forced span is accepted by construction: counted apart (num_forced_tokens_accepted),
     never in the acceptance rate or the planner's estimate, which judge the drafts alone."""

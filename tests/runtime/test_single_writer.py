@@ -25,6 +25,7 @@ OWNERS = {
     "chunk_layer": {"runtime/scheduler.py"},
     "chunk_state": {"runtime/scheduler.py", "runtime/forward_plan.py"},
     "spec_budget": {"speculative/speculator.py"},
+    "forced_budget": {"speculative/speculator.py"},
     "finish_reason": {"runtime/engine.py", "runtime/step_result.py"},
     "stop_reason": {"runtime/step_result.py"},
 }

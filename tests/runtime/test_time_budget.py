@@ -238,6 +238,22 @@ def test_a_prompt_left_waiting_stops_the_drafts(tiny):
     assert [s.num_spec_slots for s in engine.scheduler.schedule().seqs] == [4, 4]
 
 
+def test_grammar_forced_tokens_still_go_while_prompt_work_waits(tiny):
+    """Beside a prompt the step cannot finish, a decode keeps only the slots for the tokens its
+    grammar forces next (the speculator's `forced_budget`: accepted for certain, rows the stream
+    needs anyway), within the time left; a decode with nothing forced gets none."""
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_batched_tokens=1024)
+    start_decodes(engine, n=2, tokens=20)
+    engine.add_request(prompt(700, seed=21), greedy(2), request_id="p")
+    d0, d1 = engine.scheduler.running
+    d0.spec_budget, d0.forced_budget = 40, 3
+    d1.spec_budget, d1.forced_budget = 40, 0
+    out = engine.scheduler.schedule()
+    slots = {s.request.request_id: s.num_spec_slots for s in out.seqs if s.num_new_tokens == 1}
+    assert slots == {"d0": 3, "d1": 0}
+    assert engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers)) <= 0.08 + 1e-9
+
+
 def first_tokens_order(engine) -> list[str]:
     order = []
     while engine.has_unfinished_requests():
