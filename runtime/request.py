@@ -52,8 +52,8 @@ class Request:
     num_overtaken: int = 0  # later requests admitted past it while it did not fit (scheduler)
     # speculation: draft-token budget granted by the adaptive controller for the next step
     spec_budget: int = 0
-    # of it, the tokens the grammar forces next (accepted for certain: the mask allows nothing
-    # else); what the scheduler still grants while prompt work waits (runtime/scheduler.py)
+    # the tokens the grammar forces next (the mask leaves no other text there): what the
+    # scheduler still grants, up to spec_budget, while prompt work waits (runtime/scheduler.py)
     forced_budget: int = 0
     # timing (engine clock)
     first_scheduled_time: float | None = None

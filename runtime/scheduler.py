@@ -151,9 +151,9 @@ class Scheduler:
         # Decoding requests, oldest first; preempt from the newest end when blocks run out. With a
         # time budget, draft slots come last (`_add_drafts`): what the ITL bound leaves after every
         # decode's own row and the step's prefill work, and only grammar-forced tokens while
-        # prompt work waits beyond this step (`_prefill_backlog`). The step's time is every stream's gap, a draft only
-        # saves time if the step stays within it, and a waiting prompt's TTFT comes before a
-        # running stream's speed-up.
+        # prompt work waits beyond this step (`_prefill_backlog`). The step's time is every
+        # stream's gap, a draft only saves time if the step stays within it, and a waiting
+        # prompt's TTFT comes before a running stream's speed-up.
         decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and r.num_uncomputed == 1]
         timed = self.cost is not None and itl_bound(decoding, self.config.itl_target_s) is not None
         for request in list(self.running):
@@ -189,8 +189,10 @@ class Scheduler:
         passed: list[Request] = []
         limit = self.config.max_overtakes
         admitting = True
+        out_of_time = False  # prefill work left for later steps by the budgets, not by seats or blocks
         for request in queue:
             if budget <= 0 or not plan.has_room():
+                out_of_time = True
                 break
             if request.status == RequestStatus.RUNNING:
                 size = plan.chunk(request, budget)
@@ -227,16 +229,19 @@ class Scheduler:
             seqs.append(ScheduledSeq(request, num_new, 0, layers, completes))
             budget -= num_new
         if timed and decodes:
-            self._add_drafts(decodes, seqs, budget, forced_only=self._prefill_backlog(seqs))
+            backlog = self._prefill_backlog(seqs, out_of_time or plan.stopped)
+            self._add_drafts(decodes, seqs, budget, forced_only=backlog)
         return SchedulerOutput(seqs, preempted)
 
-    def _prefill_backlog(self, seqs: list[ScheduledSeq]) -> bool:
-        """Whether prompt work waits beyond this step: a waiting request, or a running prompt
-        this step does not finish (not fed, or fed a chunk or some layers short of its end).
-        Under a backlog the step carries no guessed drafts (docs/SCHEDULING.md): the time left
-        after the prefill work is not free, it lengthens the step, and the backlog only moves
-        as fast as steps follow one another."""
-        if self.waiting:
+    def _prefill_backlog(self, seqs: list[ScheduledSeq], out_of_time: bool) -> bool:
+        """Whether prompt work waits beyond this step for time: a running prompt this step
+        does not finish (not fed, or fed a chunk or some layers short of its end), or a waiting
+        request when the step's budgets ran out (`out_of_time`; one waiting only for a seat or
+        KV blocks waits on the running streams, which drafts finish sooner). Under a backlog the
+        step carries no guessed drafts (docs/SCHEDULING.md): the time left after the prefill
+        work is not free, it lengthens the step, and the backlog only moves as fast as steps
+        follow one another."""
+        if out_of_time and self.waiting:
             return True
         fed = {id(seq.request): seq for seq in seqs}
         for request in self.running:
@@ -252,8 +257,8 @@ class Scheduler:
         """Draft slots for the decodes, oldest first, within the step's time left after its
         decode rows and prefill work (the cost model) and the token budget left; a draft that
         cannot get its KV blocks is dropped (never a preemption for a draft). `forced_only`
-        (prompt work waits): only the tokens a grammar forces next, which are accepted for
-        certain -- rows the stream needs anyway, only sooner."""
+        (prompt work waits): only the tokens a grammar forces next, which the mask leaves no
+        other text for -- rows the stream needs anyway, only sooner."""
         shape = step_shape(seqs, self.num_layers)
         left = self.config.itl_margin * itl_bound([s.request for s in decodes], self.config.itl_target_s) - \
             self.cost.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx)

@@ -144,7 +144,9 @@ class Speculator:
         contexts, where = [], []
         for i, seq in enumerate(seqs):
             r = seq.request
-            if seq.num_spec_slots > 0 and r.params.speculate:
+            # slots only for a grammar's forced span: grammar_tree fills them, no proposer tail fits
+            forced_only = r.grammar is not None and seq.num_spec_slots <= r.forced_budget
+            if seq.num_spec_slots > 0 and r.params.speculate and not forced_only:
                 contexts.append(ProposalContext(r.request_id, r.session_id, r.all_token_ids, seq.num_spec_slots,
                                                 r.params.tenant))
                 where.append(i)

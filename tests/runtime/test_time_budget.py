@@ -3,7 +3,8 @@ beside decodes stays within margin x the tightest ITL bound of the decoding requ
 costly for it runs a few layers a step), a prefill always progresses, a prompt with nothing else
 running gets whole chunks, a prompt is cut the same alone and under load (no short chunk on the other path), a
 request's own `max_itl_s` tightens the budget with speculation off, drafts get only what a step
-leaves when no prompt work waits beyond it, waiting prompts start
+leaves when no prompt work waits beyond it (a grammar's forced tokens even then), waiting
+prompts start
 earliest TTFT deadline first, and greedy output is the same alone and under load, layer splits
 included. Tests check the policy, never the machine's speed."""
 
@@ -223,19 +224,33 @@ def test_drafts_take_what_a_finished_prompt_leaves_of_the_bound(tiny):
     assert 0 < drafts < 2 * 40 and cost <= 0.08 + 1e-9
 
 
-def test_a_prompt_left_waiting_stops_the_drafts(tiny):
-    """A prompt that is not admitted this step (the sequence limit) is work waiting too: no
-    drafts; once nothing waits, the decodes speculate again."""
+def test_a_prompt_waiting_only_for_a_seat_does_not_stop_the_drafts(tiny):
+    """A prompt left waiting by the sequence limit, not by the step's time, waits on the running
+    streams: they keep their drafts (which finish them sooner). Beside a prompt left waiting for
+    time they get none (above)."""
     engine = make_engine(tiny, itl_target_s=0.1, max_num_seqs=2)
     start_decodes(engine, n=2, tokens=20)
     engine.add_request(prompt(30, seed=12), greedy(2), request_id="w")
     for request in engine.scheduler.running:
         request.spec_budget = 4
     out = engine.scheduler.schedule()
-    assert [s.request.request_id for s in out.seqs] == ["d0", "d1"]
+    assert [s.request.request_id for s in out.seqs] == ["d0", "d1"] and engine.scheduler.waiting
+    assert [s.num_spec_slots for s in out.seqs] == [4, 4]
+
+
+def test_a_prompt_left_waiting_for_time_stops_the_drafts(tiny):
+    """Two prompts beside the decodes: the first takes the step's slack (a layer of its chunk),
+    the second is left waiting for time, and the decodes get no drafts."""
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_batched_tokens=1024)
+    start_decodes(engine, n=2, tokens=20)
+    engine.add_request(prompt(700, seed=21), greedy(2), request_id="p")
+    engine.add_request(prompt(700, seed=22), greedy(2), request_id="q")
+    for request in engine.scheduler.running:
+        request.spec_budget = 40
+    out = engine.scheduler.schedule()
+    assert [s.request.request_id for s in out.seqs] == ["d0", "d1", "p"]
+    assert [r.request_id for r in engine.scheduler.waiting] == ["q"]
     assert sum(s.num_spec_slots for s in out.seqs) == 0
-    engine.abort("w")
-    assert [s.num_spec_slots for s in engine.scheduler.schedule().seqs] == [4, 4]
 
 
 def test_grammar_forced_tokens_still_go_while_prompt_work_waits(tiny):
