@@ -17,6 +17,7 @@ from prescient.runtime.engine import Engine, EngineConfig
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.sampling_params import SamplingParams
+from prescient.runtime.scheduler import ScheduledSeq
 from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
 from prescient.speculative.proposer import make_proposer
 from prescient.speculative.speculator import Speculator
@@ -113,6 +114,26 @@ def test_the_speculator_tells_the_scheduler_what_the_grammar_forces_next(tiny):
             seen.append((request.forced_budget, len(request.grammar.forced_tokens())))
     assert seen and all(budget == forced for budget, forced in seen)
     assert seen[0][0] > 0
+
+
+def test_slots_only_a_forced_span_fills_do_not_run_the_proposer(tiny):
+    """A constrained request granted just its forced span's slots (the scheduler under a prompt
+    backlog) gets the span as its tree without a proposer call (a draft model's pass would be
+    thrown away); with room past the span the proposer drafts the tail as before."""
+    e = engine(tiny, (1,), True)
+    request = e.add_request([5, 9, 11, 4], SamplingParams(temperature=0, max_tokens=12),
+                            grammar=compiler((1,)).compile(GrammarSpec("regex", "axyzxyzxyz")).matcher())
+    e.step()
+    forced = request.forced_budget
+    assert forced > 1
+    calls = []
+    real = e.speculator.proposer.propose
+    e.speculator.proposer.propose = lambda contexts: calls.append(len(contexts)) or real(contexts)
+    for slots, proposer_runs in ((forced, False), (forced - 1, False), (forced + 4, True)):
+        calls.clear()
+        drafts = e.speculator.propose([ScheduledSeq(request, 1, slots)])
+        assert bool(calls) == proposer_runs, slots
+        assert drafts.forced[0] == min(slots, forced)
 
 
 def test_forced_tokens_are_not_accepted_drafts(tiny):
