@@ -1,7 +1,8 @@
 """Constrained decoding with speculation equals constrained decoding without it, token for
 token and finish reason for finish reason (tiny float64 model, toy vocabulary grammars): forced
 spans that end at the stop token, narrow-choice branches next to a stop token, ignore_eos,
-several stop tokens, logprobs, and requests that opt out of speculation."""
+several stop tokens, logprobs, and requests that opt out of speculation; and what the speculator
+tells the scheduler a grammar forces next, and when it skips the proposer."""
 
 from __future__ import annotations
 
