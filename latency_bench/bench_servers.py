@@ -76,6 +76,11 @@ class _Process:
     def cpu_seconds(self) -> float:
         return _tree_cpu_s(self.proc.pid)
 
+    def spec_counters(self) -> dict[str, float] | None:
+        """The server's speculation counters so far (spec_counters_at); None for a server without
+        them (a peer)."""
+        return None
+
     def tail(self, n: int = 15) -> str:
         return "\n".join(self.lines[-n:])
 
@@ -123,6 +128,35 @@ def prescient_command(model: str | None, speculate: str, extra: tuple[str, ...] 
     return args
 
 
+# What a phase's draft work was: the counters `prescient serve` exports on /metrics (server/metrics.py)
+SPEC_COUNTERS = ("draft_tokens", "accepted_tokens", "forced_tokens_proposed", "forced_tokens_accepted")
+
+
+def spec_counters_from_text(text: str) -> dict[str, float] | None:
+    """SPEC_COUNTERS from a Prometheus text exposition; None when the server exports none (no
+    speculator)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("prescient_spec_")
+        if family.name.startswith("prescient_spec_") and name in SPEC_COUNTERS:
+            found[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return {k: found.get(k, 0.0) for k in SPEC_COUNTERS} if found else None
+
+
+def spec_counters_at(url: str) -> dict[str, float] | None:
+    """The speculation counters of the prescient server at `url`; None when it exports none or
+    /metrics does not answer (the report then says so rather than guessing)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+            return spec_counters_from_text(resp.read().decode())
+    except OSError:
+        return None
+
+
 class PrescientServer(_Process):
     def __init__(self, model: str | None, speculate: str, extra: tuple[str, ...] = (), timeout_s: float = 300.0,
                  env: dict[str, str] | None = None):
@@ -131,6 +165,9 @@ class PrescientServer(_Process):
         if not self._ready.wait(timeout_s) or self.url is None:
             self.stop()
             raise PeerMissing(f"{self.name} did not start:\n{self.tail()}")
+
+    def spec_counters(self) -> dict[str, float] | None:
+        return spec_counters_at(self.url)
 
     def on_line(self, line: str) -> None:
         m = re.search(r"OpenAI API\s+(http://\S+)/v1", line)

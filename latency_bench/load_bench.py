@@ -15,7 +15,9 @@ Systems, each a server process on the same GGUF (the default: SmolLM2-135M's Q4_
 Both are started before the first phase. For each N the systems run one after another, the order
 rotating with N, so slow drift of the machine falls on both; each phase is load_driver.run_load
 (N closed-loop clients streaming the shared workloads, every prompt with a fresh prefix, plus a
-~1500-token prompt every `inject_period_s`) through agent_http's HTTP client. Writes
+~1500-token prompt every `inject_period_s`) through agent_http's HTTP client; prescient's
+speculation counters (/metrics) are read before and after each of its phases, so the report says
+how many draft tokens the phase verified and how many were accepted. Writes
 DIR/load_report.{json,md} and the ITL / TTFT CDF PNGs (load_report.py).
 """
 
@@ -34,7 +36,7 @@ from prescient.latency_bench.agent_markdown import fmt_ms
 from prescient.latency_bench.bench_servers import (LlamaCppServer, PeerMissing, PrescientServer, llamacpp_version,
                                                    model_tokenizer)
 from prescient.latency_bench.load_driver import run_load
-from prescient.latency_bench.load_report import build_report, phase_figures, phase_samples, write
+from prescient.latency_bench.load_report import build_report, phase_figures, phase_samples, spec_delta, write
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.latency_bench.workloads import load_workloads, long_prompt, with_fresh_prefix
 from prescient.runtime.slo import CPU_INTERACTIVE, SLOConfig
@@ -142,11 +144,12 @@ async def _phases(cfg: LoadBenchConfig, servers: dict, not_run: dict, workloads,
             for position, name in enumerate(order):
                 server = servers[name]
                 _log(cfg, t0, f"N = {n}: {name}, {cfg.duration_s:g} s")
-                cpu0 = server.cpu_seconds()
+                cpu0, spec0 = server.cpu_seconds(), server.spec_counters()
                 run = await run_load(transports[name], workloads, long_messages, n, cfg.duration_s, cfg.slo,
                                      f"{name}-n{n}", cfg.inject_period_s, cfg.long_max_tokens, cfg.drain_s)
                 row = {"system": name, "clients": n, "order": position, "wall_s": run.wall_s,
-                       "server_cpu_s": server.cpu_seconds() - cpu0, **phase_figures(run)}
+                       "server_cpu_s": server.cpu_seconds() - cpu0,
+                       "speculation": spec_delta(spec0, server.spec_counters()), **phase_figures(run)}
                 rows.append(row)
                 samples.setdefault(name, {})[str(n)] = phase_samples(run)
                 _log(cfg, t0, f"N = {n}: {name}: {row['num_met_slo']}/{row['num_requests']} in SLO, ITL p99 "

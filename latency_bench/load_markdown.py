@@ -53,6 +53,16 @@ def render(report: dict) -> str:
         for kind, k in sorted(r["by_kind"].items()):
             lines.append(f"| {r['system']} | {r['clients']} | {kind} | {k['num_met_slo']}/{k['num_finished']} | "
                          f"{fmt_ms(k['ttft_s']['p50'])} / {fmt_ms(k['ttft_s']['p99'])} ms |")
+    spec = [r for r in report["phases"] if r.get("speculation") is not None]
+    if spec:
+        lines += ["", "## Draft work per phase (the server's speculation counters)", "",
+                  "| system | N | draft tokens verified | accepted | acceptance | grammar-forced verified / accepted |",
+                  "|---|---|---|---|---|---|"]
+        for r in spec:
+            s = r["speculation"]
+            rate = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.0f}%"
+            lines.append(f"| {r['system']} | {r['clients']} | {s['draft_tokens']:.0f} | {s['accepted_tokens']:.0f} | "
+                         f"{rate} | {s['forced_tokens_proposed']:.0f} / {s['forced_tokens_accepted']:.0f} |")
     if report["targets"]:
         lines += ["", "## Targets (issue 25, prescient)", "", "| N | target | value | met |", "|---|---|---|---|"]
         for t in report["targets"]:

@@ -66,6 +66,18 @@ def phase_figures(run: LoadRun) -> dict:
     }
 
 
+def spec_delta(before: dict | None, after: dict | None) -> dict | None:
+    """The draft work of one phase from the server's speculation counters before and after it:
+    draft tokens verified and accepted (grammar-forced ones apart), the acceptance; None for a
+    server without the counters."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafted = d.get("draft_tokens", 0.0)
+    d["acceptance"] = d.get("accepted_tokens", 0.0) / drafted if drafted else None
+    return d
+
+
 def phase_samples(run: LoadRun) -> dict:
     """Raw client samples for the CDF plots (microsecond precision keeps the JSON small)."""
     items = run.clients.finished()

@@ -1,7 +1,8 @@
 """The load benchmark end to end in seconds: `prescient bench --load` against a tiny live server (in a
 thread, standing in for `prescient serve`) with the long-prompt injector on, the peer reported as not
-run, and a report whose numbers agree with each other; and pd_bench's through-the-server rep on the
-same server. Never the machine's speed."""
+run, and a report whose numbers agree with each other; the draft work per phase from the server's
+speculation counters; and pd_bench's through-the-server rep on the same server. Never the
+machine's speed."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 
 from prescient.latency_bench import load_bench
 from prescient.latency_bench.agent_http import ChatHTTPTransport
+from prescient.latency_bench.bench_servers import SPEC_COUNTERS, spec_counters_at, spec_counters_from_text
+from prescient.latency_bench.load_markdown import render
+from prescient.latency_bench.load_report import spec_delta
 from prescient.latency_bench.pd_server import prefill_gaps, run_once, summarize
 from prescient.latency_bench.workloads import load_workloads, long_prompt
 from prescient.runtime.slo import RequestTrace
@@ -52,6 +56,9 @@ class _InThread:
 
     def cpu_seconds(self) -> float:
         return 0.0
+
+    def spec_counters(self):
+        return spec_counters_at(self.url)  # none: the tiny server does not speculate
 
     def stop(self) -> None:
         pass  # the module fixture owns it
@@ -94,6 +101,7 @@ def test_bench_load_runs_the_clients_and_the_injector_into_a_consistent_report(s
         long = r["long"]
         assert long["num_sent"] == long["num_finished"] == long["ttft_s"]["count"] == 3
         assert sorted(x["sent_at_s"] for x in long["runs"]) == pytest.approx([0.3, 0.9, 1.5], abs=0.25)
+        assert r["speculation"] is None  # the server exports no speculation counters
         samples = report["samples"]["prescient"][str(r["clients"])]
         assert len(samples["itl_emission_s"]) == itl["count"] and len(samples["ttft_s"]) == r["ttft_s"]["count"]
     assert {t["clients"] for t in report["targets"]} == {1}  # N = 8 was not run: no verdict for it
@@ -154,3 +162,41 @@ def test_prefill_gaps_are_the_gaps_overlapping_the_long_prompts_wait():
         trace.add_emission(t, 1)
     # waiting from 2.5 to 4.0: the gap 2.0-3.0 (overlaps its start) and 3.0-4.5 (its end), not 1.0-2.0 or 4.5-6.0
     assert prefill_gaps([trace], 2.5, 4.0) == pytest.approx([1.0, 1.5])
+
+
+def _exposition(values: dict | None) -> str:
+    """What `prescient serve`'s /metrics writes for these speculation counters (server/metrics.py's
+    families, through prometheus_client's own text format), beside a metric of another name."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Collector:
+        def collect(self):
+            yield GaugeMetricFamily("prescient_num_requests_running", "running", value=3)
+            for name, value in (values or {}).items():
+                family = CounterMetricFamily(f"prescient_spec_{name}", name)
+                family.add_metric([], value)
+                yield family
+
+    registry = CollectorRegistry()
+    registry.register(Collector())
+    return generate_latest(registry).decode()
+
+
+def test_a_phase_reports_the_draft_work_the_server_counted():
+    """The load report's draft work per phase: the server's counters read from /metrics before and
+    after the phase, their difference and the acceptance; none for a server that does not speculate."""
+    before = dict(zip(SPEC_COUNTERS, (100.0, 40.0, 10.0, 10.0)))
+    after = dict(zip(SPEC_COUNTERS, (350.0, 90.0, 30.0, 29.0)))
+    assert spec_counters_from_text(_exposition(before)) == before
+    assert spec_counters_from_text(_exposition(None)) is None
+    delta = spec_delta(spec_counters_from_text(_exposition(before)), spec_counters_from_text(_exposition(after)))
+    assert delta == {"draft_tokens": 250.0, "accepted_tokens": 50.0, "forced_tokens_proposed": 20.0,
+                     "forced_tokens_accepted": 19.0, "acceptance": pytest.approx(0.2)}
+    assert spec_delta(None, after) is None and spec_delta(before, before)["acceptance"] is None
+    phase = {"system": "prescient", "clients": 8, "speculation": delta}
+    report = {"slo": {}, "long_prompt": {}, "quick": True, "wall_s": 1.0, "workloads": {"path": "w", "sha256": "0" * 64},
+              "config": {"duration_s": 30}, "systems": {}, "not_run": {}, "summary_table": [], "phases": [phase],
+              "targets": [], "plots": [], "notes": []}
+    phase["by_kind"], phase["errors"] = {}, []
+    assert "| prescient | 8 | 250 | 50 | 20% | 20 / 19 |" in render(report)
