@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from prescient.kernels import cpu_attention, cpu_linear, reference
-from tests.kernels.kernel_oracles import run_at_tier, tree_ancestors
+from tests.kernels.kernel_oracles import path_to, run_at_tier, tree_ancestors
 
 BLOCK = 16
 SCALE = 0.125
@@ -136,15 +136,6 @@ def _masks(parents: list[int]) -> torch.Tensor:  # [n, 1] int32: each node's anc
     return reference.pack_bits(tree_ancestors(parents))
 
 
-def _path(parents: list[int], j: int) -> list[int]:
-    """Node j's ancestors and itself, root first."""
-    out = []
-    while j >= 0:
-        out.append(j)
-        j = parents[j]
-    return out[::-1]
-
-
 def _decode_after(cache: Cache, q_row, table, prefix: int, path: list[int]) -> torch.Tensor:
     """q_row as the lone decode step (1 thread) that follows the tokens of `path` once accepted:
     a new sequence holding the prefix and then the path's K/V in depth order, as the engine's KV
@@ -234,7 +225,7 @@ def test_wide_tree_over_a_long_context_gets_the_decode_steps_bits(tier, kind, sh
     for j in range(path):
         _same_bits(as_tree[j], lone[j], f"branched tree, path node {j}")
     for j in range(path, n):
-        _same_bits(as_tree[j], _decode_after(cache, q[j:j + 1], table, prefix, _path(parents, j)),
+        _same_bits(as_tree[j], _decode_after(cache, q[j:j + 1], table, prefix, path_to(parents, j)),
                    f"branched tree, side node {j}")
     ref = cache.reference(q, table, prefix + n, branched)
     _close_to_reference(as_tree[path:], ref[path:], kind.q_dtype)
@@ -258,7 +249,7 @@ def test_interleaved_branches_get_their_own_decode_steps_bits(tier, kind):
         with _threads(2):
             out = cache.attend([(q, table, prefix + n)], _masks(parents))
         for j in range(n):
-            _same_bits(out[j], _decode_after(cache, q[j:j + 1], table, prefix, _path(parents, j)),
+            _same_bits(out[j], _decode_after(cache, q[j:j + 1], table, prefix, path_to(parents, j)),
                        f"prefix {prefix}, node {j}")
 
 
