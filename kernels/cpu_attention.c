@@ -122,6 +122,8 @@
 #ifndef PA_ITEMS_PER_THREAD
 #define PA_ITEMS_PER_THREAD 4
 #endif
+/* The shortest token block a few-row-block call is cut into (each block reads the context). */
+#define PA_MIN_TOKENS 2
 /* How far (context positions) the software prefetch runs ahead of the compute. */
 #ifndef PA_PF_POS
 #define PA_PF_POS 16
@@ -1701,6 +1703,18 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
     }
 }
 
+/* Row blocks of a plan with ngrp kv-head groups and token blocks of at most ntb tokens. */
+static int64_t row_blocks(const pa_job_t *J, int ngrp, int ntb)
+{
+    int64_t n = 0;
+    for (int s = 0; s < J->S; s++) {
+        const int qlen = J->cu[s + 1] - J->cu[s];
+        if (qlen > 0)
+            n += (int64_t)ngrp * ((qlen + ntb - 1) / ntb);
+    }
+    return n;
+}
+
 static void run_items(const void *ctx, int i0, int i1)
 {
     const pa_job_t *J = (const pa_job_t *)ctx;
@@ -1848,20 +1862,35 @@ int pa_tree_attention(const pa_args_t *a)
     const int ntmax = row_cap / G > 0 ? row_cap / G : 1;
     int nh = (int)(PA_ACC_FLOATS / ((int64_t)ntmax * G * D));
     nh = nh < 1 ? 1 : nh > KVH ? (int)KVH : nh;
-    const int ngrp = (int)((KVH + nh - 1) / nh);
-    nh = (int)((KVH + ngrp - 1) / ngrp);  /* the widest group */
-    int64_t nbase = 0;
-    for (int s = 0; s < S; s++) {
-        const int qlen = J.cu[s + 1] - J.cu[s];
-        if (qlen > 0)
-            nbase += (int64_t)ngrp * ((qlen + ntmax - 1) / ntmax);
-    }
-    if (nbase > INT32_MAX / 64)
-        return pa_err(PA_EDIMS, 0);
-    /* Few row blocks (one sequence decoding): spread each one's pieces over several items.
-     * This only schedules; the pieces and their fold are the same either way. */
+    int ngrp = (int)((KVH + nh - 1) / nh);
+    int64_t maxq = 0;
+    for (int s = 0; s < S; s++)
+        maxq = J.cu[s + 1] - J.cu[s] > maxq ? J.cu[s + 1] - J.cu[s] : maxq;
+    /* Few row blocks (one sequence decoding or verifying a draft tree): more of them, first
+     * one per kv head (no extra reads: the heads are independent), then shorter token blocks
+     * (each reads the context again), so that every pool thread gets a full-length item; the
+     * pieces alone cannot do it when the context is one long piece and a short one (a tree at
+     * 256 cached tokens ran on one thread).  Scheduling only, like the piece split below: a
+     * row's arithmetic does not depend on its item's heads or tokens (batch invariance (4)). */
     const int nth = pg_num_threads();
     const int target = PA_ITEMS_PER_THREAD * (nth > 2 ? nth : 2);
+    int ntb = ntmax;
+    int64_t nbase = row_blocks(&J, ngrp, ntb);
+    if (nbase < target && ngrp < KVH) {
+        ngrp = (int)KVH;
+        nbase = row_blocks(&J, ngrp, ntb);
+    }
+    if (nbase < 2 * nth && maxq > 1 && nbase > 0) {
+        const int64_t split = (2 * nth + nbase - 1) / nbase;
+        const int64_t t = (maxq + split - 1) / split;
+        ntb = (int)(t < PA_MIN_TOKENS ? PA_MIN_TOKENS : t < ntb ? t : ntb);
+        nbase = row_blocks(&J, ngrp, ntb);
+    }
+    nh = (int)((KVH + ngrp - 1) / ngrp);  /* the widest group */
+    if (nbase > INT32_MAX / 64)
+        return pa_err(PA_EDIMS, 0);
+    /* Still few row blocks: spread each one's pieces over several items (flash-decoding).
+     * This only schedules; the pieces and their fold are the same either way. */
     const int want = nbase < target ? (int)((target + nbase - 1) / nbase) : 1;
 
     /* Pass 1 counts items and partial slots, pass 2 fills them in. */
@@ -1877,7 +1906,7 @@ int pa_tree_attention(const pa_args_t *a)
             if (qlen == 0)
                 continue;
             const int prefix = J.cl[s] - qlen;
-            const int nblk = (qlen + ntmax - 1) / ntmax;
+            const int nblk = (qlen + ntb - 1) / ntb;
             for (int b = 0; b < nblk; b++) {
                 /* Even token blocks: 64 tokens as 22 + 21 + 21, not 21 + 21 + 21 + 1. */
                 const int t0 = (int)((int64_t)qlen * b / nblk);

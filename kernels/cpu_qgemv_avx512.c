@@ -373,6 +373,17 @@ static inline __attribute__((always_inline)) void z_dpbusd(__m512i *acc, __m512i
     __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(w), "v"(x));
 }
 
+/* *p, loaded here and now: GCC would otherwise keep a tile's scales (dp, and Q4_1's mp: 8 zmm)
+ * in registers across the next input tile's dot products, whose 16 accumulators then spill to
+ * the stack (a store, a reload and a store-forwarding wait per vpdpbusd step: half the int8
+ * kernel's speed at M >= 4 on the Xeon).  A volatile asm is neither hoisted nor merged. */
+static inline __attribute__((always_inline)) __m512 z_reload(const __m512 *p)
+{
+    __m512 v;
+    __asm__ volatile("vmovaps %1, %0" : "=v"(v) : "m"(*p));
+    return v;
+}
+
 /* acc[m][r] += this group's contribution, for MR inputs whose records start at xr (stride ms). */
 static inline __attribute__((always_inline))
 void z_iblock(const ztile_t *t, const uint8_t *xr, size_t ms, __m512 (*acc)[PQ_NR],
@@ -438,9 +449,10 @@ void z_iblock(const ztile_t *t, const uint8_t *xr, size_t ms, __m512 (*acc)[PQ_N
     for (int m = 0; m < MR; m++) {
         const __m512 dx = _mm512_load_ps((const float *)(xr + m * ms + dxo));
         for (int r = 0; r < NR; r++) {
-            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][r]), _mm512_mul_ps(t->dp[r], dx), acc[m][r]);
+            __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][r]), _mm512_mul_ps(z_reload(&t->dp[r]), dx),
+                                       acc[m][r]);
             if (Q32_L(FMT).has_m)
-                a = _mm512_fmadd_ps(t->mp[r], _mm512_load_ps((const float *)(xr + m * ms + auxo)), a);
+                a = _mm512_fmadd_ps(z_reload(&t->mp[r]), _mm512_load_ps((const float *)(xr + m * ms + auxo)), a);
             acc[m][r] = a;
         }
     }
