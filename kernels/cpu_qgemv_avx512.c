@@ -68,11 +68,72 @@ static inline __attribute__((always_inline)) void z_prefetch(const uint8_t *p, s
             _mm_prefetch((const char *)p + o + PQ_PF_BYTES, _MM_HINT_T0);
 }
 
+/* z_hsum4's sums of 16 accumulators at once, in its order of additions (so the same bits):
+ * per accumulator X, f_i = X_i + X_(i+8), then (f0 + f1) + (f2 + f3) and (f4 + f5) + (f6 + f7),
+ * then their sum.  a[m][r] for 4 inputs m and 4 rows r; lane 4m + r of the result is a[m][r]'s
+ * sum.  45 shuffles and adds for 16 sums against 76 for four z_hsum4. */
+static inline __attribute__((always_inline)) __m512 z_hsum16(__m512 (*a)[PQ_NR])
+{
+    /* X[x] with x = 8 (m / 2) + 2 r + m % 2: the lane order the stages below leave */
+    __m512 X[16], Z[8], W[4], V[2];
+    for (int m = 0; m < 4; m++)
+        for (int r = 0; r < 4; r++)
+            X[8 * (m >> 1) + 2 * r + (m & 1)] = a[m][r];
+    for (int k = 0; k < 8; k++)  /* Z_k: f of X[2k] in lanes 0-7, of X[2k+1] in lanes 8-15 */
+        Z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(X[2 * k], X[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(X[2 * k], X[2 * k + 1], 0xEE));
+    for (int k = 0; k < 4; k++)  /* adjacent pairs within 128-bit lanes, as vhaddps */
+        W[k] = _mm512_add_ps(_mm512_shuffle_ps(Z[2 * k], Z[2 * k + 1], 0x88),
+                             _mm512_shuffle_ps(Z[2 * k], Z[2 * k + 1], 0xDD));
+    for (int k = 0; k < 2; k++)
+        V[k] = _mm512_add_ps(_mm512_shuffle_ps(W[2 * k], W[2 * k + 1], 0x88),
+                             _mm512_shuffle_ps(W[2 * k], W[2 * k + 1], 0xDD));
+    /* V lanes 0-3 / 4-7 / 8-11 / 12-15: the low halves' sums of four accumulators, their high
+     * halves', then the same for four others */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(V[0], V[1], 0x88), _mm512_shuffle_f32x4(V[0], V[1], 0xDD));
+}
+
+/* fp32 -> bf16 as bf16x4_rne (round to nearest even, NaNs kept quiet), 16 lanes. */
+static inline __attribute__((always_inline)) __m256i z_bf16x16_rne(__m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* y[m0 + i, n..n+3] = lanes 4i..4i+3 of s (+ bias), i < 4. */
+static inline __attribute__((always_inline)) void z_store_4x4(const pq_job_t *j, int m0, int n, __m512 s)
+{
+    if (j->bias)
+        s = _mm512_add_ps(s, _mm512_broadcast_f32x4(_mm_loadu_ps(j->bias + n)));
+    const size_t off = (size_t)m0 * j->N + n;
+    if (j->ydt == DT_F32) {
+        float *y = (float *)j->y + off;
+        for (int i = 0; i < 4; i++)
+            _mm_storeu_ps(y + (size_t)i * j->N, _mm512_extractf32x4_ps(s, i));
+    } else {
+        uint16_t *y = (uint16_t *)j->y + off;
+        const __m256i b = z_bf16x16_rne(s);
+        _mm_storel_epi64((__m128i *)y, _mm256_castsi256_si128(b));
+        _mm_storel_epi64((__m128i *)(y + j->N), _mm_unpackhi_epi64(_mm256_castsi256_si128(b), _mm256_castsi256_si128(b)));
+        const __m128i h = _mm256_extracti128_si256(b, 1);
+        _mm_storel_epi64((__m128i *)(y + 2 * (size_t)j->N), h);
+        _mm_storel_epi64((__m128i *)(y + 3 * (size_t)j->N), _mm_unpackhi_epi64(h, h));
+    }
+}
+
 /* Store acc[m][r] (r < NR) for rows n.. of all M inputs. */
 static inline __attribute__((always_inline))
 void z_emit(const pq_job_t *j, __m512 (*acc)[PQ_NR], int n, const int NR)
 {
-    for (int m = 0; m < j->M; m++) {
+    int m = 0;
+    if (NR == 4)
+        for (; m + 4 <= j->M; m += 4)
+            z_store_4x4(j, m, n, z_hsum16(acc + m));
+    for (; m < j->M; m++) {
         if (NR == 4)
             z_store_row4(j, m, n, z_hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
         else
@@ -384,9 +445,10 @@ static inline __attribute__((always_inline)) __m512 z_reload(const __m512 *p)
     return v;
 }
 
-/* acc[m][r] += this group's contribution, for MR inputs whose records start at xr (stride ms). */
+/* acc[m][r] += this group's contribution (acc[m][r] = it, if first), for MR inputs whose records
+ * start at xr (stride ms). */
 static inline __attribute__((always_inline))
-void z_iblock(const ztile_t *t, const uint8_t *xr, size_t ms, __m512 (*acc)[PQ_NR],
+void z_iblock(const ztile_t *t, const uint8_t *xr, size_t ms, __m512 (*acc)[PQ_NR], int first,
               const int FMT, const int VNNI, const int S, const int MR, const int NR)
 {
     const size_t dxo = (size_t)S * 64, auxo = (size_t)(S + 1) * 64;
@@ -449,8 +511,10 @@ void z_iblock(const ztile_t *t, const uint8_t *xr, size_t ms, __m512 (*acc)[PQ_N
     for (int m = 0; m < MR; m++) {
         const __m512 dx = _mm512_load_ps((const float *)(xr + m * ms + dxo));
         for (int r = 0; r < NR; r++) {
+            /* a row's first group starts from +0, as a zeroed acc would (no stores to zero it) */
+            const __m512 prev = first ? _mm512_setzero_ps() : acc[m][r];
             __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][r]), _mm512_mul_ps(z_reload(&t->dp[r]), dx),
-                                       acc[m][r]);
+                                       prev);
             if (Q32_L(FMT).has_m)
                 a = _mm512_fmadd_ps(z_reload(&t->mp[r]), _mm512_load_ps((const float *)(xr + m * ms + auxo)), a);
             acc[m][r] = a;
@@ -460,7 +524,8 @@ void z_iblock(const ztile_t *t, const uint8_t *xr, size_t ms, __m512 (*acc)[PQ_N
 
 static inline __attribute__((always_inline))
 void z_igroup(const pq_job_t *j, int n, const int FMT, const int VNNI, const int KIND, const int FULL,
-              int b0, int nv, const uint8_t *xg, size_t ms, const int NR, ztile_t *t, __m512 (*acc)[PQ_NR])
+              int b0, int nv, const uint8_t *xg, size_t ms, const int NR, ztile_t *t, __m512 (*acc)[PQ_NR],
+              int first)
 {
     const int bb = Q32_L(FMT).bb, M = j->M, S = KIND == KIND_T ? 8 : 1;
     for (int r = 0; r < NR; r++) {
@@ -471,10 +536,10 @@ void z_igroup(const pq_job_t *j, int n, const int FMT, const int VNNI, const int
     for (int m0 = 0; m0 < M; m0 += 4) {
         const uint8_t *xr = xg + (size_t)m0 * ms;
         switch (M - m0) {
-        case 1: z_iblock(t, xr, ms, acc + m0, FMT, VNNI, S, 1, NR); break;
-        case 2: z_iblock(t, xr, ms, acc + m0, FMT, VNNI, S, 2, NR); break;
-        case 3: z_iblock(t, xr, ms, acc + m0, FMT, VNNI, S, 3, NR); break;
-        default: z_iblock(t, xr, ms, acc + m0, FMT, VNNI, S, 4, NR); break;
+        case 1: z_iblock(t, xr, ms, acc + m0, first, FMT, VNNI, S, 1, NR); break;
+        case 2: z_iblock(t, xr, ms, acc + m0, first, FMT, VNNI, S, 2, NR); break;
+        case 3: z_iblock(t, xr, ms, acc + m0, first, FMT, VNNI, S, 3, NR); break;
+        default: z_iblock(t, xr, ms, acc + m0, first, FMT, VNNI, S, 4, NR); break;
         }
     }
 }
@@ -486,20 +551,17 @@ void z_itile(const pq_job_t *j, int n, const int FMT, const int VNNI, const int 
     const xa_hdr_t *h = (const xa_hdr_t *)j->xa;
     const uint8_t *xd = XA_DATA(h);
     const size_t ms = h->mstride;
-    for (int m = 0; m < j->M; m++)
-        for (int r = 0; r < NR; r++)
-            acc[m][r] = _mm512_setzero_ps();
     const plan_t p = plan_of(h->nb, 16);
     size_t goff = 0;
     for (int g = 0; g < p.ng; g++) {
         int kind, b0, nv;
         plan_group(&p, 16, g, &kind, &b0, &nv);
         if (kind == KIND_T && nv == 16)
-            z_igroup(j, n, FMT, VNNI, KIND_T, 1, b0, nv, xd + goff, ms, NR, t, acc);
+            z_igroup(j, n, FMT, VNNI, KIND_T, 1, b0, nv, xd + goff, ms, NR, t, acc, g == 0);
         else if (kind == KIND_T)
-            z_igroup(j, n, FMT, VNNI, KIND_T, 0, b0, nv, xd + goff, ms, NR, t, acc);
+            z_igroup(j, n, FMT, VNNI, KIND_T, 0, b0, nv, xd + goff, ms, NR, t, acc, g == 0);
         else
-            z_igroup(j, n, FMT, VNNI, KIND_P, 0, b0, nv, xd + goff, ms, NR, t, acc);
+            z_igroup(j, n, FMT, VNNI, KIND_P, 0, b0, nv, xd + goff, ms, NR, t, acc, g == 0);
         goff += rec_bytes(16, kind);
     }
     z_emit(j, acc, n, NR);
@@ -543,10 +605,6 @@ void z_ipipe(const pq_job_t *j, int n0, int ntiles, const int FMT, const int VNN
     int g = 0, n = n0;
     size_t goff = 0;
     for (long u = 0; u < units; u++) {
-        if (g == 0)
-            for (int m = 0; m < M; m++)
-                for (int r = 0; r < PQ_NR; r++)
-                    acc[m][r] = _mm512_setzero_ps();
         const int ckind = kind;
         if (u + 1 < units) {
             const int g1 = g + 1 == ng ? 0 : g + 1, n1 = g + 1 == ng ? n + PQ_NR : n;
@@ -559,17 +617,17 @@ void z_ipipe(const pq_job_t *j, int n0, int ntiles, const int FMT, const int VNN
             const uint8_t *xr = xg + (size_t)m0 * ms;
             if (ckind == KIND_T) {
                 switch (M - m0) {
-                case 1: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 8, 1, PQ_NR); break;
-                case 2: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 8, 2, PQ_NR); break;
-                case 3: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 8, 3, PQ_NR); break;
-                default: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 8, 4, PQ_NR); break;
+                case 1: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 8, 1, PQ_NR); break;
+                case 2: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 8, 2, PQ_NR); break;
+                case 3: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 8, 3, PQ_NR); break;
+                default: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 8, 4, PQ_NR); break;
                 }
             } else {
                 switch (M - m0) {
-                case 1: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 1, 1, PQ_NR); break;
-                case 2: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 1, 2, PQ_NR); break;
-                case 3: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 1, 3, PQ_NR); break;
-                default: z_iblock(tc, xr, ms, acc + m0, FMT, VNNI, 1, 4, PQ_NR); break;
+                case 1: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 1, 1, PQ_NR); break;
+                case 2: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 1, 2, PQ_NR); break;
+                case 3: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 1, 3, PQ_NR); break;
+                default: z_iblock(tc, xr, ms, acc + m0, g == 0, FMT, VNNI, 1, 4, PQ_NR); break;
                 }
             }
         }
