@@ -50,7 +50,9 @@
  *
  * Row tiles: 4 weight rows x (all M in blocks of up to 4 inputs), each dequantized/transposed
  * weight tile reused for all M input rows from L1; fp32 accumulation; bias; y fp32 or bf16
- * (round to nearest even).  Work is split over the pool of cpu_runtime.c (pg_parallel_for, by
+ * (round to nearest even).  An output's lanes are summed in one fixed order however it is
+ * stored (AVX-512: 4 inputs x 4 rows reduced together, a lone input or row apart; the same
+ * pairs of additions), so a row's bits do not depend on M or on its tile.  Work is split over the pool of cpu_runtime.c (pg_parallel_for, by
  * cpu_dispatch.c) in row chunks sized as cpu_gemv.c does; matrices under 48 KB run on the
  * caller alone.
  */

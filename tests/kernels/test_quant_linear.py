@@ -280,6 +280,29 @@ def test_thread_count_does_not_change_results():
         cpu_linear.set_num_threads(before)
 
 
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_rows_with_bias_do_not_depend_on_the_call(tier_cap, qtype):
+    """With a bias, fp32 or bf16 output, on every tier and both paths: row i of an M-row call
+    has the bits of the one-row call (a 4-input tile's rows are summed and rounded together,
+    a lone row apart -- in the same order), and N = 2049 leaves a one-row tail."""
+    _require_native(qtype)
+    g = torch.Generator().manual_seed(11)
+    N, K = 2049, 576
+    b = _weights(qtype, N, K, g)
+    lin = QuantLinear(b, qtype, N, K, bias=torch.randn(N, generator=g))
+    for tier in _tiers():
+        tier_cap(tier)
+        for mode in ("float", "int8"):
+            ql.set_mode(mode)
+            for dt in DTYPES:
+                x = torch.randn(13, K, generator=g).to(dt)  # [M, K]
+                alone = torch.cat([lin(x[i:i + 1]) for i in range(x.shape[0])])
+                for m in (4, 8, 13):
+                    got = lin(x[:m])
+                    assert torch.equal(got, alone[:m]), (tier, mode, dt, m, (got != alone[:m]).sum().item())
+    ql.set_mode("auto")
+
+
 # ---- dequantization, prefill, fallback, API ---------------------------------------------------
 
 @pytest.mark.parametrize("qtype", FORMATS)
