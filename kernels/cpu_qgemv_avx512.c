@@ -315,8 +315,19 @@ void z_q4_group(const int FMT, const int FULL, const uint8_t *g, int nv, __m512i
     }
     const __m512i pidx = _mm512_load_si512((const void *)pi), didx = _mm512_load_si512((const void *)di);
     __m512i P[4];
-    for (int a = 0; a < 4; a++)
-        P[a] = _mm512_permutex2var_epi16(lo[a], pidx, hi[a]);
+    if (wb % 2 == 0 && qw % 2 == 0) {
+        /* every qs dword of these blocks is dword-aligned (Q4_1: 20-byte blocks, qs at 4): the
+         * same picks as dwords, one vpermt2d (1 uop) instead of a vpermt2w (2 on the Xeon) */
+        _Alignas(64) int32_t pd[16];
+        for (int d = 0; d < 16; d++)
+            pd[d] = (wb * (d & 3) + qw) / 2 + (d >> 2);
+        const __m512i pdx = _mm512_load_si512((const void *)pd);
+        for (int a = 0; a < 4; a++)
+            P[a] = _mm512_permutex2var_epi32(lo[a], pdx, hi[a]);
+    } else {
+        for (int a = 0; a < 4; a++)
+            P[a] = _mm512_permutex2var_epi16(lo[a], pidx, hi[a]);
+    }
     const __m512i A0 = _mm512_shuffle_i32x4(P[0], P[1], 0x44), A1 = _mm512_shuffle_i32x4(P[0], P[1], 0xEE);
     const __m512i A2 = _mm512_shuffle_i32x4(P[2], P[3], 0x44), A3 = _mm512_shuffle_i32x4(P[2], P[3], 0xEE);
     R[0] = _mm512_shuffle_i32x4(A0, A2, 0x88);
