@@ -100,6 +100,7 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     pq_task_t t;
     t.rows = pq_rows_at(f, isa);
     t.job.w = (const uint8_t *)d->w;
+    t.job.rp = isa >= ISA_AVX512 ? (const uint8_t *)d->rp : NULL;
     t.job.row_bytes = (size_t)(K / f->block_elems) * f->block_bytes;
     t.job.bias = d->bias;
     t.job.x = x32;
@@ -171,6 +172,15 @@ int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *ou
         deq((const uint8_t *)d->w + (size_t)ids[i] * rb, nb, out + (size_t)i * d->K);
     }
     return 0;
+}
+
+__attribute__((visibility("hidden"))) int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K);
+
+int pq_repack(const pg_weight_t *d, void *out)
+{
+    if (!d || !out || d->N < 1 || d->K < 1 || d->K % 32)
+        return 1;
+    return q32_repack(d->wdt, (const uint8_t *)d->w, (uint8_t *)out, d->N, d->K);
 }
 
 /* 1 when wdt has row kernels in this .so (a row of the table), else 0. */

@@ -16,6 +16,8 @@ typedef struct {
     const void *w;
     const float *bias;   /* [N] fp32 or NULL */
     int32_t wdt, N, K;
+    /* NULL, or w regrouped by pq_repack for the AVX-512 block kernels (same size as w) */
+    const void *rp;
 } pg_weight_t;
 
 /* y[M, N] = x[M, K] @ W^T (+ bias); x, y fp32 or bf16 (xdt; y has x's dtype); M <= PG_MAX_M.
@@ -27,6 +29,11 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
  * reference dequantizer's values. */
 int pq_dequantize_rows(const pg_weight_t *d, int n0, int n1, float *out);
 int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *out);
+/* Fill out (d's row bytes x N, the caller's memory) with W regrouped for the AVX-512 kernels of
+ * the 32-element formats: each full 16-block group in the order their registers take (q32_repack,
+ * cpu_qgemv.c), the rest as is.  0 done (the caller then sets d->rp = out), 1 no such layout for
+ * this format or CPU. */
+int pq_repack(const pg_weight_t *d, void *out);
 /* 1 when wdt has kernels in this .so; the activation block of wdt at the tier in use. */
 int pq_supported(int wdt);
 int pq_act_block(int wdt);

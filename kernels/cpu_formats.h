@@ -62,6 +62,7 @@ _Static_assert(sizeof(block_q6_k) == 210, "block_q6_k must be 210 bytes");
 
 typedef struct {
     const uint8_t *w;   /* [N, row_bytes] blocks */
+    const uint8_t *rp;  /* NULL, or w regrouped (q32_repack): what the AVX-512 int8 rows read */
     size_t row_bytes;
     const float *bias;  /* [N] or NULL */
     const float *x;     /* [M, K] fp32 activations */

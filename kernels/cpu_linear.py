@@ -118,7 +118,8 @@ _so_path: Optional[str] = None
 class _WeightDesc(ctypes.Structure):
     """Mirror of pg_weight_t in cpu_dispatch.h: a weight's fixed call arguments, built once."""
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("wdt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32)]
+                ("wdt", ctypes.c_int32), ("N", ctypes.c_int32), ("K", ctypes.c_int32),
+                ("rp", ctypes.c_void_p)]
 
 
 # --------------------------------------------------------------------------------------------

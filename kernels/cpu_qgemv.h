@@ -81,6 +81,9 @@ static const q32_layout_t q32_layouts[PF_COUNT] = {
 
 #pragma GCC visibility push(hidden)
 Q32_FORMATS(Q32_DECLARE)
+/* W [N, K] (wdt one of the family) -> out, the same bytes with each full 16-block group of a row
+ * regrouped (cpu_qgemv.c); 0 done, 1 not a format of the family. */
+int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K);
 /* Bytes of prepared activations (cpu_qgemv.c), the same for every format of the family. */
 size_t q32_xa_bytes(int M, int K);
 /* One block of x -> int8 q[32] (nearest even), its scale and the sum of q, per tier. */

@@ -348,9 +348,35 @@ void z_q4_group(const int FMT, const int FULL, const uint8_t *g, int nv, __m512i
 
 static inline __attribute__((always_inline))
 void z_idec(const int FMT, const int VNNI, const int KIND, const int FULL, const uint8_t *g, int nv,
-            ztile_t *t, int r)
+            ztile_t *t, int r, int rp)
 {
     const int bb = Q32_L(FMT).bb, qoff = Q32_L(FMT).qoff;
+    if (rp && KIND == KIND_T && FULL) {
+        /* a regrouped group (q32_repack): the registers the transposes below would give */
+        const int S = Q32_L(FMT).nib ? 4 : 8;
+        t->dp[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 64 * S)));
+        if (Q32_L(FMT).has_m)
+            t->mp[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(g + 64 * S + 32)));
+        if (Q32_L(FMT).nib) {
+            const __m512i m4 = _mm512_set1_epi8(15);
+            for (int k = 0; k < 4; k++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(g + 64 * k));
+                t->w[r][k] = _mm512_and_si512(raw, m4);
+                t->w[r][k + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), m4);
+            }
+        } else {
+            for (int k = 0; k < 8; k++) {
+                const __m512i s = _mm512_loadu_si512((const void *)(g + 64 * k));
+                if (VNNI) {
+                    t->w[r][k] = _mm512_xor_si512(s, _mm512_set1_epi8((char)0x80));
+                } else {
+                    t->sm[r][k] = _mm512_movepi8_mask(s);
+                    t->w[r][k] = _mm512_abs_epi8(s);
+                }
+            }
+        }
+        return;
+    }
     if (Q32_L(FMT).nib && KIND == KIND_T) {
         __m512i raw[4];
         z_q4_group(FMT, FULL, g, nv, raw, &t->dp[r], &t->mp[r]);
@@ -539,10 +565,11 @@ void z_igroup(const pq_job_t *j, int n, const int FMT, const int VNNI, const int
               int first)
 {
     const int bb = Q32_L(FMT).bb, M = j->M, S = KIND == KIND_T ? 8 : 1;
+    const uint8_t *W = j->rp ? j->rp : j->w;  /* the regrouped copy has the same offsets */
     for (int r = 0; r < NR; r++) {
-        const uint8_t *g = j->w + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
+        const uint8_t *g = W + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
         z_prefetch(g, (size_t)nv * bb);
-        z_idec(FMT, VNNI, KIND, FULL, g, nv, t, r);
+        z_idec(FMT, VNNI, KIND, FULL, g, nv, t, r, j->rp != NULL);
     }
     for (int m0 = 0; m0 < M; m0 += 4) {
         const uint8_t *xr = xg + (size_t)m0 * ms;
@@ -583,15 +610,17 @@ static inline __attribute__((always_inline))
 void z_idec_tile(const pq_job_t *j, int n, const int FMT, const int VNNI, int kind, int b0, int nv, ztile_t *t)
 {
     const int bb = Q32_L(FMT).bb;
+    const uint8_t *W = j->rp ? j->rp : j->w;  /* the regrouped copy has the same offsets */
+    const int rp = j->rp != NULL;
     for (int r = 0; r < PQ_NR; r++) {
-        const uint8_t *g = j->w + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
+        const uint8_t *g = W + (size_t)(n + r) * j->row_bytes + (size_t)b0 * bb;
         z_prefetch(g, (size_t)nv * bb);
         if (kind == KIND_T && nv == 16)
-            z_idec(FMT, VNNI, KIND_T, 1, g, nv, t, r);
+            z_idec(FMT, VNNI, KIND_T, 1, g, nv, t, r, rp);
         else if (kind == KIND_T)
-            z_idec(FMT, VNNI, KIND_T, 0, g, nv, t, r);
+            z_idec(FMT, VNNI, KIND_T, 0, g, nv, t, r, rp);
         else
-            z_idec(FMT, VNNI, KIND_P, 0, g, nv, t, r);
+            z_idec(FMT, VNNI, KIND_P, 0, g, nv, t, r, rp);
     }
 }
 

@@ -1040,6 +1040,7 @@ int pqk_linear_entry(int wdt, const uint8_t *w, const float *bias, int N, int K,
         return -1;
     pq_job_t j;
     j.w = w;
+    j.rp = NULL;
     j.row_bytes = (size_t)(K / QK) * fmt->bb;
     j.bias = bias;
     j.x = x;

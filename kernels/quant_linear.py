@@ -26,7 +26,9 @@ The tiled path never quantizes activations.  y has x's dtype (bf16 rounded to ne
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -59,6 +61,8 @@ def _lib() -> Optional[ctypes.CDLL]:
                     vp, ci = ctypes.c_void_p, ctypes.c_int
                     lib.pq_dequantize_rows.argtypes = [vp, ci, ci, vp]
                     lib.pq_dequantize_ids.argtypes = [vp, vp, ci, vp]
+                    lib.pq_repack.argtypes = [vp, vp]
+                    lib.pq_repack.restype = ci
                     for name in ("pq_set_mode", "pq_supported", "pq_act_block"):
                         getattr(lib, name).argtypes = [ci]
                     for name in ("pq_dequantize_rows", "pq_dequantize_ids", "pq_set_mode",
@@ -75,6 +79,35 @@ def _lib() -> Optional[ctypes.CDLL]:
             _qlib = lib
             _qlib_tried = True
     return _qlib
+
+
+#: MiB of regrouped weight copies built by default (PRESCIENT_REGROUP_MB overrides; 0: none):
+#: the copy doubles a weight's memory, so a large model gets it for its first layers only.
+REGROUP_MB = 1024
+_regroup_held = 0  # bytes of regrouped copies alive
+
+
+def _regroup_wanted(nbytes: int) -> bool:
+    """Whether a new weight gets its regrouped copy: the AVX-512 block kernels read it
+    (cpu_qgemv_avx512.c; the AVX2 and portable rows do not), so on a CPU that has them, while
+    the copies held stay within PRESCIENT_REGROUP_MB."""
+    try:
+        budget = int(os.environ.get("PRESCIENT_REGROUP_MB", REGROUP_MB)) << 20
+    except ValueError:
+        budget = REGROUP_MB << 20
+    if _regroup_held + nbytes > budget:
+        return False
+    return "avx512" in cpu_linear.machine_tiers()
+
+
+def regrouped_bytes() -> int:
+    """Bytes of regrouped weight copies alive in this process (QuantLinear.regroup)."""
+    return _regroup_held
+
+
+def _release(nbytes: int) -> None:
+    global _regroup_held
+    _regroup_held -= nbytes
 
 
 def _wdt(qtype: str) -> int:
@@ -118,7 +151,7 @@ class QuantLinear:
     x through the tiled path's torch ops, never W)."""
 
     __slots__ = ("blocks", "qtype", "in_features", "out_features", "weight_bytes", "bias",
-                 "_wdt", "_desc", "_dptr", "_native", "_deq_native")
+                 "_wdt", "_desc", "_dptr", "_native", "_deq_native", "_regrouped")
 
     def __init__(self, blocks: torch.Tensor, qtype: str, N: int, K: int,
                  bias: Optional[torch.Tensor] = None):
@@ -150,6 +183,35 @@ class QuantLinear:
         self._native = lib is not None and bool(lib.pq_supported(self._wdt))
         # pq_dequantize_rows / _ids run every format of the library's table (cpu_dispatch.c)
         self._deq_native = self._native
+        self._regrouped = None
+        if self._native and _regroup_wanted(self.blocks.numel()):
+            self.regroup()
+
+    def regroup(self, on: bool = True) -> bool:
+        """Hold (or drop) the copy of W regrouped for the AVX-512 int8 kernels (cpu_qgemv.c's
+        q32_repack: each full 16-block group in the order the kernel's registers take, so it
+        loads instead of transposing them; the same bits). As large as W. Built at
+        construction on a CPU with AVX-512 for Q8_0 / Q4_0 / Q4_1, within REGROUP_MB for the
+        process. Returns whether the copy is held."""
+        global _regroup_held
+        if not on or not self._native:
+            self._regrouped = None
+            self._desc.rp = None
+            return False
+        if self._regrouped is None:
+            out = torch.empty_like(self.blocks)
+            if _qlib.pq_repack(self._dptr, out.data_ptr()) != 0:
+                return False
+            _regroup_held += out.numel()
+            weakref.finalize(out, _release, out.numel())
+            self._regrouped = out
+            self._desc.rp = out.data_ptr()
+        return True
+
+    @property
+    def regrouped(self) -> bool:
+        """Whether the kernels read the regrouped copy of W (at the AVX-512 tiers)."""
+        return self._regrouped is not None
 
     @property
     def native(self) -> bool:

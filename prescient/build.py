@@ -192,8 +192,12 @@ def load_model(spec: EngineSpec) -> LoadedModel:
 
 def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token"."""
+    from prescient.kernels.quant_linear import regrouped_bytes
+
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
-    return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB; "
+    rg = regrouped_bytes()
+    extra = f" (+{rg / (1 << 20):.1f} MiB regrouped for the AVX-512 kernels)" if rg else ""
+    return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB{extra}; "
             f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
 
 

@@ -18,6 +18,8 @@ pq_act_block reports 256 when they quantize x (one scale per super-block).
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -301,6 +303,59 @@ def test_rows_with_bias_do_not_depend_on_the_call(tier_cap, qtype):
                     got = lin(x[:m])
                     assert torch.equal(got, alone[:m]), (tier, mode, dt, m, (got != alone[:m]).sum().item())
     ql.set_mode("auto")
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
+    """On a CPU with AVX-512, a weight of the 32-element family holds a copy regrouped for the
+    AVX-512 kernels (full 16-block groups as their registers take them; tail blocks and short
+    rows as is): every tier and path, fp32 and bf16, with a bias, gives the bits of the blocks
+    themselves (the copy dropped)."""
+    _require_native(qtype)
+    if "avx512" not in _tiers():
+        pytest.skip("the regrouped copy is for the AVX-512 kernels")
+    g = torch.Generator().manual_seed(12)
+    # K: one full group, two and a tail of 3 (pairs), one and a padded group of 9; a short row
+    for N, K in ((37, 512), (45, 1120), (29, 800), (21, 224)):
+        lin = QuantLinear(_weights(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
+        assert lin.regrouped
+        for tier in _tiers():
+            tier_cap(tier)
+            for mode in ("float", "int8"):
+                ql.set_mode(mode)
+                for M in (1, 3, 8, 64):
+                    for dt in DTYPES:
+                        x = torch.randn(M, K, generator=g).to(dt)
+                        got = lin(x)
+                        lin.regroup(False)
+                        want = lin(x)
+                        assert lin.regroup(True)
+                        assert torch.equal(got, want), (N, K, tier, mode, M, dt)
+    ql.set_mode("auto")
+
+
+def test_regrouped_copies_stay_within_their_budget(monkeypatch):
+    """PRESCIENT_REGROUP_MB bounds the copies a process holds (0: none); a dropped weight's
+    copy is given back; K-quants have no regrouped layout."""
+    _require_native("q4_1")
+    if "avx512" not in _tiers():
+        pytest.skip("the regrouped copy is for the AVX-512 kernels")
+    g = torch.Generator().manual_seed(13)
+    b = _weights("q4_1", 64, 512, g)
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", "0")
+    assert not QuantLinear(b, "q4_1", 64, 512).regrouped
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", "1")
+    before = ql.regrouped_bytes()
+    lin = QuantLinear(b, "q4_1", 64, 512)
+    assert lin.regrouped and ql.regrouped_bytes() == before + b.numel()
+    del lin
+    gc.collect()
+    assert ql.regrouped_bytes() == before
+    big = _weights("q4_1", 1 << 11, 1 << 10, g)  # 1.25 MiB: past the 1 MiB budget
+    assert not QuantLinear(big, "q4_1", 1 << 11, 1 << 10).regrouped
+    if "q4_k" in FORMATS and ql.native_available("q4_k"):
+        monkeypatch.setenv("PRESCIENT_REGROUP_MB", "1024")
+        assert not QuantLinear(_weights("q4_k", 16, 256, g), "q4_k", 16, 256).regrouped
 
 
 # ---- dequantization, prefill, fallback, API ---------------------------------------------------
