@@ -1883,7 +1883,9 @@ int pa_tree_attention(const pa_args_t *a)
     if (nbase < 2 * nth && maxq > 1 && nbase > 0) {
         const int64_t split = (2 * nth + nbase - 1) / nbase;
         const int64_t t = (maxq + split - 1) / split;
-        ntb = (int)(t < PA_MIN_TOKENS ? PA_MIN_TOKENS : t < ntb ? t : ntb);
+        /* at least PA_MIN_TOKENS, at most ntmax (the partial slots are sized for ntmax rows) */
+        ntb = (int)(t < PA_MIN_TOKENS ? PA_MIN_TOKENS : t);
+        ntb = ntb < ntmax ? ntb : ntmax;
         nbase = row_blocks(&J, ngrp, ntb);
     }
     nh = (int)((KVH + ngrp - 1) / ngrp);  /* the widest group */

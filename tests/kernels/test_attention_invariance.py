@@ -314,26 +314,30 @@ def test_rows_do_not_depend_on_the_rest_of_the_batch(tier, kind):
 
 @tiers
 @kinds
-def test_a_lone_tree_split_over_heads_and_token_blocks_keeps_its_bits(tier, kind):
-    """A lone 8-token draft tree is cut into one item per kv head and two token blocks, so
-    both threads get a full-length item when its context is one long piece and a short one
-    (scheduling only); beside nine decodes nothing is cut.  Same bits either way, and at 1
-    and 2 threads."""
+# the default model's shape, and 40 query heads per kv head (one token per row block at most)
+@pytest.mark.parametrize("shape", [SHAPES[0], (40, 1, 64)], ids=lambda s: f"{s[0]}q{s[1]}kv{s[2]}")
+def test_a_lone_tree_split_over_heads_and_token_blocks_keeps_its_bits(tier, kind, shape):
+    """A lone draft tree (8 nodes, and a 2-token chain) is cut into one item per kv head and
+    token blocks, so both threads get a full-length item when its context is one long piece and
+    a short one (scheduling only); beside nine decodes nothing is cut.  Same bits either way,
+    at 1 and 2 threads, and each node has its decode step's bits.  (With 40 query heads a kv
+    head a row block holds one token: the cut must not make it two, which overran the partial
+    slots sized for one.)"""
     _tier(tier)
-    cache = Cache(kind, SHAPES[0], 16000, seed=5)
+    cache = Cache(kind, shape, 24000, seed=5)
     many = [(cache.q(1), cache.table(200 + 61 * i), 200 + 61 * i) for i in range(9)]
-    parents = [-1, 0, 1, 2, 3, 1, 5, 6]
-    mask = _masks(parents)
     causal = torch.ones(len(many), 1, dtype=torch.int32)
-    for ctx in (256 + 8, 700):
-        tree = (cache.q(8), cache.table(ctx), ctx)
-        with _threads(1):
-            one = cache.attend([tree], mask)
-        with _threads(2):
-            two = cache.attend([tree], mask)
-            crowd = cache.attend([*many, tree], torch.cat([causal, mask]))
-        _same_bits(two, one, f"ctx {ctx}, lone tree at 2 threads")
-        _same_bits(crowd[len(many):], one, f"ctx {ctx}, tree beside nine decodes")
-        for j in range(len(parents)):
-            _same_bits(one[j], _decode_after(cache, tree[0][j:j + 1], tree[1], ctx - 8,
-                                             path_to(parents, j)), f"ctx {ctx}, node {j}")
+    for parents in ([-1, 0, 1, 2, 3, 1, 5, 6], [-1, 0]):
+        n, mask = len(parents), _masks(parents)
+        for ctx in (256 + n, 700):
+            tree = (cache.q(n), cache.table(ctx), ctx)
+            with _threads(1):
+                one = cache.attend([tree], mask)
+            with _threads(2):
+                two = cache.attend([tree], mask)
+                crowd = cache.attend([*many, tree], torch.cat([causal, mask]))
+            _same_bits(two, one, f"{n} nodes, ctx {ctx}, lone tree at 2 threads")
+            _same_bits(crowd[len(many):], one, f"{n} nodes, ctx {ctx}, tree beside nine decodes")
+            for j in range(n):
+                _same_bits(one[j], _decode_after(cache, tree[0][j:j + 1], tree[1], ctx - n,
+                                                 path_to(parents, j)), f"{n} nodes, ctx {ctx}, node {j}")
