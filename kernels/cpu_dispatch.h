@@ -32,7 +32,7 @@ int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *ou
 /* Fill out (d's row bytes x N, the caller's memory) with W regrouped for the AVX-512 kernels of
  * the 32-element formats: each full 16-block group in the order their registers take (q32_repack,
  * cpu_qgemv.c), the rest as is.  0 done (the caller then sets d->rp = out), 1 no such layout for
- * this format or CPU. */
+ * this format.  Portable C: the caller decides where it pays (a CPU with AVX-512). */
 int pq_repack(const pg_weight_t *d, void *out);
 /* 1 when wdt has kernels in this .so; the activation block of wdt at the tier in use. */
 int pq_supported(int wdt);

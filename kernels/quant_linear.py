@@ -107,7 +107,8 @@ def regrouped_bytes() -> int:
 
 def _release(nbytes: int) -> None:
     global _regroup_held
-    _regroup_held -= nbytes
+    with _lock:
+        _regroup_held -= nbytes
 
 
 def _wdt(qtype: str) -> int:
@@ -192,17 +193,19 @@ class QuantLinear:
         q32_repack: each full 16-block group in the order the kernel's registers take, so it
         loads instead of transposing them; the same bits). As large as W. Built at
         construction on a CPU with AVX-512 for Q8_0 / Q4_0 / Q4_1, within REGROUP_MB for the
-        process. Returns whether the copy is held."""
+        process. Returns whether the copy is held. Not while another thread runs this weight
+        (the kernels read the copy through the descriptor)."""
         global _regroup_held
         if not on or not self._native:
+            self._desc.rp = None  # before the copy can be freed
             self._regrouped = None
-            self._desc.rp = None
             return False
         if self._regrouped is None:
             out = torch.empty_like(self.blocks)
             if _qlib.pq_repack(self._dptr, out.data_ptr()) != 0:
                 return False
-            _regroup_held += out.numel()
+            with _lock:
+                _regroup_held += out.numel()
             weakref.finalize(out, _release, out.numel())
             self._regrouped = out
             self._desc.rp = out.data_ptr()

@@ -196,7 +196,8 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
 
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
     rg = regrouped_bytes()
-    extra = f" (+{rg / (1 << 20):.1f} MiB regrouped for the AVX-512 kernels)" if rg else ""
+    # (all of the process's copies: a draft model's too)
+    extra = f" (+{rg / (1 << 20):.1f} MiB of regrouped copies for the AVX-512 kernels)" if rg else ""
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB{extra}; "
             f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
 

@@ -331,6 +331,18 @@ def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
                         want = lin(x)
                         assert lin.regroup(True)
                         assert torch.equal(got, want), (N, K, tier, mode, M, dt)
+    # and the AVX-512 int8 rows do read the copy: a changed byte in its first group shows there
+    lin = QuantLinear(_weights(qtype, 8, 512, g), qtype, 8, 512)
+    x = torch.randn(1, 512, generator=g)
+    ql.set_mode("int8")
+    tier_cap("avx512")
+    clean = lin(x)
+    lin._regrouped[0, 0] ^= 0x11  # a quant byte of block 0 (lane 0 of the first vector)
+    assert not torch.equal(lin(x), clean)
+    tier_cap("avx2")
+    before = lin(x)
+    lin._regrouped[0, 0] ^= 0x11
+    assert torch.equal(lin(x), before)  # the AVX2 rows read the blocks
     ql.set_mode("auto")
 
 
@@ -344,15 +356,18 @@ def test_regrouped_copies_stay_within_their_budget(monkeypatch):
     b = _weights("q4_1", 64, 512, g)
     monkeypatch.setenv("PRESCIENT_REGROUP_MB", "0")
     assert not QuantLinear(b, "q4_1", 64, 512).regrouped
-    monkeypatch.setenv("PRESCIENT_REGROUP_MB", "1")
+    gc.collect()  # copies of earlier tests' weights still alive count against the budget
     before = ql.regrouped_bytes()
+    mb = (before + b.numel() + (1 << 20) - 1) >> 20  # room for b's copy, less than 1 MiB more
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", str(mb))
     lin = QuantLinear(b, "q4_1", 64, 512)
     assert lin.regrouped and ql.regrouped_bytes() == before + b.numel()
     del lin
     gc.collect()
     assert ql.regrouped_bytes() == before
-    big = _weights("q4_1", 1 << 11, 1 << 10, g)  # 1.25 MiB: past the 1 MiB budget
-    assert not QuantLinear(big, "q4_1", 1 << 11, 1 << 10).regrouped
+    rows = ((mb << 20) - before) // 640 + 1  # 640 bytes a 1024-wide Q4_1 row: just past the budget
+    big = _weights("q4_1", rows, 1 << 10, g)
+    assert not QuantLinear(big, "q4_1", rows, 1 << 10).regrouped
     if "q4_k" in FORMATS and ql.native_available("q4_k"):
         monkeypatch.setenv("PRESCIENT_REGROUP_MB", "1024")
         assert not QuantLinear(_weights("q4_k", 16, 256, g), "q4_k", 16, 256).regrouped
