@@ -526,17 +526,6 @@ static inline __attribute__((always_inline)) __m512 exp2_ps(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* fp32 -> bf16, round to nearest even, NaNs kept quiet (as f32_to_bf16), 16 lanes. */
-static inline __attribute__((always_inline)) __m256i bf16x16_rne(__m512 v)
-{
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 /* The even and odd bf16 elements of 32 packed in x, widened to fp32 exactly. */
 static inline __attribute__((always_inline)) __m512 bf16_even(__m512i x)
 {

@@ -44,6 +44,18 @@ static inline __attribute__((always_inline, target("sse4.1"))) __m128i bf16x4_rn
     r = _mm_srli_epi32(r, 16);
     return _mm_packus_epi32(r, r);
 }
+
+/* The same for 16 lanes (AVX-512F; cpu_attention.c's bf16 output rows, cpu_qgemv_avx512.c's
+ * 4 x 4 output tiles). */
+static inline __attribute__((always_inline, target("avx512f"))) __m256i bf16x16_rne(__m512 v)
+{
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
 #endif
 
 #endif

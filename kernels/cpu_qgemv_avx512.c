@@ -93,17 +93,6 @@ static inline __attribute__((always_inline)) __m512 z_hsum16(__m512 (*a)[PQ_NR])
     return _mm512_add_ps(_mm512_shuffle_f32x4(V[0], V[1], 0x88), _mm512_shuffle_f32x4(V[0], V[1], 0xDD));
 }
 
-/* fp32 -> bf16 as bf16x4_rne (round to nearest even, NaNs kept quiet), 16 lanes. */
-static inline __attribute__((always_inline)) __m256i z_bf16x16_rne(__m512 v)
-{
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 /* y[m0 + i, n..n+3] = lanes 4i..4i+3 of s (+ bias), i < 4. */
 static inline __attribute__((always_inline)) void z_store_4x4(const pq_job_t *j, int m0, int n, __m512 s)
 {
@@ -116,7 +105,7 @@ static inline __attribute__((always_inline)) void z_store_4x4(const pq_job_t *j,
             _mm_storeu_ps(y + (size_t)i * j->N, _mm512_extractf32x4_ps(s, i));
     } else {
         uint16_t *y = (uint16_t *)j->y + off;
-        const __m256i b = z_bf16x16_rne(s);
+        const __m256i b = bf16x16_rne(s);  /* cpu_bf16.h */
         _mm_storel_epi64((__m128i *)y, _mm256_castsi256_si128(b));
         _mm_storel_epi64((__m128i *)(y + j->N), _mm_unpackhi_epi64(_mm256_castsi256_si128(b), _mm256_castsi256_si128(b)));
         const __m128i h = _mm256_extracti128_si256(b, 1);

@@ -315,22 +315,21 @@ def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
     if "avx512" not in _tiers():
         pytest.skip("the regrouped copy is for the AVX-512 kernels")
     g = torch.Generator().manual_seed(12)
-    # K: one full group, two and a tail of 3 (pairs), one and a padded group of 9; a short row
-    for N, K in ((37, 512), (45, 1120), (29, 800), (21, 224)):
+    # K: two full groups and a tail of 3 (pairs), one and a padded group of 9; a short row
+    for N, K in ((45, 1120), (29, 800), (21, 224)):
         lin = QuantLinear(_weights(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
         assert lin.regrouped
         for tier in _tiers():
             tier_cap(tier)
             for mode in ("float", "int8"):
                 ql.set_mode(mode)
-                for M in (1, 3, 8, 64):
-                    for dt in DTYPES:
-                        x = torch.randn(M, K, generator=g).to(dt)
-                        got = lin(x)
-                        lin.regroup(False)
-                        want = lin(x)
-                        assert lin.regroup(True)
-                        assert torch.equal(got, want), (N, K, tier, mode, M, dt)
+                for M, dt in ((1, torch.bfloat16), (5, torch.float32), (64, torch.bfloat16)):
+                    x = torch.randn(M, K, generator=g).to(dt)
+                    got = lin(x)
+                    lin.regroup(False)
+                    want = lin(x)
+                    assert lin.regroup(True)
+                    assert torch.equal(got, want), (N, K, tier, mode, M, dt)
     # and the AVX-512 int8 rows do read the copy: a changed byte in its first group shows there
     lin = QuantLinear(_weights(qtype, 8, 512, g), qtype, 8, 512)
     x = torch.randn(1, 512, generator=g)
