@@ -57,9 +57,9 @@
  * weight tile reused for all M input rows from L1; fp32 accumulation; bias; y fp32 or bf16
  * (round to nearest even).  An output's lanes are summed in one fixed order however it is
  * stored (AVX-512: 4 inputs x 4 rows reduced together, a lone input or row apart; the same
- * pairs of additions), so a row's bits do not depend on M or on its tile.  Work is split over the pool of cpu_runtime.c (pg_parallel_for, by
- * cpu_dispatch.c) in row chunks sized as cpu_gemv.c does; matrices under 48 KB run on the
- * caller alone.
+ * pairs of additions), so a row's bits do not depend on M or on its tile.  Work is split over
+ * the pool of cpu_runtime.c (pg_parallel_for, by cpu_dispatch.c) in row chunks sized as
+ * cpu_gemv.c does; matrices under 48 KB run on the caller alone.
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -93,13 +93,10 @@ static int path_for(int wdt, int isa)
  * is copied as is, so a row keeps its offsets and the other groups read the same bytes. */
 int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K)
 {
-    if (wdt < DT_Q_FIRST || wdt >= DT_Q_FIRST + PF_COUNT)
+    if (wdt != DT_Q8_0 && wdt != DT_Q4_0 && wdt != DT_Q4_1)  /* the family (Q32_FORMATS) */
         return 1;
-    const int nib = wdt == DT_Q4_0 || wdt == DT_Q4_1, has_m = wdt == DT_Q4_1;
-    if (!nib && wdt != DT_Q8_0)
-        return 1;
-    const int bb = wdt == DT_Q8_0 ? 34 : wdt == DT_Q4_0 ? 18 : 20;
-    const int qoff = has_m ? 4 : 2, qbytes = nib ? 16 : 32, S = qbytes / 4;
+    const int bb = Q32_L(wdt).bb, qoff = Q32_L(wdt).qoff, has_m = Q32_L(wdt).has_m;
+    const int S = (Q32_L(wdt).nib ? 16 : 32) / 4;  /* quant bytes per block / 4 */
     const int nb = K / QK, ng = nb / 16;
     const size_t row_bytes = (size_t)nb * bb;
     memcpy(out, w, row_bytes * (size_t)N);

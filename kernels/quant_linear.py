@@ -85,6 +85,7 @@ def _lib() -> Optional[ctypes.CDLL]:
 #: the copy doubles a weight's memory, so a large model gets it for its first layers only.
 REGROUP_MB = 1024
 _regroup_held = 0  # bytes of regrouped copies alive
+_has_avx512: Optional[bool] = None  # the CPU's, asked once (machine_tiers moves the ISA cap)
 
 
 def _regroup_wanted(nbytes: int) -> bool:
@@ -97,7 +98,10 @@ def _regroup_wanted(nbytes: int) -> bool:
         budget = REGROUP_MB << 20
     if _regroup_held + nbytes > budget:
         return False
-    return "avx512" in cpu_linear.machine_tiers()
+    global _has_avx512
+    if _has_avx512 is None:
+        _has_avx512 = "avx512" in cpu_linear.machine_tiers()
+    return _has_avx512
 
 
 def regrouped_bytes() -> int:
