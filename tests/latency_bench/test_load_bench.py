@@ -100,7 +100,10 @@ def test_bench_load_runs_the_clients_and_the_injector_into_a_consistent_report(s
         # sent at 0.3, 0.9 and 1.5 s into a 1.6 s phase, each answered, each a TTFT apart
         long = r["long"]
         assert long["num_sent"] == long["num_finished"] == long["ttft_s"]["count"] == 3
-        assert sorted(x["sent_at_s"] for x in long["runs"]) == pytest.approx([0.3, 0.9, 1.5], abs=0.25)
+        # never before its slot; late only by the event loop's lag on a busy 2-core host (0.68 s
+        # for the first slot was seen), which stays under the 0.6 s period: no send in another slot
+        sent = sorted(x["sent_at_s"] for x in long["runs"])
+        assert all(slot - 0.01 <= t < slot + 0.5 for t, slot in zip(sent, (0.3, 0.9, 1.5))), sent
         assert r["speculation"] is None  # the server exports no speculation counters
         samples = report["samples"]["prescient"][str(r["clients"])]
         assert len(samples["itl_emission_s"]) == itl["count"] and len(samples["ttft_s"]) == r["ttft_s"]["count"]
