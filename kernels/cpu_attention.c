@@ -38,9 +38,11 @@
  * pieces' partial (m, l, acc) are folded in order by one function (fold_piece).  Work items
  * run on cpu_runtime.c's pool (pg_parallel_for; both files build into one .so).  An item is
  * a run of consecutive pieces of one row block; when there are few row blocks (one
- * sequence decoding) their pieces are spread over several items (flash-decoding) and the
- * caller folds the later items' pieces after the first item's.  That is scheduling only:
- * the pieces and the fold are the same however the items fall.
+ * sequence decoding or verifying a tree) they are first made more (one per kv head, then
+ * shorter token blocks, never past a row block's size), then their pieces are spread over
+ * several items (flash-decoding) and the caller folds the later items' pieces after the first
+ * item's.  That is scheduling only: the pieces and the fold are the same however the items
+ * fall.
  *
  * Batch invariance: a query row's output is bitwise the same whatever else is in the call
  * -- other sequences, its place in the batch, the rows sharing its item, being a lone
