@@ -91,16 +91,20 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     }
     void *xa = NULL;
     const size_t xab = f->xa_bytes ? f->xa_bytes(M, K) : 0;
+    /* a column-lane copy is read at the VNNI tier only; a block-group copy from AVX-512 up */
+    const uint8_t *cl = isa >= ISA_AVX512_BF16 && d->rpl == 1 ? (const uint8_t *)d->rp : NULL;
+    const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == 0 ? (const uint8_t *)d->rp : NULL;
     if (xab) {
         xa = scratch(1, xab);
         if (!xa)
             return -2;
-        f->prep(x32, M, K, xa, isa);
+        f->prep(x32, M, K, xa, isa, cl != NULL);
     }
     pq_task_t t;
     t.rows = pq_rows_at(f, isa);
     t.job.w = (const uint8_t *)d->w;
-    t.job.rp = isa >= ISA_AVX512 ? (const uint8_t *)d->rp : NULL;
+    t.job.rp = rp;
+    t.job.cl = cl;
     t.job.row_bytes = (size_t)(K / f->block_elems) * f->block_bytes;
     t.job.bias = d->bias;
     t.job.x = x32;
@@ -174,13 +178,22 @@ int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *ou
     return 0;
 }
 
-__attribute__((visibility("hidden"))) int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K);
+__attribute__((visibility("hidden"))) int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K,
+                                                     int layout);
+__attribute__((visibility("hidden"))) size_t q32_repack_bytes(int wdt, int N, int K, int layout);
 
-int pq_repack(const pg_weight_t *d, void *out)
+int pq_repack(const pg_weight_t *d, void *out, int layout)
 {
     if (!d || !out || d->N < 1 || d->K < 1 || d->K % 32)
         return 1;
-    return q32_repack(d->wdt, (const uint8_t *)d->w, (uint8_t *)out, d->N, d->K);
+    return q32_repack(d->wdt, (const uint8_t *)d->w, (uint8_t *)out, d->N, d->K, layout);
+}
+
+size_t pq_repack_bytes(const pg_weight_t *d, int layout)
+{
+    if (!d || d->N < 1 || d->K < 1 || d->K % 32)
+        return 0;
+    return q32_repack_bytes(d->wdt, d->N, d->K, layout);
 }
 
 /* 1 when wdt has row kernels in this .so (a row of the table), else 0. */

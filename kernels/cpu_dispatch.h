@@ -16,8 +16,11 @@ typedef struct {
     const void *w;
     const float *bias;   /* [N] fp32 or NULL */
     int32_t wdt, N, K;
-    /* NULL, or w regrouped by pq_repack for the AVX-512 block kernels (same size as w) */
+    /* NULL, or a copy of w made by pq_repack for the AVX-512 block kernels, in layout rpl:
+     * 0 full 16-block groups regrouped (as large as w; the AVX-512 int8 rows read it), 1
+     * column-lane cells (N rounded up to 16; the VNNI int8 rows read it, cpu_qgemv_cl.c) */
     const void *rp;
+    int32_t rpl;
 } pg_weight_t;
 
 /* y[M, N] = x[M, K] @ W^T (+ bias); x, y fp32 or bf16 (xdt; y has x's dtype); M <= PG_MAX_M.
@@ -29,11 +32,13 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
  * reference dequantizer's values. */
 int pq_dequantize_rows(const pg_weight_t *d, int n0, int n1, float *out);
 int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *out);
-/* Fill out (d's row bytes x N, the caller's memory) with W regrouped for the AVX-512 kernels of
- * the 32-element formats: each full 16-block group in the order their registers take (q32_repack,
- * cpu_qgemv.c), the rest as is.  0 done (the caller then sets d->rp = out), 1 no such layout for
- * this format.  Portable C: the caller decides where it pays (a CPU with AVX-512). */
-int pq_repack(const pg_weight_t *d, void *out);
+/* Fill out (pq_repack_bytes(d, layout) bytes, the caller's memory) with W in a layout of the
+ * AVX-512 kernels of the 32-element formats (q32_repack, cpu_qgemv.c): 0 each full 16-block
+ * group in the order the block-lane registers take, the rest as is; 1 column-lane cells (the
+ * VNNI int8 rows, cpu_qgemv_cl.c).  0 done (the caller then sets d->rp = out, d->rpl = layout), 1
+ * no such layout for this format.  Portable C: the caller decides where it pays. */
+int pq_repack(const pg_weight_t *d, void *out, int layout);
+size_t pq_repack_bytes(const pg_weight_t *d, int layout);
 /* 1 when wdt has kernels in this .so; the activation block of wdt at the tier in use. */
 int pq_supported(int wdt);
 int pq_act_block(int wdt);

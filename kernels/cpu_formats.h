@@ -63,6 +63,7 @@ _Static_assert(sizeof(block_q6_k) == 210, "block_q6_k must be 210 bytes");
 typedef struct {
     const uint8_t *w;   /* [N, row_bytes] blocks */
     const uint8_t *rp;  /* NULL, or w regrouped (q32_repack): what the AVX-512 int8 rows read */
+    const uint8_t *cl;  /* NULL, or w in the column-lane layout: what the VNNI int8 rows read */
     size_t row_bytes;
     const float *bias;  /* [N] or NULL */
     const float *x;     /* [M, K] fp32 activations */
@@ -88,8 +89,9 @@ typedef struct {
     /* Bytes of prepared activations for M x K at the tier in use (0: rows read j->x only,
      * prep is not called and j->xa is NULL). */
     size_t (*xa_bytes)(int M, int K);
-    /* Fill xa from x [M, K] fp32, once per call, on the calling thread. */
-    void (*prep)(const float *x, int M, int K, void *xa, int isa);
+    /* Fill xa from x [M, K] fp32, once per call, on the calling thread; cl: for rows that read
+     * a column-lane copy (cpu_qgemv.h). */
+    void (*prep)(const float *x, int M, int K, void *xa, int isa, int cl);
     pq_rows_fn rows[ISA_COUNT];           /* per tier (NULL: the next lower tier's) */
     /* How tier isa multiplies the activations: 0 as fp32, n > 0 int8 with one scale per (at
      * most) n elements. */

@@ -91,9 +91,43 @@ static int path_for(int wdt, int isa)
  * 4 k + i of block l (Q4: the nibble pairs, split later; Q8_0: the int8 values), then the 16
  * fp16 d (and Q4_1's 16 fp16 m), block l at 2 l.  Everything else (tail blocks, short rows)
  * is copied as is, so a row keeps its offsets and the other groups read the same bytes. */
-int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K)
+static int repack_cl(int wdt, const uint8_t *w, uint8_t *out, int N, int K)
+{
+    const int bb = Q32_L(wdt).bb, qoff = Q32_L(wdt).qoff, has_m = Q32_L(wdt).has_m;
+    const int nib = Q32_L(wdt).nib, QV = nib ? 4 : 8, nb = K / QK, nt = (N + 15) / 16;
+    const size_t row_bytes = (size_t)nb * bb, cb = (size_t)16 * bb;
+    memset(out, 0, (size_t)nt * nb * cb);
+    for (int n = 0; n < N; n++) {
+        const int t = n / 16, c = n % 16;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *src = w + (size_t)n * row_bytes + (size_t)b * bb;
+            uint8_t *cell = out + ((size_t)t * nb + b) * cb;
+            for (int k = 0; k < QV; k++)
+                for (int i = 0; i < 4; i++)
+                    cell[64 * k + 4 * c + i] = (uint8_t)(src[qoff + 4 * k + i] ^ (nib ? 0 : 0x80));
+            memcpy(cell + 64 * QV + 2 * c, src, 2);
+            if (has_m)
+                memcpy(cell + 64 * QV + 32 + 2 * c, src + 2, 2);
+        }
+    }
+    return 0;
+}
+
+size_t q32_repack_bytes(int wdt, int N, int K, int layout)
+{
+    if (wdt != DT_Q8_0 && wdt != DT_Q4_0 && wdt != DT_Q4_1)
+        return 0;
+    const size_t row_bytes = (size_t)(K / QK) * Q32_L(wdt).bb;
+    return row_bytes * (layout == PQ_RP_CL ? (size_t)(N + 15) / 16 * 16 : (size_t)N);
+}
+
+int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K, int layout)
 {
     if (wdt != DT_Q8_0 && wdt != DT_Q4_0 && wdt != DT_Q4_1)  /* the family (Q32_FORMATS) */
+        return 1;
+    if (layout == PQ_RP_CL)
+        return repack_cl(wdt, w, out, N, K);
+    if (layout != PQ_RP_GROUPS)
         return 1;
     const int bb = Q32_L(wdt).bb, qoff = Q32_L(wdt).qoff, has_m = Q32_L(wdt).has_m;
     const int S = (Q32_L(wdt).nib ? 16 : 32) / 4;  /* quant bytes per block / 4 */
@@ -120,8 +154,9 @@ int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K)
 size_t q32_xa_bytes(int M, int K)
 {
     const int nb = K / QK;
-    size_t a = plan_mstride(nb, 16), b = plan_mstride(nb, 8);
-    return XA_HDR + (size_t)M * (a > b ? a : b) + 64;
+    const size_t a = plan_mstride(nb, 16), b = plan_mstride(nb, 8);
+    const size_t blk = (size_t)M * (a > b ? a : b), cl = (size_t)M * cl_mstride(K);
+    return XA_HDR + (blk > cl ? blk : cl) + 64;
 }
 
 /* One block of x -> int8 q[32] (nearest even), its scale and the sum of q. */
@@ -144,8 +179,9 @@ static void quant_block_scalar(const float *x, int8_t *q, float *dx, int *sum)
     *sum = s;
 }
 
-/* Fill xa (header + records) from x [M, K] fp32 for format wdt on tier isa. */
-static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt)
+/* Fill xa (header + records) from x [M, K] fp32 for format wdt on tier isa; cl: column-lane
+ * records (cpu_qgemv.h), at the VNNI tier. */
+static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, int cl)
 {
     xa_hdr_t *h = (xa_hdr_t *)xa;
     memset(h, 0, sizeof(*h));
@@ -157,7 +193,8 @@ static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt)
     const int V = isa >= ISA_AVX512 ? 16 : 8;
     h->V = V;
     h->vnni = isa >= ISA_AVX512_BF16;
-    h->mstride = plan_mstride(h->nb, V);
+    h->cl = cl && h->vnni;
+    h->mstride = h->cl ? cl_mstride(K) : plan_mstride(h->nb, V);
     /* Correction C: Q4_0's nibbles are unsigned (q - 8 folded out: -8 * sum q), VNNI's Q8_0
      * weights are made unsigned by w ^ 0x80 (= w + 128: -128 * sum q); Q4_1 gets dx * sum q. */
     const int C = Q32_L(wdt).zero ? Q32_L(wdt).zero : (!Q32_L(wdt).nib && h->vnni) ? 128 : 0;
@@ -167,6 +204,28 @@ static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt)
     qb = isa >= ISA_AVX512 ? q32_quant_block_avx512 : q32_quant_block_avx2;
 #endif
     uint8_t *out = (uint8_t *)xa + XA_HDR;
+    if (h->cl) {
+        const size_t kq = cl_kq(K), nb16 = cl_nb16(h->nb);
+        for (int m = 0; m < M; m++) {
+            uint8_t *rec = out + (size_t)m * h->mstride;
+            float *dxp = (float *)(rec + kq);
+            int32_t *aux = (int32_t *)(rec + kq + 4 * nb16);
+            memset(rec, 0, h->mstride);
+            for (int b = 0; b < h->nb; b++) {
+                float dx;
+                int sum;
+                qb(x + (size_t)m * K + (size_t)b * QK, (int8_t *)rec + (size_t)b * QK, &dx, &sum);
+                dxp[b] = dx;
+                if (Q32_L(wdt).has_m) {
+                    const float s = dx * (float)sum;
+                    memcpy(&aux[b], &s, 4);
+                } else {
+                    aux[b] = -C * sum;
+                }
+            }
+        }
+        return;
+    }
     for (int m = 0; m < M; m++) {
         const float *xr = x + (size_t)m * K;
         uint8_t *rec = out + (size_t)m * h->mstride;
@@ -283,9 +342,9 @@ static void rows_portable(const pq_job_t *j, int n0, int n1, int wdt)
         for (int b = 0; b < nblk; b++)                                                   \
             dec_block_portable(code, blk + (size_t)b * Q32_L(code).bb, out + (size_t)b * QK); \
     }                                                                                    \
-    void q32_prep_##name(const float *x, int M, int K, void *xa, int isa)               \
+    void q32_prep_##name(const float *x, int M, int K, void *xa, int isa, int cl)       \
     {                                                                                    \
-        prep_32(x, M, K, xa, isa, code);                                                 \
+        prep_32(x, M, K, xa, isa, code, cl);                                             \
     }                                                                                    \
     int q32_act_block_##name(int isa) { return path_for(code, isa) == PATH_INT8 ? QK : 0; }
 

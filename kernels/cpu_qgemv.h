@@ -5,6 +5,7 @@
  *                        activation prep and the path choice (float / int8)
  *   cpu_qgemv_avx2.c     AVX2 + FMA + F16C row kernels and dequantizer
  *   cpu_qgemv_avx512.c   AVX-512 (BW; + VNNI at tier avx512_bf16) row kernels and dequantizer
+ *   cpu_qgemv_cl.c       the VNNI int8 rows on a column-lane copy of W
  *
  * The kernels are written once for the family and specialised per format by a compile-time
  * code FMT; what they need of a format is its row of q32_layouts below (block bytes, where the
@@ -71,19 +72,22 @@ static const q32_layout_t q32_layouts[PF_COUNT] = {
 #define Q32_DECLARE(name, code)                                                          \
     void q32_rows_ref_##name(const pq_job_t *j, int n0, int n1);                         \
     void q32_dequant_ref_##name(const uint8_t *blk, int nblk, float *out);               \
-    void q32_prep_##name(const float *x, int M, int K, void *xa, int isa);              \
+    void q32_prep_##name(const float *x, int M, int K, void *xa, int isa, int cl);      \
     int q32_act_block_##name(int isa);                                                   \
     void q32_rows_avx2_##name(const pq_job_t *j, int n0, int n1);                        \
     void q32_dequant_avx2_##name(const uint8_t *blk, int nblk, float *out);              \
     void q32_rows_avx512_##name(const pq_job_t *j, int n0, int n1);                      \
     void q32_rows_vnni_##name(const pq_job_t *j, int n0, int n1);                        \
+    void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1);                          \
     void q32_dequant_avx512_##name(const uint8_t *blk, int nblk, float *out);
 
 #pragma GCC visibility push(hidden)
 Q32_FORMATS(Q32_DECLARE)
-/* W [N, K] (wdt one of the family) -> out, the same bytes with each full 16-block group of a row
- * regrouped (cpu_qgemv.c); 0 done, 1 not a format of the family. */
-int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K);
+/* W [N, K] (wdt one of the family) -> out in layout PQ_RP_GROUPS (the same bytes with each full
+ * 16-block group of a row regrouped) or PQ_RP_CL (the column-lane cells below), cpu_qgemv.c;
+ * 0 done, 1 not a format of the family or no such layout.  q32_repack_bytes: out's size. */
+int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K, int layout);
+size_t q32_repack_bytes(int wdt, int N, int K, int layout);
 /* Bytes of prepared activations (cpu_qgemv.c), the same for every format of the family. */
 size_t q32_xa_bytes(int M, int K);
 /* One block of x -> int8 q[32] (nearest even), its scale and the sum of q, per tier. */
@@ -156,7 +160,7 @@ typedef struct {
     int vnni;
     int wdt;
     int nb;         /* blocks per row */
-    int pad_;
+    int cl;         /* 1: column-lane records (below), for rows that read a CL copy */
     size_t mstride; /* bytes of records per input row */
 } xa_hdr_t;
 #define XA_HDR 64
@@ -203,5 +207,25 @@ static inline size_t plan_mstride(int nb, int V)
     return s;
 }
 
+
+/* ------------------------------------------------------------------------- */
+/* The column-lane (CL) layout (cpu_qgemv_cl.c, tier avx512_bf16)             */
+/*                                                                            */
+/* W: one cell of 16 * bb bytes per (16-column tile t, block b), at offset    */
+/* (t * nb + b) * 16 * bb: QV = 4 (Q4) or 8 (Q8_0) vectors of 64 bytes, byte */
+/* 64 k + 4 c + i = quant byte 4 k + i of column c's block (Q4: the nibble   */
+/* byte, elements 4k+i low and 16+4k+i high, so vector k gives steps k and   */
+/* k + 4; Q8_0: q + 128, unsigned), then the 16 fp16 d, then Q4_1's 16 fp16 */
+/* m.  Columns past N are zero.                                              */
+/* x: per input row (mstride bytes), its K int8 in order (padded to 64),     */
+/* then nb fp32 dx, then nb aux (int32 -C * sum q as above, or Q4_1's fp32   */
+/* dx * sum q), each padded to 16 entries.                                    */
+/* ------------------------------------------------------------------------- */
+
+enum { PQ_RP_GROUPS = 0, PQ_RP_CL = 1 };
+
+static inline size_t cl_kq(int K) { return ((size_t)K + 63) & ~(size_t)63; }
+static inline size_t cl_nb16(int nb) { return ((size_t)nb + 15) & ~(size_t)15; }
+static inline size_t cl_mstride(int K) { return cl_kq(K) + 8 * cl_nb16(K / QK); }
 
 #endif

@@ -705,7 +705,9 @@ void z_irows(const pq_job_t *j, int n0, int n1, const int FMT, const int VNNI)
     }                                                                                    \
     void q32_rows_vnni_##name(const pq_job_t *j, int n0, int n1)                         \
     {                                                                                    \
-        if (((const xa_hdr_t *)j->xa)->path == PATH_INT8)                                \
+        if (((const xa_hdr_t *)j->xa)->path == PATH_INT8 && ((const xa_hdr_t *)j->xa)->cl) \
+            q32_rows_cl_##name(j, n0, n1); /* cpu_qgemv_cl.c */                          \
+        else if (((const xa_hdr_t *)j->xa)->path == PATH_INT8)                           \
             z_irows_vnni_##name(j, n0, n1);                                              \
         else                                                                             \
             z_frows_##name(j, n0, n1);                                                   \

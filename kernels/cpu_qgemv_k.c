@@ -952,7 +952,7 @@ int qk_act_block(int isa)
 }
 
 #define QK_INSTANCE(name, code)                                                           \
-    void qk_prep_##name(const float *x, int M, int K, void *xa, int isa) { prep_k(x, M, K, xa, isa, code); } \
+    void qk_prep_##name(const float *x, int M, int K, void *xa, int isa, int cl) { (void)cl; prep_k(x, M, K, xa, isa, code); } \
     void qk_rows_float_##name(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, code, 1); } \
     void qk_rows_simd_##name(const pq_job_t *j, int n0, int n1) { rows_k(j, n0, n1, code, 0); } \
     void qk_dequant_ref_##name(const uint8_t *blk, int nblk, float *out)                 \
@@ -1041,6 +1041,7 @@ int pqk_linear_entry(int wdt, const uint8_t *w, const float *bias, int N, int K,
     pq_job_t j;
     j.w = w;
     j.rp = NULL;
+    j.cl = NULL;
     j.row_bytes = (size_t)(K / QK) * fmt->bb;
     j.bias = bias;
     j.x = x;

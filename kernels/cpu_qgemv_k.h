@@ -17,7 +17,7 @@
  * rows_simd: the int8 kernels of the SIMD tiers when x was prepared, else rows_float;
  * dequant_ref: the portable exact dequantizer; dequant_simd: the tier in use's. */
 #define QK_DECLARE(name, code)                                                            \
-    void qk_prep_##name(const float *x, int M, int K, void *xa, int isa);               \
+    void qk_prep_##name(const float *x, int M, int K, void *xa, int isa, int cl);               \
     void qk_rows_float_##name(const pq_job_t *j, int n0, int n1);                         \
     void qk_rows_simd_##name(const pq_job_t *j, int n0, int n1);                          \
     void qk_dequant_ref_##name(const uint8_t *blk, int nblk, float *out);                 \

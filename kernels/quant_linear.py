@@ -61,8 +61,10 @@ def _lib() -> Optional[ctypes.CDLL]:
                     vp, ci = ctypes.c_void_p, ctypes.c_int
                     lib.pq_dequantize_rows.argtypes = [vp, ci, ci, vp]
                     lib.pq_dequantize_ids.argtypes = [vp, vp, ci, vp]
-                    lib.pq_repack.argtypes = [vp, vp]
+                    lib.pq_repack.argtypes = [vp, vp, ci]
                     lib.pq_repack.restype = ci
+                    lib.pq_repack_bytes.argtypes = [vp, ci]
+                    lib.pq_repack_bytes.restype = ctypes.c_size_t
                     for name in ("pq_set_mode", "pq_supported", "pq_act_block"):
                         getattr(lib, name).argtypes = [ci]
                     for name in ("pq_dequantize_rows", "pq_dequantize_ids", "pq_set_mode",
@@ -85,23 +87,31 @@ def _lib() -> Optional[ctypes.CDLL]:
 #: the copy doubles a weight's memory, so a large model gets it for its first layers only.
 REGROUP_MB = 1024
 _regroup_held = 0  # bytes of regrouped copies alive
-_has_avx512: Optional[bool] = None  # the CPU's, asked once (machine_tiers moves the ISA cap)
+#: The copy's layouts (pg_weight_t.rpl, cpu_dispatch.h): "groups" (each full 16-block group in
+#: the block-lane registers' order; the AVX-512 int8 rows read it, the bits of the blocks) and
+#: "cl" (16 output columns in a vector's lanes; the VNNI int8 rows read it, cpu_qgemv_cl.c: bits
+#: of its own, the same at every M).
+LAYOUTS = {"groups": 0, "cl": 1}
+_best_layout: Optional[str] = None  # the CPU's, asked once (machine_tiers moves the ISA cap)
+
+
+def default_layout() -> Optional[str]:
+    """The copy this CPU's best tier reads: "cl" with AVX-512 VNNI (avx512_bf16), "groups" with
+    AVX-512 alone, None below (the AVX2 and portable rows read the blocks)."""
+    global _best_layout
+    if _best_layout is None:
+        tiers = cpu_linear.machine_tiers()
+        _best_layout = "cl" if "avx512_bf16" in tiers else "groups" if "avx512" in tiers else ""
+    return _best_layout or None
 
 
 def _regroup_wanted(nbytes: int) -> bool:
-    """Whether a new weight gets its regrouped copy: the AVX-512 block kernels read it
-    (cpu_qgemv_avx512.c; the AVX2 and portable rows do not), so on a CPU that has them, while
-    the copies held stay within PRESCIENT_REGROUP_MB."""
+    """Whether a new copy of nbytes stays within PRESCIENT_REGROUP_MB with the copies held."""
     try:
         budget = int(os.environ.get("PRESCIENT_REGROUP_MB", REGROUP_MB)) << 20
     except ValueError:
         budget = REGROUP_MB << 20
-    if _regroup_held + nbytes > budget:
-        return False
-    global _has_avx512
-    if _has_avx512 is None:
-        _has_avx512 = "avx512" in cpu_linear.machine_tiers()
-    return _has_avx512
+    return 0 < nbytes and _regroup_held + nbytes <= budget
 
 
 def regrouped_bytes() -> int:
@@ -156,7 +166,7 @@ class QuantLinear:
     x through the tiled path's torch ops, never W)."""
 
     __slots__ = ("blocks", "qtype", "in_features", "out_features", "weight_bytes", "bias",
-                 "_wdt", "_desc", "_dptr", "_native", "_deq_native", "_regrouped")
+                 "_wdt", "_desc", "_dptr", "_native", "_deq_native", "_regrouped", "_layout")
 
     def __init__(self, blocks: torch.Tensor, qtype: str, N: int, K: int,
                  bias: Optional[torch.Tensor] = None):
@@ -189,36 +199,54 @@ class QuantLinear:
         # pq_dequantize_rows / _ids run every format of the library's table (cpu_dispatch.c)
         self._deq_native = self._native
         self._regrouped = None
-        if self._native and _regroup_wanted(self.blocks.numel()):
+        self._layout = None
+        # a copy where this CPU's kernels read one (default_layout), within the budget
+        layout = default_layout() if self._native else None
+        if layout and _regroup_wanted(lib.pq_repack_bytes(self._dptr, LAYOUTS[layout])):
             self.regroup()
 
-    def regroup(self, on: bool = True) -> bool:
-        """Hold (or drop) the copy of W regrouped for the AVX-512 int8 kernels (cpu_qgemv.c's
-        q32_repack: each full 16-block group in the order the kernel's registers take, so it
-        loads instead of transposing them; the same bits). As large as W. Built at
-        construction on a CPU with AVX-512 for Q8_0 / Q4_0 / Q4_1, within REGROUP_MB for the
-        process. Returns whether the copy is held. Not while another thread runs this weight
-        (the kernels read the copy through the descriptor)."""
+    def regroup(self, on: bool = True, layout: Optional[str] = None) -> bool:
+        """Hold (or drop) a copy of W laid out for the AVX-512 int8 kernels (cpu_qgemv.c's
+        q32_repack; LAYOUTS; `layout` None: default_layout()). "groups" gives the blocks' bits
+        faster; "cl" gives the column-lane rows, faster from M = 2, with bits of their own, the
+        same at every M, so a weight keeps the copy it got at construction (on a CPU with
+        AVX-512, for Q8_0 / Q4_0 / Q4_1, within REGROUP_MB for the process). As large as W
+        ("cl": N rounded up to 16). Returns whether a copy is held. Not while another thread
+        runs this weight (the kernels read the copy through the descriptor)."""
         global _regroup_held
-        if not on or not self._native:
+        layout = layout or default_layout()
+        if not on or not self._native or layout is None or (self._layout not in (None, layout)):
             self._desc.rp = None  # before the copy can be freed
             self._regrouped = None
-            return False
+            self._layout = None
+            if not on or not self._native or layout is None:
+                return False
         if self._regrouped is None:
-            out = torch.empty_like(self.blocks)
-            if _qlib.pq_repack(self._dptr, out.data_ptr()) != 0:
+            code = LAYOUTS[layout]
+            nbytes = _qlib.pq_repack_bytes(self._dptr, code)
+            if not nbytes:
+                return False
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            if _qlib.pq_repack(self._dptr, out.data_ptr(), code) != 0:
                 return False
             with _lock:
                 _regroup_held += out.numel()
             weakref.finalize(out, _release, out.numel())
             self._regrouped = out
+            self._layout = layout
+            self._desc.rpl = code
             self._desc.rp = out.data_ptr()
         return True
 
     @property
     def regrouped(self) -> bool:
-        """Whether the kernels read the regrouped copy of W (at the AVX-512 tiers)."""
+        """Whether the kernels read a copy of W (at the AVX-512 tiers; `layout` says which)."""
         return self._regrouped is not None
+
+    @property
+    def layout(self) -> Optional[str]:
+        """The copy's layout ("groups" or "cl"), None without one."""
+        return self._layout
 
     @property
     def native(self) -> bool:

@@ -307,10 +307,10 @@ def test_rows_with_bias_do_not_depend_on_the_call(tier_cap, qtype):
 
 @pytest.mark.parametrize("qtype", qr.BLOCK32)
 def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
-    """On a CPU with AVX-512, a weight of the 32-element family holds a copy regrouped for the
-    AVX-512 kernels (full 16-block groups as their registers take them; tail blocks and short
-    rows as is): every tier and path, fp32 and bf16, with a bias, gives the bits of the blocks
-    themselves (the copy dropped)."""
+    """On a CPU with AVX-512, a weight of the 32-element family can hold a copy in the "groups"
+    layout (full 16-block groups as the block-lane registers take them; tail blocks and short
+    rows as is; the default on AVX-512 without VNNI): every tier and path, fp32 and bf16, with a
+    bias, gives the bits of the blocks themselves (the copy dropped)."""
     _require_native(qtype)
     if "avx512" not in _tiers():
         pytest.skip("the regrouped copy is for the AVX-512 kernels")
@@ -318,7 +318,8 @@ def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
     # K: two full groups and a tail of 3 (pairs), one and a padded group of 9; a short row
     for N, K in ((45, 1120), (29, 800), (21, 224)):
         lin = QuantLinear(_weights(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
-        assert lin.regrouped
+        assert lin.regrouped and lin.layout == ql.default_layout()
+        assert lin.regroup(True, "groups") and lin.layout == "groups"
         for tier in _tiers():
             tier_cap(tier)
             for mode in ("float", "int8"):
@@ -328,20 +329,60 @@ def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
                     got = lin(x)
                     lin.regroup(False)
                     want = lin(x)
-                    assert lin.regroup(True)
+                    assert lin.regroup(True, "groups")
                     assert torch.equal(got, want), (N, K, tier, mode, M, dt)
     # and the AVX-512 int8 rows do read the copy: a changed byte in its first group shows there
     lin = QuantLinear(_weights(qtype, 8, 512, g), qtype, 8, 512)
+    assert lin.regroup(True, "groups")
     x = torch.randn(1, 512, generator=g)
     ql.set_mode("int8")
     tier_cap("avx512")
     clean = lin(x)
-    lin._regrouped[0, 0] ^= 0x11  # a quant byte of block 0 (lane 0 of the first vector)
+    lin._regrouped[0] ^= 0x11  # a quant byte of block 0 (lane 0 of the first vector)
     assert not torch.equal(lin(x), clean)
     tier_cap("avx2")
     before = lin(x)
-    lin._regrouped[0, 0] ^= 0x11
+    lin._regrouped[0] ^= 0x11
     assert torch.equal(lin(x), before)  # the AVX2 rows read the blocks
+    ql.set_mode("auto")
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype):
+    """With AVX-512 VNNI a weight holds a "cl" copy (16 output columns in a vector's lanes) and
+    the int8 rows of tier avx512_bf16 read it: row i of an M-row call has the bits of the one-row
+    call at every M (the tiles of 1-4 inputs x 1-2 column tiles, one or two blocks a step), with
+    a bias, fp32 and bf16, N past a multiple of 16, a matrix split over the pool; within the
+    int8 bound of the reference.  Below that tier the copy is not read."""
+    _require_native(qtype)
+    if "avx512_bf16" not in _tiers():
+        pytest.skip("the column-lane copy is for the AVX-512 VNNI kernels")
+    tier_cap("avx512_bf16")
+    ql.set_mode("int8")
+    g = torch.Generator().manual_seed(14)
+    # a 8-column tail tile; 4 pool chunks (a 16-row-aligned split) and an odd block count; one block
+    for N, K in ((40, 576), (200, 1504), (16, 32)):
+        b = _weights(qtype, N, K, g)
+        lin = QuantLinear(b, qtype, N, K, bias=torch.randn(N, generator=g))
+        assert lin.layout == "cl"
+        W = qr.dequantize(b, qtype, N, K).double()
+        mag = _mag(b, qtype, N, K, W)
+        for dt in DTYPES:
+            x = torch.randn(64, K, generator=g).to(dt)
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(64)])
+            _check(alone, x, W, mag, 32, bias=lin.bias)
+            for M in (2, 3, 4, 5, 7, 8, 13, 64):
+                got = lin(x[:M])
+                assert torch.equal(got, alone[:M]), (N, K, dt, M, (got != alone[:M]).sum().item())
+    # the copy is what the VNNI rows read, and only they
+    x = torch.randn(3, K, generator=g)
+    clean = lin(x)
+    lin._regrouped[0] ^= 0x11  # a quant byte of column 0, block 0
+    assert not torch.equal(lin(x), clean)
+    tier_cap("avx512")
+    before = lin(x)
+    lin._regrouped[0] ^= 0x11
+    assert torch.equal(lin(x), before)
     ql.set_mode("auto")
 
 
@@ -359,7 +400,7 @@ def test_regrouped_copies_stay_within_their_budget(monkeypatch):
     before = ql.regrouped_bytes()
     mb = (before + b.numel() + (1 << 20) - 1) >> 20  # room for b's copy, less than 1 MiB more
     monkeypatch.setenv("PRESCIENT_REGROUP_MB", str(mb))
-    lin = QuantLinear(b, "q4_1", 64, 512)
+    lin = QuantLinear(b, "q4_1", 64, 512)  # 64 rows: the "cl" copy needs no padding either
     assert lin.regrouped and ql.regrouped_bytes() == before + b.numel()
     del lin
     gc.collect()

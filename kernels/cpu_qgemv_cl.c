@@ -1,0 +1,186 @@
+/*
+ * cpu_qgemv_cl.c -- the 32-element family's column-lane int8 rows (tier avx512_bf16), on a copy
+ * of W in the CL layout (cpu_qgemv.h; built by pq_repack at load): 16 output columns in the
+ * lanes of a vector.  Per (input row, column, block) one exact int32 dot product (8 vpdpbusd,
+ * each with a dword of x broadcast to the 16 columns), then per block in order
+ * acc = fma(float(dot), d_w * d_x, acc) (Q4_1: then acc = fma(m_w, d_x * sum q, acc)).  Each
+ * column's sum is one chain over its blocks, whatever the tile: a row's bits do not depend on M
+ * (tests/kernels/test_quant_linear.py).
+ *
+ * Against the block-lane kernel of cpu_qgemv_avx512.c (16 blocks of one (row, column) in a
+ * vector's lanes): the same vpdpbusd and epilogue counts, but no horizontal sums (45 ops per 16
+ * outputs there), no tail groups (a K of 576 = 16 + 2 blocks pays a second, mostly empty group
+ * there), and the weight vectors are shared by every input row from L1 with x broadcast from
+ * memory, so 4 input rows x 2-4 column tiles keep 8-16 independent chains.  Measured in
+ * docs/CPU_PERFORMANCE.md (eleventh session).
+ */
+#include <stdint.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "cpu_qgemv.h"
+
+#ifdef PQ_X86
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")
+
+/* *acc += vpdpbusd(u8 w, the s8 dword at x broadcast to every lane) */
+static inline __attribute__((always_inline)) void c_dpbusd(__m512i *acc, __m512i w, const uint8_t *x)
+{
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const uint32_t *)x));
+}
+
+/* The bytes at p + PQ_PF_BYTES toward L1 (the copy is read in order, a column tile's cells
+ * one after the other). */
+static inline __attribute__((always_inline)) void z_prefetch_cl(const uint8_t *p, size_t bytes)
+{
+    if (PQ_PF_BYTES)
+        for (size_t o = 0; o < bytes; o += 64)
+            _mm_prefetch((const char *)p + o + PQ_PF_BYTES, _MM_HINT_T0);
+}
+
+/* Step s (elements 4s..4s+3 of each column's block) of a cell, as 16 x 4 unsigned bytes. */
+static inline __attribute__((always_inline)) __m512i c_wstep(const int FMT, const uint8_t *cell, int s)
+{
+    if (!Q32_L(FMT).nib)
+        return _mm512_loadu_si512((const void *)(cell + 64 * s));
+    const __m512i v = _mm512_loadu_si512((const void *)(cell + 64 * (s & 3)));
+    const __m512i m4 = _mm512_set1_epi8(15);
+    return s < 4 ? _mm512_and_si512(v, m4) : _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+}
+
+/* The fp32 step of block b for one (input row, 16 columns). */
+static inline __attribute__((always_inline))
+__m512 c_epi(const int FMT, __m512i dot, const uint8_t *cell, const uint8_t *xrec, size_t kq, size_t nb16, int b,
+             __m512 acc)
+{
+    const int QV = Q32_L(FMT).nib ? 4 : 8;
+    const float *dx = (const float *)(xrec + kq);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 64 * QV)));
+    __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(dx[b])), acc);
+    if (Q32_L(FMT).has_m) {
+        const float *aux = (const float *)(xrec + kq + 4 * nb16);
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 64 * QV + 32)));
+        a = _mm512_fmadd_ps(mw, _mm512_set1_ps(aux[b]), a);
+    }
+    return a;
+}
+
+/* The integer start of a block's dot product: Q4_0's -8 sum q, Q8_0's -128 sum q (its weights
+ * are stored + 128), Q4_1's 0 (its offset is in the epilogue). */
+static inline __attribute__((always_inline))
+__m512i c_dot0(const int FMT, const uint8_t *xrec, size_t kq, size_t nb16, int b)
+{
+    if (Q32_L(FMT).has_m)
+        return _mm512_setzero_si512();
+    return _mm512_set1_epi32(((const int32_t *)(xrec + kq + 4 * nb16))[b]);
+}
+
+/* y[m0 + m, n .. n + 15] = acc (+ bias), columns below n1 only. */
+static inline __attribute__((always_inline)) void c_store(const pq_job_t *j, int m, int n, int n1, __m512 v)
+{
+    const __mmask16 k = n1 - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n)) - 1);
+    if (j->bias)
+        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, j->bias + n));
+    const size_t off = (size_t)m * j->N + n;
+    if (j->ydt == DT_F32)
+        _mm512_mask_storeu_ps((float *)j->y + off, k, v);
+    else
+        _mm256_mask_storeu_epi16((uint16_t *)j->y + off, k, bf16x16_rne(v));
+}
+
+/* ---- vpdpbusd: MR input rows x NC column tiles, NBU blocks at a time ---------------------- */
+
+static inline __attribute__((always_inline))
+void c_vblocks(const pq_job_t *j, const int FMT, const int MR, const int NC, const int NBU, const uint8_t *cell,
+               size_t tstride, const uint8_t *xr, size_t ms, int b, __m512 (*acc)[4])
+{
+    const size_t cb = (size_t)16 * Q32_L(FMT).bb, kq = cl_kq(j->K), nb16 = cl_nb16(j->K / QK);
+    __m512i dot[2][4][4];
+    for (int u = 0; u < NBU; u++)
+        for (int m = 0; m < MR; m++)
+            for (int c = 0; c < NC; c++)
+                dot[u][m][c] = c_dot0(FMT, xr + m * ms, kq, nb16, b + u);
+    for (int s = 0; s < 8; s++) {
+        __m512i w[2][4];
+        for (int u = 0; u < NBU; u++)
+            for (int c = 0; c < NC; c++)
+                w[u][c] = c_wstep(FMT, cell + c * tstride + u * cb, s);
+        for (int u = 0; u < NBU; u++)
+            for (int m = 0; m < MR; m++) {
+                const uint8_t *xp = xr + m * ms + (size_t)QK * (b + u) + 4 * s;
+                for (int c = 0; c < NC; c++)
+                    c_dpbusd(&dot[u][m][c], w[u][c], xp);
+            }
+    }
+    for (int u = 0; u < NBU; u++)
+        for (int m = 0; m < MR; m++)
+            for (int c = 0; c < NC; c++)
+                acc[m][c] = c_epi(FMT, dot[u][m][c], cell + c * tstride + u * cb, xr + m * ms, kq, nb16, b + u,
+                                  acc[m][c]);
+}
+
+static inline __attribute__((always_inline))
+void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m0, int t, int n1)
+{
+    const xa_hdr_t *h = (const xa_hdr_t *)j->xa;
+    const int nb = j->K / QK;
+    const size_t cb = (size_t)16 * Q32_L(FMT).bb, tstride = (size_t)nb * cb, ms = h->mstride;
+    const uint8_t *cell0 = j->cl + (size_t)t * tstride, *xr = XA_DATA(h) + (size_t)m0 * ms;
+    __m512 acc[4][4];
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NC; c++)
+            acc[m][c] = _mm512_setzero_ps();
+    int b = 0;
+    if (MR <= 2)  /* two blocks' dot products at once: 2 MR NC independent vpdpbusd chains */
+        for (; b + 2 <= nb; b += 2) {
+            for (int c = 0; c < NC; c++)
+                z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, 2 * cb);
+            c_vblocks(j, FMT, MR, NC, 2, cell0 + (size_t)b * cb, tstride, xr, ms, b, acc);
+        }
+    for (; b < nb; b++) {
+        for (int c = 0; c < NC; c++)
+            z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, cb);
+        c_vblocks(j, FMT, MR, NC, 1, cell0 + (size_t)b * cb, tstride, xr, ms, b, acc);
+    }
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NC; c++)
+            if (16 * (t + c) < n1)
+                c_store(j, m0 + m, 16 * (t + c), n1, acc[m][c]);
+}
+
+/* Column tiles 2 at a time (at M = 1 four, two blocks each, read K = 1536 rows 12% slower
+ * than two: four weight streams; Xeon, L3-resident weights), each pair for every input row
+ * while its cells sit in L1. */
+static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int n0, int n1, const int FMT)
+{
+    const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
+    for (int t = t0; t < t1; t += 2) {
+        const int two = t + 1 < t1;
+        for (int m0 = 0; m0 < j->M; m0 += 4) {
+            switch ((j->M - m0 < 4 ? j->M - m0 : 4) * 2 + two) {
+            case 2: c_vtile(j, FMT, 1, 1, m0, t, n1); break;
+            case 3: c_vtile(j, FMT, 1, 2, m0, t, n1); break;
+            case 4: c_vtile(j, FMT, 2, 1, m0, t, n1); break;
+            case 5: c_vtile(j, FMT, 2, 2, m0, t, n1); break;
+            case 6: c_vtile(j, FMT, 3, 1, m0, t, n1); break;
+            case 7: c_vtile(j, FMT, 3, 2, m0, t, n1); break;
+            case 8: c_vtile(j, FMT, 4, 1, m0, t, n1); break;
+            default: c_vtile(j, FMT, 4, 2, m0, t, n1); break;
+            }
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+/* ---- entry points (from q32_rows_vnni_*, cpu_qgemv_avx512.c) ------------------------------ */
+
+#define Q32_INSTANCE_CL(name, code)                                                         \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")))            \
+    void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1) { c_vrows(j, n0, n1, code); }
+
+Q32_FORMATS(Q32_INSTANCE_CL)
+
+#endif
