@@ -97,11 +97,17 @@ _best_layout: Optional[str] = None  # the CPU's, asked once (machine_tiers moves
 
 def default_layout() -> Optional[str]:
     """The copy this CPU's best tier reads: "cl" with AVX-512 VNNI (avx512_bf16), "groups" with
-    AVX-512 alone, None below (the AVX2 and portable rows read the blocks)."""
+    AVX-512 alone, None below (the AVX2 and portable rows read the blocks).
+    PRESCIENT_REGROUP_LAYOUT=groups keeps "groups" on a VNNI CPU (the blocks' bits; to compare)."""
     global _best_layout
     if _best_layout is None:
         tiers = cpu_linear.machine_tiers()
         _best_layout = "cl" if "avx512_bf16" in tiers else "groups" if "avx512" in tiers else ""
+        want = os.environ.get("PRESCIENT_REGROUP_LAYOUT", "").strip().lower()
+        if want and want not in LAYOUTS:
+            raise ValueError(f"PRESCIENT_REGROUP_LAYOUT={want!r}: expected one of {', '.join(LAYOUTS)}")
+        if want == "groups" and _best_layout:
+            _best_layout = "groups"
     return _best_layout or None
 
 
