@@ -13,7 +13,9 @@ Systems, each a server process on the same GGUF (the default: SmolLM2-135M's Q4_
                 reported as not run, with the reason, when the `peers` extra is not installed
 
 Both are started before the first phase. For each N the systems run one after another, the order
-rotating with N, so slow drift of the machine falls on both; each phase is load_driver.run_load
+rotating with N, so slow drift of the machine falls on both; a phase starts once every server is
+idle (`settle`: a peer may still be computing the requests the last phase cancelled); each phase is
+load_driver.run_load
 (N closed-loop clients streaming the shared workloads, every prompt with a fresh prefix, plus a
 ~1500-token prompt every `inject_period_s`) through agent_http's HTTP client; prescient's
 speculation counters (/metrics) are read before and after each of its phases, so the report says
@@ -81,6 +83,27 @@ def _log(cfg: LoadBenchConfig, t0: float, msg: str) -> None:
         print(f"[load {time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
+#: A server is idle when its processes use under this share of a core over IDLE_WINDOW_S.
+IDLE_CORE_SHARE = 0.1
+IDLE_WINDOW_S = 0.5
+
+
+async def settle(servers: dict, limit_s: float) -> float:
+    """Wait until every server is idle (IDLE_CORE_SHARE of a core over IDLE_WINDOW_S), at most
+    limit_s; the seconds waited. A phase's cancelled requests may still run in their server (a
+    peer keeps prefilling a prompt whose client left at the drain limit): the next phase, on any
+    system, must not share the cores with them."""
+    w0 = time.perf_counter()
+    last = {name: s.cpu_seconds() for name, s in servers.items()}
+    while time.perf_counter() - w0 < limit_s:
+        await asyncio.sleep(IDLE_WINDOW_S)
+        now = {name: s.cpu_seconds() for name, s in servers.items()}
+        if all(now[n] - last[n] < IDLE_CORE_SHARE * IDLE_WINDOW_S for n in now):
+            break
+        last = now
+    return time.perf_counter() - w0
+
+
 def start_servers(cfg: LoadBenchConfig, t0: float) -> tuple[dict, dict, dict]:
     """({system: server}, {system: info}, {system: why it is not run}); never raises for a system
     that cannot start."""
@@ -143,11 +166,13 @@ async def _phases(cfg: LoadBenchConfig, servers: dict, not_run: dict, workloads,
             order = names[i % len(names):] + names[:i % len(names)] if names else []
             for position, name in enumerate(order):
                 server = servers[name]
-                _log(cfg, t0, f"N = {n}: {name}, {cfg.duration_s:g} s")
+                waited = await settle({s: servers[s] for s in names}, cfg.drain_s)
+                _log(cfg, t0, f"N = {n}: {name}, {cfg.duration_s:g} s"
+                              + (f" (after {waited:.1f} s for the servers to go idle)" if waited > 2 * IDLE_WINDOW_S else ""))
                 cpu0, spec0 = server.cpu_seconds(), server.spec_counters()
                 run = await run_load(transports[name], workloads, long_messages, n, cfg.duration_s, cfg.slo,
                                      f"{name}-n{n}", cfg.inject_period_s, cfg.long_max_tokens, cfg.drain_s)
-                row = {"system": name, "clients": n, "order": position, "wall_s": run.wall_s,
+                row = {"system": name, "clients": n, "order": position, "wall_s": run.wall_s, "settle_s": waited,
                        "server_cpu_s": server.cpu_seconds() - cpu0,
                        "speculation": spec_delta(spec0, server.spec_counters()), **phase_figures(run)}
                 rows.append(row)

@@ -203,3 +203,26 @@ def test_a_phase_reports_the_draft_work_the_server_counted():
               "targets": [], "plots": [], "notes": []}
     phase["by_kind"], phase["errors"] = {}, []
     assert "| prescient | 8 | 250 | 50 | 20% | 20 / 19 |" in render(report)
+
+
+class _Cpu:
+    """A server whose processes used `busy` CPU-seconds per poll for their first `polls` polls."""
+
+    def __init__(self, polls: int, busy: float = 1.0):
+        self.polls, self.busy, self.t = polls, busy, 0.0
+
+    def cpu_seconds(self) -> float:
+        if self.polls > 0:
+            self.polls -= 1
+            self.t += self.busy
+        return self.t
+
+
+def test_a_phase_waits_for_every_server_to_go_idle(monkeypatch):
+    """The next phase starts once no server computes any more (a peer still prefilling a prompt the
+    last phase cancelled would share the cores with it), and never waits past the limit."""
+    monkeypatch.setattr(load_bench, "IDLE_WINDOW_S", 0.01)
+    waited = asyncio.run(load_bench.settle({"a": _Cpu(0), "b": _Cpu(6)}, limit_s=5.0))
+    assert 0.05 <= waited < 1.0  # b's six busy polls, then one quiet window
+    assert asyncio.run(load_bench.settle({"a": _Cpu(10 ** 9)}, limit_s=0.2)) < 0.5
+    assert asyncio.run(load_bench.settle({"a": _Cpu(0)}, limit_s=5.0)) < 0.5
