@@ -197,7 +197,8 @@ def _compile(cc: str, flags: list[str], so: Path) -> None:
         with tempfile.TemporaryDirectory(prefix=so.stem + ".", dir=so.parent) as objdir:
             objs = [str(Path(objdir) / (src.stem + ".o")) for src in _SOURCES]
             cflags = [f for f in flags if f != "-shared"]
-            with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), cores))) as pool:
                 # the longest first, so the others fill the remaining cores around it
                 order = sorted(range(len(_SOURCES)), key=lambda i: -_SOURCES[i].stat().st_size)
                 for f in [pool.submit(_run_cc, [cc, *cflags, "-c", "-o", objs[i], str(_SOURCES[i])])

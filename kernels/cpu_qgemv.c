@@ -87,14 +87,7 @@ static int path_for(int wdt, int isa)
     return (Q32_L(wdt).auto_int8 >> t) & 1u ? PATH_INT8 : PATH_FLOAT;
 }
 
-/* The regrouped layout (pq_repack): the AVX-512 int8 rows' full 16-block groups (T groups, V =
- * 16) stored as their registers come out of the in-register transposes, so the kernel loads them
- * instead (no vpermt2w / vshufi32x4 / gathers per weight row and group, the most of an M = 1
- * row's work once the weights sit in cache).  A group of 16 blocks of bb bytes keeps its 16 * bb
- * bytes: S = (quant bytes per block) / 4 vectors of 64 bytes, byte 64 k + 4 l + i = quant byte
- * 4 k + i of block l (Q4: the nibble pairs, split later; Q8_0: the int8 values), then the 16
- * fp16 d (and Q4_1's 16 fp16 m), block l at 2 l.  Everything else (tail blocks, short rows)
- * is copied as is, so a row keeps its offsets and the other groups read the same bytes. */
+/* The column-lane layout (cpu_qgemv.h): a cell per (16-column tile, block), zero past N. */
 static int repack_cl(int wdt, const uint8_t *w, uint8_t *out, int N, int K)
 {
     const int bb = Q32_L(wdt).bb, qoff = Q32_L(wdt).qoff, has_m = Q32_L(wdt).has_m;
@@ -125,6 +118,14 @@ size_t q32_repack_bytes(int wdt, int N, int K, int layout)
     return row_bytes * (layout == PQ_RP_CL ? (size_t)(N + 15) / 16 * 16 : (size_t)N);
 }
 
+/* The regrouped layout (pq_repack): the AVX-512 int8 rows' full 16-block groups (T groups, V =
+ * 16) stored as their registers come out of the in-register transposes, so the kernel loads them
+ * instead (no vpermt2w / vshufi32x4 / gathers per weight row and group, the most of an M = 1
+ * row's work once the weights sit in cache).  A group of 16 blocks of bb bytes keeps its 16 * bb
+ * bytes: S = (quant bytes per block) / 4 vectors of 64 bytes, byte 64 k + 4 l + i = quant byte
+ * 4 k + i of block l (Q4: the nibble pairs, split later; Q8_0: the int8 values), then the 16
+ * fp16 d (and Q4_1's 16 fp16 m), block l at 2 l.  Everything else (tail blocks, short rows)
+ * is copied as is, so a row keeps its offsets and the other groups read the same bytes. */
 int q32_repack(int wdt, const uint8_t *w, uint8_t *out, int N, int K, int layout)
 {
     if (wdt != DT_Q8_0 && wdt != DT_Q4_0 && wdt != DT_Q4_1)  /* the family (Q32_FORMATS) */

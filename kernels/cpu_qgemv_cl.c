@@ -11,7 +11,8 @@
  * vector's lanes): the same vpdpbusd and epilogue counts, but no horizontal sums (45 ops per 16
  * outputs there), no tail groups (a K of 576 = 16 + 2 blocks pays a second, mostly empty group
  * there), and the weight vectors are shared by every input row from L1 with x broadcast from
- * memory, so 4 input rows x 2-4 column tiles keep 8-16 independent chains.  Measured in
+ * memory, so up to 4 input rows x 2 column tiles (or 1-2 rows x 2 tiles x 2 blocks) keep up to 8
+ * independent chains.  Measured in
  * docs/CPU_PERFORMANCE.md (eleventh session).
  */
 #include <stdint.h>
@@ -77,10 +78,12 @@ __m512i c_dot0(const int FMT, const uint8_t *xrec, size_t kq, size_t nb16, int b
     return _mm512_set1_epi32(((const int32_t *)(xrec + kq + 4 * nb16))[b]);
 }
 
-/* y[m0 + m, n .. n + 15] = acc (+ bias), columns below n1 only. */
-static inline __attribute__((always_inline)) void c_store(const pq_job_t *j, int m, int n, int n1, __m512 v)
+/* y[m, n .. n + 15] = acc (+ bias), columns in [n0, n1) only (a chunk's first tile may start
+ * below n0 when the pool's chunks are not 16-aligned; its columns there are another chunk's). */
+static inline __attribute__((always_inline)) void c_store(const pq_job_t *j, int m, int n, int n0, int n1, __m512 v)
 {
-    const __mmask16 k = n1 - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n1 - n)) - 1);
+    const unsigned hi = n1 - n >= 16 ? 0xFFFFu : (1u << (n1 - n)) - 1, lo = n0 > n ? (1u << (n0 - n)) - 1 : 0u;
+    const __mmask16 k = (__mmask16)(hi & ~lo);
     if (j->bias)
         v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, j->bias + n));
     const size_t off = (size_t)m * j->N + n;
@@ -122,7 +125,7 @@ void c_vblocks(const pq_job_t *j, const int FMT, const int MR, const int NC, con
 }
 
 static inline __attribute__((always_inline))
-void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m0, int t, int n1)
+void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m0, int t, int n0, int n1)
 {
     const xa_hdr_t *h = (const xa_hdr_t *)j->xa;
     const int nb = j->K / QK;
@@ -147,7 +150,7 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
     for (int m = 0; m < MR; m++)
         for (int c = 0; c < NC; c++)
             if (16 * (t + c) < n1)
-                c_store(j, m0 + m, 16 * (t + c), n1, acc[m][c]);
+                c_store(j, m0 + m, 16 * (t + c), n0, n1, acc[m][c]);
 }
 
 /* Column tiles 2 at a time (at M = 1 four, two blocks each, read K = 1536 rows 12% slower
@@ -160,14 +163,14 @@ static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int
         const int two = t + 1 < t1;
         for (int m0 = 0; m0 < j->M; m0 += 4) {
             switch ((j->M - m0 < 4 ? j->M - m0 : 4) * 2 + two) {
-            case 2: c_vtile(j, FMT, 1, 1, m0, t, n1); break;
-            case 3: c_vtile(j, FMT, 1, 2, m0, t, n1); break;
-            case 4: c_vtile(j, FMT, 2, 1, m0, t, n1); break;
-            case 5: c_vtile(j, FMT, 2, 2, m0, t, n1); break;
-            case 6: c_vtile(j, FMT, 3, 1, m0, t, n1); break;
-            case 7: c_vtile(j, FMT, 3, 2, m0, t, n1); break;
-            case 8: c_vtile(j, FMT, 4, 1, m0, t, n1); break;
-            default: c_vtile(j, FMT, 4, 2, m0, t, n1); break;
+            case 2: c_vtile(j, FMT, 1, 1, m0, t, n0, n1); break;
+            case 3: c_vtile(j, FMT, 1, 2, m0, t, n0, n1); break;
+            case 4: c_vtile(j, FMT, 2, 1, m0, t, n0, n1); break;
+            case 5: c_vtile(j, FMT, 2, 2, m0, t, n0, n1); break;
+            case 6: c_vtile(j, FMT, 3, 1, m0, t, n0, n1); break;
+            case 7: c_vtile(j, FMT, 3, 2, m0, t, n0, n1); break;
+            case 8: c_vtile(j, FMT, 4, 1, m0, t, n0, n1); break;
+            default: c_vtile(j, FMT, 4, 2, m0, t, n0, n1); break;
             }
         }
     }

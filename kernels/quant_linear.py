@@ -100,14 +100,14 @@ def default_layout() -> Optional[str]:
     AVX-512 alone, None below (the AVX2 and portable rows read the blocks).
     PRESCIENT_REGROUP_LAYOUT=groups keeps "groups" on a VNNI CPU (the blocks' bits; to compare)."""
     global _best_layout
+    want = os.environ.get("PRESCIENT_REGROUP_LAYOUT", "").strip().lower()
+    if want and want not in LAYOUTS:  # asked every time: a bad value never passes silently
+        raise ValueError(f"PRESCIENT_REGROUP_LAYOUT={want!r}: expected one of {', '.join(LAYOUTS)}")
     if _best_layout is None:
         tiers = cpu_linear.machine_tiers()
         _best_layout = "cl" if "avx512_bf16" in tiers else "groups" if "avx512" in tiers else ""
-        want = os.environ.get("PRESCIENT_REGROUP_LAYOUT", "").strip().lower()
-        if want and want not in LAYOUTS:
-            raise ValueError(f"PRESCIENT_REGROUP_LAYOUT={want!r}: expected one of {', '.join(LAYOUTS)}")
-        if want == "groups" and _best_layout:
-            _best_layout = "groups"
+    if want == "groups" and _best_layout:
+        return "groups"
     return _best_layout or None
 
 
@@ -213,14 +213,19 @@ class QuantLinear:
 
     def regroup(self, on: bool = True, layout: Optional[str] = None) -> bool:
         """Hold (or drop) a copy of W laid out for the AVX-512 int8 kernels (cpu_qgemv.c's
-        q32_repack; LAYOUTS; `layout` None: default_layout()). "groups" gives the blocks' bits
-        faster; "cl" gives the column-lane rows, faster from M = 2, with bits of their own, the
-        same at every M, so a weight keeps the copy it got at construction (on a CPU with
-        AVX-512, for Q8_0 / Q4_0 / Q4_1, within REGROUP_MB for the process). As large as W
-        ("cl": N rounded up to 16). Returns whether a copy is held. Not while another thread
-        runs this weight (the kernels read the copy through the descriptor)."""
+        q32_repack; LAYOUTS; `layout` None: the held copy's, else default_layout()). "groups"
+        gives the blocks' bits faster; "cl" (AVX-512 VNNI only) gives the column-lane rows,
+        faster at every M, with bits of their own, the same at every M, so a weight keeps the
+        copy it got at construction (on a CPU with AVX-512, for Q8_0 / Q4_0 / Q4_1, within
+        REGROUP_MB for the process). As large as W ("cl": N rounded up to 16). Returns whether
+        a copy is held. Not while another thread runs this weight (the kernels read the copy
+        through the descriptor)."""
         global _regroup_held
-        layout = layout or default_layout()
+        layout = layout or self._layout or default_layout()
+        if layout is not None and layout not in LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+        if layout == "cl" and "avx512_bf16" not in cpu_linear.machine_tiers():
+            layout = None  # no kernel here reads it
         if not on or not self._native or layout is None or (self._layout not in (None, layout)):
             self._desc.rp = None  # before the copy can be freed
             self._regrouped = None

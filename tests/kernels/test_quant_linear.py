@@ -413,6 +413,27 @@ def test_regrouped_copies_stay_within_their_budget(monkeypatch):
         assert not QuantLinear(_weights("q4_k", 16, 256, g), "q4_k", 16, 256).regrouped
 
 
+def test_a_copy_layout_is_checked_before_anything_changes(monkeypatch):
+    """An unknown layout, argument or PRESCIENT_REGROUP_LAYOUT, is refused naming the choices, every
+    time it is asked, and the copy held stays; regroup() without a layout keeps the held one."""
+    _require_native("q4_1")
+    if "avx512" not in _tiers():
+        pytest.skip("the copies are for the AVX-512 kernels")
+    g = torch.Generator().manual_seed(15)
+    lin = QuantLinear(_weights("q4_1", 32, 256, g), "q4_1", 32, 256)
+    held = lin.layout
+    with pytest.raises(ValueError, match="groups, cl"):
+        lin.regroup(True, "CL")
+    assert lin.layout == held and lin.regrouped
+    assert lin.regroup(True, "groups") and lin.regroup() and lin.layout == "groups"
+    monkeypatch.setenv("PRESCIENT_REGROUP_LAYOUT", "blocks")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="PRESCIENT_REGROUP_LAYOUT"):
+            ql.default_layout()
+    monkeypatch.setenv("PRESCIENT_REGROUP_LAYOUT", "groups")
+    assert ql.default_layout() == "groups"
+
+
 # ---- dequantization, prefill, fallback, API ---------------------------------------------------
 
 @pytest.mark.parametrize("qtype", FORMATS)
