@@ -301,8 +301,11 @@ def cache_key(model_identity: str, method: str, block_size: int, device: str = "
     kernels' build, on CUDA the device and torch."""
     if device == "cpu":
         from prescient.kernels.cpu_linear import build_signature
+        from prescient.kernels.quant_linear import default_layout
 
-        runs_on = build_signature()
+        # the block formats' kernels also depend on the weight copies' layout (PRESCIENT_REGROUP_*)
+        budget = os.environ.get("PRESCIENT_REGROUP_MB", "").strip()
+        runs_on = f"{build_signature()}|copies {default_layout()} {budget or 'default'}"
     else:
         runs_on = f"{torch.cuda.get_device_name(torch.device(device))}|{torch.__version__}|{torch.version.cuda}"
     return "|".join((model_identity, method, str(block_size), runs_on))

@@ -78,11 +78,19 @@ def test_a_measured_table_is_cached_and_reused(tiny, cache):
     assert other.calibration is not None  # another key (dtype, CPU, kernel build) is another table
 
 
-def test_the_cache_key_names_the_cpu_and_the_kernel_build():
+def test_the_cache_key_names_the_cpu_and_the_kernel_build(monkeypatch):
     key = verify_cost.cache_key("weights-hash|bfloat16|cpu", "ngram", 16)
     from prescient.kernels.cpu_linear import build_signature
+    from prescient.kernels.quant_linear import default_layout
 
-    assert key.startswith("weights-hash|bfloat16|cpu|ngram|16|") and key.endswith(build_signature())
+    assert key.startswith("weights-hash|bfloat16|cpu|ngram|16|" + build_signature())
+    # and the weight copies the block kernels read: another budget is another table
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", "0")
+    assert verify_cost.cache_key("weights-hash|bfloat16|cpu", "ngram", 16) != key
+    if default_layout() == "cl":
+        monkeypatch.delenv("PRESCIENT_REGROUP_MB")
+        monkeypatch.setenv("PRESCIENT_REGROUP_LAYOUT", "groups")
+        assert verify_cost.cache_key("weights-hash|bfloat16|cpu", "ngram", 16) != key
 
 
 def test_a_request_during_idle_calibration_waits_for_at_most_one_forward(tiny):
