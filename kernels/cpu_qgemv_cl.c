@@ -12,8 +12,7 @@
  * outputs there), no tail groups (a K of 576 = 16 + 2 blocks pays a second, mostly empty group
  * there), and the weight vectors are shared by every input row from L1 with x broadcast from
  * memory, so up to 4 input rows x 2 column tiles (or 1-2 rows x 2 tiles x 2 blocks) keep up to 8
- * independent chains.  Measured in
- * docs/CPU_PERFORMANCE.md (eleventh session).
+ * independent chains.  Measured in docs/CPU_PERFORMANCE.md (eleventh session).
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -97,16 +96,16 @@ static inline __attribute__((always_inline)) void c_store(const pq_job_t *j, int
 
 static inline __attribute__((always_inline))
 void c_vblocks(const pq_job_t *j, const int FMT, const int MR, const int NC, const int NBU, const uint8_t *cell,
-               size_t tstride, const uint8_t *xr, size_t ms, int b, __m512 (*acc)[4])
+               size_t tstride, const uint8_t *xr, size_t ms, int b, __m512 (*acc)[2])
 {
     const size_t cb = (size_t)16 * Q32_L(FMT).bb, kq = cl_kq(j->K), nb16 = cl_nb16(j->K / QK);
-    __m512i dot[2][4][4];
+    __m512i dot[2][4][2];  /* [block][input][column tile] */
     for (int u = 0; u < NBU; u++)
         for (int m = 0; m < MR; m++)
             for (int c = 0; c < NC; c++)
                 dot[u][m][c] = c_dot0(FMT, xr + m * ms, kq, nb16, b + u);
     for (int s = 0; s < 8; s++) {
-        __m512i w[2][4];
+        __m512i w[2][2];
         for (int u = 0; u < NBU; u++)
             for (int c = 0; c < NC; c++)
                 w[u][c] = c_wstep(FMT, cell + c * tstride + u * cb, s);
@@ -131,7 +130,7 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
     const int nb = j->K / QK;
     const size_t cb = (size_t)16 * Q32_L(FMT).bb, tstride = (size_t)nb * cb, ms = h->mstride;
     const uint8_t *cell0 = j->cl + (size_t)t * tstride, *xr = XA_DATA(h) + (size_t)m0 * ms;
-    __m512 acc[4][4];
+    __m512 acc[4][2];
     for (int m = 0; m < MR; m++)
         for (int c = 0; c < NC; c++)
             acc[m][c] = _mm512_setzero_ps();

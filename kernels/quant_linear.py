@@ -226,7 +226,7 @@ class QuantLinear:
             raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
         if layout == "cl" and "avx512_bf16" not in cpu_linear.machine_tiers():
             layout = None  # no kernel here reads it
-        if not on or not self._native or layout is None or (self._layout not in (None, layout)):
+        if not on or not self._native or layout is None or self._layout != layout:
             self._desc.rp = None  # before the copy can be freed
             self._regrouped = None
             self._layout = None
