@@ -364,7 +364,7 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype):
     for N, K in ((40, 576), (200, 1504), (16, 32)):
         b = _weights(qtype, N, K, g)
         lin = QuantLinear(b, qtype, N, K, bias=torch.randn(N, generator=g))
-        assert lin.layout == "cl"
+        assert ql.default_layout() == "cl" and lin.regroup() and lin.layout == "cl"
         W = qr.dequantize(b, qtype, N, K).double()
         mag = _mag(b, qtype, N, K, W)
         for dt in DTYPES:
