@@ -92,8 +92,8 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     void *xa = NULL;
     const size_t xab = f->xa_bytes ? f->xa_bytes(M, K) : 0;
     /* a column-lane copy is read at the VNNI tier only; a block-group copy from AVX-512 up */
-    const uint8_t *cl = isa >= ISA_AVX512_BF16 && d->rpl == 1 ? (const uint8_t *)d->rp : NULL;
-    const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == 0 ? (const uint8_t *)d->rp : NULL;
+    const uint8_t *cl = isa >= ISA_AVX512_BF16 && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+    const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
     if (xab) {
         xa = scratch(1, xab);
         if (!xa)

@@ -16,7 +16,8 @@ typedef struct {
     const void *w;
     const float *bias;   /* [N] fp32 or NULL */
     int32_t wdt, N, K;
-    /* NULL, or a copy of w made by pq_repack for the AVX-512 block kernels, in layout rpl:
+    /* NULL, or a copy of w made by pq_repack for the AVX-512 block kernels, in layout rpl
+     * (PQ_RP_*, cpu_formats.h; kernels/quant_linear.LAYOUTS mirrors the codes):
      * 0 full 16-block groups regrouped (as large as w; the AVX-512 int8 rows read it), 1
      * column-lane cells (N rounded up to 16; the VNNI int8 rows read it, cpu_qgemv_cl.c) */
     const void *rp;

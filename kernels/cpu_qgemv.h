@@ -222,8 +222,6 @@ static inline size_t plan_mstride(int nb, int V)
 /* dx * sum q), each padded to 16 entries.                                    */
 /* ------------------------------------------------------------------------- */
 
-enum { PQ_RP_GROUPS = 0, PQ_RP_CL = 1 };
-
 static inline size_t cl_kq(int K) { return ((size_t)K + 63) & ~(size_t)63; }
 static inline size_t cl_nb16(int nb) { return ((size_t)nb + 15) & ~(size_t)15; }
 static inline size_t cl_mstride(int K) { return cl_kq(K) + 8 * cl_nb16(K / QK); }
