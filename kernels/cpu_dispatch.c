@@ -123,6 +123,116 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     return 0;
 }
 
+/* pq_linear_rows' work: the row chunks' jobs (rows [64 c, 64 c + 64) of the call each, as
+ * pq_linear_w would make them), and the column split shared by all of them. */
+typedef struct {
+    const pq_format_t *f;
+    pq_rows_fn rows;
+    pq_job_t *jobs;        /* [nc] */
+    const uint16_t *xb;    /* the call's bf16 x, or NULL (x is fp32 already) */
+    float *x32;            /* [T, K] fp32 x (written from xb in the prep phase) */
+    int nc, ncol, col_rows, N;
+} pq_rows_call_t;
+
+/* Chunks [c0, c1): x widened to fp32 and the format's activation prep (each row's own blocks:
+ * independent of the other rows, so the split changes nothing). */
+static void rows_prep_task(const void *ctx, int c0, int c1)
+{
+    const pq_rows_call_t *t = (const pq_rows_call_t *)ctx;
+    for (int c = c0; c < c1; c++) {
+        const pq_job_t *j = &t->jobs[c];
+        if (t->xb) {
+            const size_t off = (size_t)c * PG_MAX_M * j->K, n = (size_t)j->M * j->K;
+            for (size_t i = 0; i < n; i++)
+                t->x32[off + i] = bf16_to_f32(t->xb[off + i]);
+        }
+        if (j->xa)
+            t->f->prep(j->x, j->M, j->K, (void *)j->xa, j->isa, j->cl != NULL);
+    }
+}
+
+/* Units [u0, u1) of (row chunk, column range), row chunk major. */
+static void rows_unit_task(const void *ctx, int u0, int u1)
+{
+    const pq_rows_call_t *t = (const pq_rows_call_t *)ctx;
+    for (int u = u0; u < u1; u++) {
+        const int c = u / t->ncol, k = u % t->ncol;
+        const int n0 = k * t->col_rows, n1 = n0 + t->col_rows < t->N ? n0 + t->col_rows : t->N;
+        t->rows(&t->jobs[c], n0, n1);
+    }
+}
+
+/* y[T, N] = x @ W^T as calls of at most PG_MAX_M rows, one after the other (any weight). */
+static int linear_by_calls(const pg_weight_t *d, const void *x, void *y, int T, int xdt)
+{
+    const size_t esz = xdt == DT_F32 ? 4 : 2;
+    for (int r0 = 0; r0 < T; r0 += PG_MAX_M) {
+        const int m = T - r0 < PG_MAX_M ? T - r0 : PG_MAX_M;
+        const int rc = pg_linear_w(d, (const char *)x + (size_t)r0 * d->K * esz,
+                                   (char *)y + (size_t)r0 * d->N * esz, m, xdt);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
+/* Most row chunks pq_linear_rows takes in one hand-off (a 4096-row call); more go in turns. */
+#define PQ_ROWS_MAX_CHUNKS 64
+
+/*
+ * y[T, N] = x[T, K] @ W^T (+ bias) for any T: a prefill chunk's linear.  The rows run in
+ * kernel calls of at most PG_MAX_M, each row's bits the kernels' whatever its call (batch
+ * invariance), but with two pool hand-offs for the whole call instead of one per 64 rows with
+ * its x prepared on the caller meanwhile: the activations of every chunk are prepared in
+ * parallel, then (row chunk, column range) units are spread over the pool, so a thread waits
+ * at most a unit (not a quarter of a 64-row call) for the other.  T <= PG_MAX_M is
+ * pq_linear_w.  0, -1 or -2 as pq_linear_w.
+ */
+int pq_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt)
+{
+    if (T <= PG_MAX_M || pg_num_threads() <= 1)
+        return linear_by_calls(d, x, y, T, xdt);
+    const pq_format_t *f = pq_format_of(d->wdt);
+    if (!f || d->K < 1 || d->N < 1 || d->K % f->block_elems || (xdt != DT_F32 && xdt != DT_BF16))
+        return -1;
+    const int K = d->K, N = d->N, isa = pg_isa();
+    const size_t esz = xdt == DT_F32 ? 4 : 2;
+    for (int r0 = 0; r0 < T; r0 += PQ_ROWS_MAX_CHUNKS * PG_MAX_M) {
+        const int rows_here = T - r0 < PQ_ROWS_MAX_CHUNKS * PG_MAX_M ? T - r0 : PQ_ROWS_MAX_CHUNKS * PG_MAX_M;
+        const int nc = (rows_here + PG_MAX_M - 1) / PG_MAX_M;
+        /* the prepared activations of chunk c at c * xab (a full chunk's size, 64-byte padded) */
+        const size_t xab = f->xa_bytes ? (f->xa_bytes(PG_MAX_M, K) + 63) & ~(size_t)63 : 0;
+        const size_t x32b = xdt == DT_BF16 ? ((size_t)rows_here * K * 4 + 63) & ~(size_t)63 : 0;
+        char *buf = (char *)scratch(1, x32b + (size_t)nc * xab);
+        if (!buf)
+            return -2;
+        const char *xr = (const char *)x + (size_t)r0 * K * esz;
+        char *yr = (char *)y + (size_t)r0 * N * esz;
+        pq_job_t jobs[PQ_ROWS_MAX_CHUNKS];
+        pq_rows_call_t t = {f, pq_rows_at(f, isa), jobs, xdt == DT_BF16 ? (const uint16_t *)xr : NULL,
+                            (float *)buf, nc, 1, N, N};
+        const float *x32 = xdt == DT_BF16 ? (const float *)buf : (const float *)xr;
+        const uint8_t *cl = isa >= ISA_AVX512_BF16 && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+        const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
+        const size_t row_bytes = (size_t)(K / f->block_elems) * f->block_bytes;
+        for (int c = 0; c < nc; c++) {
+            const int m = rows_here - c * PG_MAX_M < PG_MAX_M ? rows_here - c * PG_MAX_M : PG_MAX_M;
+            jobs[c] = (pq_job_t){(const uint8_t *)d->w, rp, cl, row_bytes, d->bias,
+                                 x32 + (size_t)c * PG_MAX_M * K, xab ? buf + x32b + (size_t)c * xab : NULL,
+                                 yr + (size_t)c * PG_MAX_M * N * esz, xdt, m, N, K, isa};
+        }
+        pg_parallel_for(rows_prep_task, &t, nc, 1);
+        /* each chunk's columns in pieces as pq_linear_w splits them (16-column multiples) */
+        const int split = chunk_rows(N, row_bytes);
+        if (split) {
+            t.col_rows = split;
+            t.ncol = (N + split - 1) / split;
+        }
+        pg_parallel_for(rows_unit_task, &t, nc * t.ncol, 1);
+    }
+    return 0;
+}
+
 typedef struct {
     pq_dequant_fn deq;  /* the tier's dequantizer of the format */
     const uint8_t *w;   /* row n0 */
@@ -208,6 +318,17 @@ int pq_act_block(int wdt)
 {
     const pq_format_t *f = pq_format_of(wdt);
     return f ? f->act_block(pg_isa()) : -1;
+}
+
+/* y[T, N] = x[T, K] @ W^T for any T >= 1 (a prefill chunk): block formats through
+ * pq_linear_rows, float weights as calls of at most PG_MAX_M rows.  0, -1 or -2. */
+int pg_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt)
+{
+    if (T < 1)
+        return -1;
+    if (d->wdt >= DT_Q_FIRST)
+        return pq_linear_rows(d, x, y, T, xdt);
+    return linear_by_calls(d, x, y, T, xdt);
 }
 
 /* The weight descriptor's entry point: fp32 / bf16 weights to cpu_gemv.c, block formats to

@@ -29,6 +29,10 @@ typedef struct {
 int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
 /* The same for a block-format weight (d->wdt >= DT_Q_FIRST). */
 int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
+/* The same for any T >= 1 rows (prefill chunks): the rows in kernel calls of at most PG_MAX_M
+ * (the same bits), a block format's over the pool in two hand-offs for the whole call. */
+int pg_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt);
+int pq_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt);
 /* Rows n0..n1-1 / the rows ids[0..n-1] of a block-format W as fp32, row-major, exactly the
  * reference dequantizer's values. */
 int pq_dequantize_rows(const pg_weight_t *d, int n0, int n1, float *out);

@@ -614,18 +614,68 @@ static void pl_rows(const pl_rows_t *c, int T)
 /* Linears                                                                    */
 /* ------------------------------------------------------------------------- */
 
-/* y[T, N] = x[T, K] @ W^T, x and y of dtype dt, PG_MAX_M rows a call; rows are independent, so
- * the chunks change no bits.  0, or PL_ENOMEM / PL_ELINEAR. */
+/* y[T, N] = x[T, K] @ W^T, x and y of dtype dt (pg_linear_rows: kernel calls of at most
+ * PG_MAX_M rows, whose rows are independent, so how they are cut changes no bits).  0, or
+ * PL_ENOMEM / PL_ELINEAR. */
 static int run_linear(const pg_weight_t *w, const char *x, char *y, int T, int dt)
 {
-    const size_t esz = dt == DT_F32 ? 4 : 2;
-    for (int r0 = 0; r0 < T; r0 += PG_MAX_M) {
-        const int m = T - r0 < PG_MAX_M ? T - r0 : PG_MAX_M;
-        const int rc = pg_linear_w(w, x + (size_t)r0 * w->K * esz, y + (size_t)r0 * w->N * esz, m, dt);
-        if (rc)
-            return rc == -2 ? PL_ENOMEM : PL_ELINEAR;
+    const int rc = pg_linear_rows(w, x, y, T, dt);
+    return rc == 0 ? 0 : rc == -2 ? PL_ENOMEM : PL_ELINEAR;
+}
+
+/* split_linear's elementwise parts over rows [t0, t1): widen x's rows into the two groups'
+ * fp32 inputs (phase 0), or round the sum of the two partials into y (phase 1). */
+typedef struct {
+    int phase, dt;
+    int64_t K, cut, N;
+    const char *x;
+    char *y;
+    float *xa, *xb, *ya, *yb;
+} pl_split_t;
+
+static void split_task(const void *ctx, int t0, int t1)
+{
+    const pl_split_t *c = (const pl_split_t *)ctx;
+    const int64_t K = c->K, cut = c->cut, K1 = K - cut, N = c->N;
+    for (int t = t0; t < t1; t++) {
+        if (c->phase == 0) {
+            float *xa = c->xa + (size_t)t * cut, *xb = c->xb + (size_t)t * K1;
+            if (c->dt == DT_F32) {
+                const float *xr = (const float *)c->x + (size_t)t * K;
+                memcpy(xa, xr, (size_t)cut * 4);
+                memcpy(xb, xr + cut, (size_t)K1 * 4);
+            } else {
+                const uint16_t *xr = (const uint16_t *)c->x + (size_t)t * K;
+                for (int64_t i = 0; i < cut; i++)
+                    xa[i] = bf16_to_f32(xr[i]);
+                for (int64_t i = 0; i < K1; i++)
+                    xb[i] = bf16_to_f32(xr[cut + i]);
+            }
+        } else {
+            const float *ya = c->ya + (size_t)t * N, *yb = c->yb + (size_t)t * N;
+            if (c->dt == DT_F32) {
+                float *yr = (float *)c->y + (size_t)t * N;
+                for (int64_t i = 0; i < N; i++)
+                    yr[i] = ya[i] + yb[i];
+            } else {
+                uint16_t *yr = (uint16_t *)c->y + (size_t)t * N;
+                for (int64_t i = 0; i < N; i++)
+                    yr[i] = f32_to_bf16(ya[i] + yb[i]);
+            }
+        }
     }
-    return 0;
+}
+
+/* split_task over rows [0, T): on the pool from PL_PAR_T rows, as pl_rows. */
+static void split_rows(const pl_split_t *c, const pl_step_t *s, int T)
+{
+    const int nth = pg_num_threads();
+    if (T < PL_PAR_T || nth < 2 || (s->attn_flags & PA_SOLO)) {
+        split_task(c, 0, T);
+        return;
+    }
+    const int per = (T + 2 * nth - 1) / (2 * nth);
+    pg_parallel_for(split_task, c, T, per < 4 ? 4 : per);
 }
 
 /* The row-parallel linears (o, down) as two column groups: y = round(x[:, :cut] @ W0^T +
@@ -639,36 +689,18 @@ static int split_linear(const pl_step_t *s, const pl_bufs_t *b, const pg_weight_
     const int dt = (int)s->dtype;
     if (!w1)
         return run_linear(w0, x, y, T, dt);
-    const int64_t K = w0->K + w1->K, N = w0->N, K1 = w1->K;
+    const int64_t K = w0->K + w1->K, N = w0->N;
     if (cut != w0->K || w1->N != N)
         return PL_EARGS;
-    float *xa = (float *)b->gx, *xb = xa + (size_t)T * cut;
-    for (int t = 0; t < T; t++) {
-        if (dt == DT_F32) {
-            const float *xr = (const float *)x + (size_t)t * K;
-            memcpy(xa + (size_t)t * cut, xr, (size_t)cut * 4);
-            memcpy(xb + (size_t)t * K1, xr + cut, (size_t)K1 * 4);
-        } else {
-            const uint16_t *xr = (const uint16_t *)x + (size_t)t * K;
-            for (int64_t i = 0; i < cut; i++)
-                xa[(size_t)t * cut + i] = bf16_to_f32(xr[i]);
-            for (int64_t i = 0; i < K1; i++)
-                xb[(size_t)t * K1 + i] = bf16_to_f32(xr[cut + i]);
-        }
-    }
-    float *ya = (float *)b->gy, *yb = ya + (size_t)T * N;
+    float *xa = (float *)b->gx, *ya = (float *)b->gy;
+    pl_split_t c = {0, dt, K, cut, N, x, y, xa, xa + (size_t)T * cut, ya, ya + (size_t)T * N};
+    split_rows(&c, s, T);
     int rc;
-    if ((rc = run_linear(w0, (const char *)xa, (char *)ya, T, DT_F32)) ||
-        (rc = run_linear(w1, (const char *)xb, (char *)yb, T, DT_F32)))
+    if ((rc = run_linear(w0, (const char *)c.xa, (char *)c.ya, T, DT_F32)) ||
+        (rc = run_linear(w1, (const char *)c.xb, (char *)c.yb, T, DT_F32)))
         return rc;
-    const size_t n = (size_t)T * N;
-    if (dt == DT_F32) {
-        for (size_t i = 0; i < n; i++)
-            ((float *)y)[i] = ya[i] + yb[i];
-    } else {
-        for (size_t i = 0; i < n; i++)
-            ((uint16_t *)y)[i] = f32_to_bf16(ya[i] + yb[i]);
-    }
+    c.phase = 1;
+    split_rows(&c, s, T);
     return 0;
 }
 

@@ -231,6 +231,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear.restype = ci
     lib.pg_linear_w.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_w.restype = ci
+    lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
+    lib.pg_linear_rows.restype = ci
     for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []

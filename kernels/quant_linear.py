@@ -324,6 +324,25 @@ class QuantLinear:
             raise RuntimeError(f"pq_linear_w failed with code {rc}")
         return out
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W^T for x [M, K] fp32/bf16 with any M (a prefill chunk) on the native kernels,
+        MAX_M rows a kernel call -- each row the bits of a lone decode step -- in one library
+        call (pg_linear_rows: the chunks' activations prepared in parallel, their column tiles
+        spread over the pool at once).  Without native kernels (or under autograd), __call__."""
+        M = x.shape[0]
+        xdt = _DT.get(x.dtype)
+        if (M <= MAX_M or xdt is None or not self._native or x.dim() != 2 or not x.is_cpu
+                or (x.requires_grad and torch.is_grad_enabled())):
+            return self(x)
+        if x.shape[1] != self.in_features:
+            raise ValueError(f"x has {x.shape[1]} features, weight expects {self.in_features}")
+        x = x.contiguous()
+        out = x.new_empty(M, self.out_features)
+        rc = _qlib.pg_linear_rows(self._dptr, x.data_ptr(), out.data_ptr(), M, xdt)
+        if rc:
+            raise RuntimeError(f"pg_linear_rows failed with code {rc}")
+        return out
+
     def _slow(self, x: torch.Tensor, out: Optional[torch.Tensor], M: int, shape) -> torch.Tensor:
         if not x.is_cpu:
             raise ValueError("QuantLinear is a CPU kernel; x is on " + str(x.device))

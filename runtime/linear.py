@@ -181,13 +181,9 @@ class QuantizedLinear:
             return self(x.to(torch.float32)).to(x.dtype)
         if x.dim() != 2:  # [..., in] as rows, so that every row takes the same path
             return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-        m, step = x.shape[0], self._max_m
-        if m <= step or not self.packed.native:
+        if x.shape[0] <= self._max_m or not self.packed.native:
             return self.packed(x)
-        out = x.new_empty(m, self.out_features)
-        for i in range(0, m, step):
-            self.packed(x[i:i + step], out=out[i:i + step])
-        return out
+        return self.packed.rows(x)  # MAX_M rows a kernel call, in one library call
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """ids: [num_tokens] int -> rows [num_tokens, in_features] in `dtype`."""

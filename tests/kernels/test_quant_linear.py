@@ -386,6 +386,38 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype):
     ql.set_mode("auto")
 
 
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_many_rows_in_one_call_equal_the_64_row_calls(tier_cap, qtype):
+    """rows() takes a prefill chunk's rows in one library call (pg_linear_rows: every 64-row
+    chunk's activations prepared in parallel, then (chunk, column range) units over the pool);
+    each row still gets the bits of the kernel calls of at most MAX_M rows -- and so of a lone
+    decode step -- on every tier, fp32 and bf16, with a bias, a last chunk of 1 or 22 rows, one
+    and two threads."""
+    _require_native(qtype)
+    g = torch.Generator().manual_seed(21)
+    K = 512 if qtype in qr.BLOCK32 else 768
+    N = 200
+    lin = QuantLinear(_weights(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
+    before = cpu_linear.kernel_info()["threads"]
+    try:
+        for tier in _tiers():
+            tier_cap(tier)
+            for dt in DTYPES:
+                x = torch.randn(150, K, generator=g).to(dt)  # [M, K]: chunks of 64, 64, 22
+                calls = torch.cat([lin(x[i:i + ql.MAX_M]) for i in range(0, 150, ql.MAX_M)])
+                alone = lin(x[149:150])
+                for threads in (2, 1):
+                    cpu_linear.set_num_threads(threads)
+                    for M in (150, ql.MAX_M + 1):
+                        got = lin.rows(x[:M])
+                        assert got.dtype == dt and got.shape == (M, N)
+                        assert torch.equal(got, calls[:M]), (tier, dt, threads, M, (got != calls[:M]).sum().item())
+                    assert torch.equal(lin.rows(x)[149:], alone)
+                cpu_linear.set_num_threads(before)
+    finally:
+        cpu_linear.set_num_threads(before)
+
+
 def test_regrouped_copies_stay_within_their_budget(monkeypatch):
     """PRESCIENT_REGROUP_MB bounds the copies a process holds (0: none); a dropped weight's
     copy is given back; K-quants have no regrouped layout."""
