@@ -177,6 +177,39 @@ def test_sampled_walk_gives_the_batch_walks_verdicts():
     assert deep >= 10  # the deep walks were exercised
 
 
+def test_greedy_walk_gives_the_batch_walks_verdicts():
+    """A greedy request's drafts are walked in Python on the CPU (verify's fast path: one argmax
+    per row); verify_packed walks them with the reference kernel. The same verdicts over random
+    trees (chains, siblings sharing a token -- the lowest index wins --, deep and wide), in a
+    batch beside root-only and sampled requests, with targets that often accept the drafts."""
+    vocab = 50
+    g = torch.Generator().manual_seed(12)
+    deep = 0
+    for case in range(80):
+        n = int(torch.randint(2, 14, (1,), generator=g))
+        parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        if case % 3 == 0:
+            parents = list(range(-1, n - 1))  # a chain
+        tokens = torch.randint(0, 6 if case % 4 == 1 else vocab, (n,), generator=g).tolist()
+        tree = DraftTree(tokens, parents)
+        logits = torch.randn(n, vocab, generator=g)
+        if case % 2:  # the target's argmax below each parent is a child's token: walks go deep
+            for c in range(1, n):
+                logits[parents[c], tokens[c]] += 10.0 * float(torch.rand(1, generator=g)) + 5.0
+        walked = verify([tree], logits, [GREEDY], [None])
+        packed = verify_packed(*pack_trees([tree]), logits, [GREEDY], [None]).outcomes()
+        assert walked == packed, (case, tree.tokens, tree.parents)
+        deep += walked[0].num_accepted >= 2
+        # in a batch: a root-only request and a sampled one around it keep their rows
+        other = DraftTree([1, 2, 3], [-1, 0, 1])
+        batch_logits = torch.cat([torch.randn(1, vocab, generator=g), logits, torch.randn(3, vocab, generator=g)])
+        params = [GREEDY, GREEDY, SamplingParams(temperature=0.7, seed=1)]
+        outs = verify([DraftTree([5], [-1]), tree, other], batch_logits, params, [None, None, make_generator(3)])
+        assert outs[1] == walked[0]
+        assert outs[0].tokens == [int(batch_logits[0].argmax())]
+    assert deep >= 10
+
+
 def test_unseeded_requests_share_the_default_generator():
     logits = torch.randn(3, VOCAB)
     tree = DraftTree.chain(1, [2, 3])
