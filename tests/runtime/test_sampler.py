@@ -1,5 +1,5 @@
 """The logits -> distribution transform on hand-built logits with known answers, and the
-exponential-race sampler's empirical distribution."""
+samplers' empirical distributions: plain decoding's inverse CDF, the exponential race."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
+from prescient.runtime.sampler import (exponential_noise, inverse_cdf, make_generator, sample_from_probs, sample_row,
+                                      target_probs_from_logits)
 from prescient.runtime.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
@@ -41,6 +42,37 @@ def test_exponential_race_matches_distribution():
     tokens = sample_from_probs(probs, exponential_noise((200_000, 4), make_generator(0)))
     freq = torch.bincount(tokens, minlength=4).float() / 200_000
     assert (freq - probs[0]).abs().sum() / 2 < 0.01
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=3),
+                                    SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=1.0, min_p=0.3)])
+def test_plain_sampling_matches_the_distribution(params):
+    """sample_row (plain decoding: the inverse CDF at one uniform per token) draws each token with
+    target_probs_from_logits' probability, and never one the filters removed."""
+    logits = torch.log(torch.tensor([[0.4, 0.25, 0.15, 0.1, 0.06, 0.04]]))
+    want = target_probs_from_logits(logits, params)[0]
+    g = make_generator(3)
+    n = 40_000
+    freq = torch.bincount(torch.tensor([sample_row(logits, params, g) for _ in range(n)]), minlength=6).float() / n
+    assert (freq - want).abs().sum() / 2 < 0.012, (freq, want)
+    assert (freq[want == 0] == 0).all()
+
+
+def test_inverse_cdf_edges():
+    """u = 0 takes the first token with mass, u just below 1 the last; zero-mass tokens (at either
+    end or between) are never drawn; an unnormalised row works as its normalised one."""
+    p = torch.tensor([0.0, 0.0, 2.0, 0.0, 1.0, 0.0])
+    assert inverse_cdf(p, 0.0) == 2
+    assert inverse_cdf(p, 1.0 - 2 ** -53) == 4
+    assert inverse_cdf(p, 0.5) == 2 and inverse_cdf(p, 0.7) == 4
+    assert inverse_cdf(p, 1.0) == 4  # u * total rounded up to the total: the last token with mass
+
+
+def test_plain_sampling_is_reproducible_per_seed():
+    logits = torch.randn(1, 5000, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    draw = lambda seed: [sample_row(logits, params, g) for g in [make_generator(seed)] for _ in range(50)]  # noqa: E731
+    assert draw(11) == draw(11) and draw(11) != draw(12)
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-6])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prescient.runtime.sampler import exponential_noise, make_generator, sample_from_probs, target_probs_from_logits
+from prescient.runtime.sampler import (exponential_noise, make_generator, sample_from_probs, sample_row,
+                                      target_probs_from_logits)
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.tree import DraftTree, pack_trees
 from prescient.speculative.verify import BONUS, RECOVERED, verify, verify_packed
@@ -57,25 +58,31 @@ def test_root_only_tree_is_plain_decoding():
     logits = torch.randn(1, VOCAB)
     [out] = verify([DraftTree([4], [-1])], logits, [GREEDY], [None])
     assert out.tokens == [int(logits.argmax())] and out.next_role == BONUS and out.num_draft_tokens == 0
-    # Seeded sampling: the same token Engine._sample draws (same noise, same order of draws).
+    # Seeded sampling: the same token plain decoding draws (Engine._sample_one: sample_row, the
+    # same draws in the same order).
     params = SamplingParams(temperature=0.8, top_k=5, seed=7)
     for seed in range(20):
         [out] = verify([DraftTree([4], [-1])], logits, [params], [make_generator(seed)])
-        probs = target_probs_from_logits(logits, params)
-        plain = int(sample_from_probs(probs, exponential_noise(tuple(probs.shape), make_generator(seed))))
-        assert out.tokens == [plain]
+        assert out.tokens == [sample_row(logits, params, make_generator(seed))]
 
 
 def test_root_only_trees_skip_the_tree_walk_with_its_verdict():
-    """verify() answers a tree without drafts as plain decoding, without the rejection walk:
-    the walk itself (verify_packed) gives the same verdicts, beside drafted trees too."""
+    """verify() answers a tree without drafts as plain decoding does (sample_row, from the
+    request's own generator), without the rejection walk, beside drafted trees, which keep the
+    walk's verdicts (verify_packed)."""
     trees = [DraftTree([4], [-1]), TREE, DraftTree([2], [-1]), DraftTree([7], [-1])]
     logits = torch.randn(sum(t.num_nodes for t in trees), VOCAB, generator=torch.Generator().manual_seed(2))
     params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=1.0), GREEDY,
               SamplingParams(temperature=0.6, top_p=0.8)]
+    rows = [0, 1, 8, 9]  # each tree's first row
     for seed in range(10):
-        gens = lambda: [make_generator(seed * 4 + i) for i in range(4)]  # noqa: E731
-        assert verify(trees, logits, params, gens()) == verify_packed(*pack_trees(trees), logits, params, gens()).outcomes()
+        gen = lambda i: make_generator(seed * 4 + i)  # noqa: E731
+        outs = verify(trees, logits, params, [gen(i) for i in range(4)])
+        for i in (0, 2, 3):
+            assert outs[i].tokens == [sample_row(logits[rows[i]:rows[i] + 1], params[i], gen(i))]
+            assert outs[i].num_draft_tokens == 0 and outs[i].next_role == BONUS
+        assert outs[2].tokens == [int(logits[8].argmax())]
+        assert outs[1] == verify_packed(*pack_trees([TREE]), logits[1:8], [params[1]], [gen(1)]).outcomes()[0]
 
 
 def one_hot_logits(tokens: list[int]) -> torch.Tensor:  # [num_nodes, VOCAB], near-certain targets
