@@ -7,7 +7,7 @@ Roles, defined once here and used everywhere else:
 - recovered token: sampled from the residual distribution at the last accepted node after all
   its children were rejected; it replaces the rejected guesses.
 Each step emits the accepted draft tokens plus exactly one bonus or recovered token, so a 1-node
-tree (no proposal) is plain decoding: same distribution, and for a seeded request the same noise
+tree (no proposal) is plain decoding: same distribution, and for a seeded request the same
 draw (`runtime.sampler.sample_row`, which plain decoding calls too), so the same token.
 
 Greedy requests keep the longest path whose tokens equal the target argmax, so speculation never
@@ -17,8 +17,10 @@ draft: the emitted tokens follow the target distribution that `target_probs_from
 themselves are kernel ops (`prescient.kernels.ops.greedy_verify` / `rejection_sample`); this
 module prepares their inputs (padding, per-request distributions and random draws) and turns
 their outputs into per-request `VerifyOutcome`s (`verify`) or batch tensors (`verify_packed`).
-On the CPU a sampled request's one-hot drafts are walked here instead (`_walk_one_hot`: the
-reference walk's operations at one sequence, a node's distribution computed when reached).
+On the CPU drafted trees of one-hot drafts are walked here instead: a greedy request's after one
+argmax per row (`_walk_greedy`), a sampled request's with the reference walk's rule at one
+sequence, a node's distribution computed when reached and the last token drawn by inverting the
+residual's CDF (`_walk_one_hot`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from prescient.kernels import ops
 from prescient.kernels.cpu_argmax import argmax_rows
-from prescient.runtime.sampler import exponential_noise, sample_row, target_probs_from_logits
+from prescient.runtime.sampler import exponential_noise, inverse_cdf, sample_row, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.tree import DraftTree, pack_trees
 
@@ -84,13 +86,13 @@ def verify(
     if not (len(params) == len(generators) == len(trees)):
         raise ValueError("trees, params and generators must have one entry per request")
     # A tree without drafts is plain decoding (the module's first paragraph): its token is
-    # plain decoding's own draw (sampler.sample_row: the same noise, the same token), without the tree
+    # plain decoding's own draw (sampler.sample_row: the same draw, the same token), without the tree
     # machinery, which cost a sampled request 1.5 ms a step on a 2-core Zen 3 (~15% of a step,
     # on every step the planner gives no drafts).
     single = [i for i, t in enumerate(trees)
               if t.num_nodes == 1 and (draft_probs is None or draft_probs[i] is None)]
     # A sampled request's deterministic (one-hot) drafts on the CPU: the walk one node at a time
-    # (_walk_one_hot), the same operations as the batch walk at one sequence, on the rows it visits.
+    # (_walk_one_hot), the batch walk's rule at one sequence, on the rows it visits.
     walk = [i for i, t in enumerate(trees)
             if t.num_nodes > 1 and not params[i].greedy and target_logits.device.type == "cpu"
             and (draft_probs is None or draft_probs[i] is None)]
@@ -282,41 +284,39 @@ def _walk_one_hot(
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> VerifyOutcome:
-    """Recursive rejection sampling of one sampled request's deterministic drafts, node by node:
-    the operations of kernels/reference.rejection_sample at one sequence (a [1, vocab] residual,
-    the same scatter, sum, division and final exponential race), with the same draws
-    (_random_draws: the noise, then one uniform per node); but a node's target distribution is
-    computed only when the walk reaches it, one row at a time, and nothing is padded into
-    [sequences, nodes, vocab] buffers. The verdicts are the batch walk's where a one-row
-    target_probs_from_logits gives the bits of that row in a many-row call (small vocabularies;
-    with several torch threads a large vocabulary's one-row sum is split differently, moving the
-    last bit, which flips a verdict only within an ulp). Exact either way. The batch path took
-    ~3 ms for a 4-node chain on a 2-core Zen 3 (a third of a decode step: sampled speculation
-    could not pay), this ~0.7 ms."""
+    """Recursive rejection sampling of one sampled request's deterministic drafts, node by node
+    (the rule of kernels/reference.rejection_sample at one sequence, one-hot drafts): at the
+    current node its children are tried in order, child c accepted when u_c < residual[token_c],
+    a rejected token's mass removed from the residual (renormalised); the walk stops at a node
+    whose children are all rejected (the next token recovered from what is left) or at a leaf
+    (the bonus, from the node's distribution). A node's target distribution is computed only
+    when the walk reaches it, one row at a time. Draws: one uniform per node, then one that
+    picks the last token by inverting the residual's CDF (sampler.inverse_cdf) -- the batch walk
+    races one Exp(1) per vocabulary entry instead, ~0.4 ms of torch.rand a step for a 49k
+    vocabulary; either is an exact sample of the residual."""
     n = tree.num_nodes
-    uniform, noise = _random_draws([0], [n], [generator], n, logits.shape[1])
-    u = uniform[0].tolist()
-    probs = lambda c: target_probs_from_logits(logits[c : c + 1], params)  # noqa: E731  [1, vocab]
-    children: list[list[int]] = [[] for _ in range(n)]
-    for c in range(1, n):
-        children[tree.parents[c]].append(c)
+    draws = torch.rand(n + 1, generator=generator, dtype=torch.float64).tolist()  # [c]: node c; [n]: the last token
+    probs = lambda c: target_probs_from_logits(logits[c : c + 1], params)[0]  # noqa: E731  [vocab]
+    children = tree.children
     cur, path, recovered = 0, [0], False
     residual = probs(0)
     while True:
         for c in children[cur]:
             token = tree.tokens[c]
-            if u[c] < residual[0, token].item():  # reference: uniform * q < p, q = 1
+            if draws[c] < float(residual[token]):  # reference: uniform * q < p, q = 1
                 cur = c
                 path.append(c)
                 residual = probs(c)
                 break
-            leftover = residual.scatter(1, torch.tensor([[token]]), 0.0)
-            total = leftover.sum(1, keepdim=True)
-            residual = torch.where(total > 0, leftover / total, residual)
+            leftover = residual.clone()
+            leftover[token] = 0.0
+            total = float(leftover.sum())
+            if total > 0:
+                residual = leftover / total
         else:  # no child accepted (or none at all): the walk stops here
             recovered = bool(children[cur])
             break
-    token = int((residual / noise).argmax(1))
+    token = inverse_cdf(residual, draws[n])
     return VerifyOutcome(tuple(path), tuple(tree.tokens[c] for c in path[1:]), token,
                          RECOVERED if recovered else BONUS, n - 1)
 
