@@ -75,7 +75,7 @@ def sample_row(row_logits: torch.Tensor,  # [1, vocab]
     """Plain decoding's token for one row: the argmax for a greedy request, else the inverse CDF
     of target_probs_from_logits at one uniform draw from `generator` (the exponential race drew
     one Exp(1) per vocabulary entry: ~0.4 ms of torch.rand for a 49k vocabulary, ~0.75 ms a
-    token in all, a fifth of a decode step on a 2-core Xeon; this takes ~0.15 ms). A 1-node
+    token in all, a fifth of a decode step on a 2-core Xeon; this takes ~0.17 ms). A 1-node
     verify tree (speculative/verify.py) draws through here too: the same token."""
     if params.greedy:
         return int(argmax_rows(row_logits.reshape(-1, row_logits.shape[-1]))[0])

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prescient.runtime.sampler import (exponential_noise, make_generator, sample_from_probs, sample_row,
-                                      target_probs_from_logits)
+from prescient.runtime.sampler import make_generator, sample_row, target_probs_from_logits
 from prescient.runtime.sampling_params import SamplingParams
 from prescient.speculative.tree import DraftTree, pack_trees
 from prescient.speculative.verify import BONUS, RECOVERED, verify, verify_packed
