@@ -43,6 +43,13 @@ typedef struct {
     pq_job_t job;
 } pq_task_t;
 
+/* The column-lane copy the tier's int8 rows read (cpu_qgemv_cl.c: tiers avx512_bf16 and avx2,
+ * the same bits at both), or NULL (the other tiers read the blocks or a block-group copy). */
+static const uint8_t *cl_copy(const pg_weight_t *d, int isa)
+{
+    return (isa >= ISA_AVX512_BF16 || isa == ISA_AVX2) && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+}
+
 static void pq_task(const void *ctx, int i0, int i1)
 {
     const pq_task_t *t = (const pq_task_t *)ctx;
@@ -91,8 +98,8 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     }
     void *xa = NULL;
     const size_t xab = f->xa_bytes ? f->xa_bytes(M, K) : 0;
-    /* a column-lane copy is read at the VNNI tier only; a block-group copy from AVX-512 up */
-    const uint8_t *cl = isa >= ISA_AVX512_BF16 && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+    /* a column-lane copy is read at the VNNI and AVX2 tiers; a block-group copy from AVX-512 up */
+    const uint8_t *cl = cl_copy(d, isa);
     const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
     if (xab) {
         xa = scratch(1, xab);
@@ -212,7 +219,7 @@ int pq_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt)
         pq_rows_call_t t = {f, pq_rows_at(f, isa), jobs, xdt == DT_BF16 ? (const uint16_t *)xr : NULL,
                             (float *)buf, nc, 1, N, N};
         const float *x32 = xdt == DT_BF16 ? (const float *)buf : (const float *)xr;
-        const uint8_t *cl = isa >= ISA_AVX512_BF16 && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+        const uint8_t *cl = cl_copy(d, isa);
         const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
         const size_t row_bytes = (size_t)(K / f->block_elems) * f->block_bytes;
         for (int c = 0; c < nc; c++) {

@@ -61,13 +61,13 @@ _Static_assert(sizeof(block_q6_k) == 210, "block_q6_k must be 210 bytes");
 /* ---- the row-kernel contract ------------------------------------------------------------ */
 
 /* Layouts of a weight's kernel copy (pg_weight_t.rpl; q32_repack): the block-lane groups of
- * the AVX-512 int8 rows, or the column-lane cells of the VNNI rows (cpu_qgemv.h). */
+ * the AVX-512 int8 rows, or the column-lane cells of the VNNI and AVX2 rows (cpu_qgemv.h). */
 enum { PQ_RP_GROUPS = 0, PQ_RP_CL = 1 };
 
 typedef struct {
     const uint8_t *w;   /* [N, row_bytes] blocks */
     const uint8_t *rp;  /* NULL, or w regrouped (q32_repack): what the AVX-512 int8 rows read */
-    const uint8_t *cl;  /* NULL, or w in the column-lane layout: what the VNNI int8 rows read */
+    const uint8_t *cl;  /* NULL, or w in the column-lane layout: what the VNNI / AVX2 int8 rows read */
     size_t row_bytes;
     const float *bias;  /* [N] or NULL */
     const float *x;     /* [M, K] fp32 activations */

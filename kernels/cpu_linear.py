@@ -93,7 +93,7 @@ MAX_M = _max_m()
 # test_format_table.py keeps the symbol graph acyclic): the runtime (pool, ISA), the kernels,
 # the format table over them, the dispatcher over the table, the fused layer on top.
 _SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_attention.c", "cpu_argmax.c",
-                 "cpu_qgemv_avx2.c", "cpu_qgemv_cl.c", "cpu_qgemv_avx512.c", "cpu_qgemv.c", "cpu_qgemv_k.c",
+                 "cpu_qgemv_cl.c", "cpu_qgemv_avx2.c", "cpu_qgemv_avx512.c", "cpu_qgemv.c", "cpu_qgemv_k.c",
                  "cpu_formats.c", "cpu_dispatch.c", "cpu_layer.c")
 _HEADER_NAMES = ("cpu_runtime.h", "cpu_bf16.h", "cpu_gemv.h", "cpu_attention.h", "cpu_formats.h",
                  "cpu_qgemv.h", "cpu_qgemv_k.h", "cpu_dispatch.h")  # hashed, not compiled

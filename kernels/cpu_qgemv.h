@@ -5,7 +5,7 @@
  *                        activation prep and the path choice (float / int8)
  *   cpu_qgemv_avx2.c     AVX2 + FMA + F16C row kernels and dequantizer
  *   cpu_qgemv_avx512.c   AVX-512 (BW; + VNNI at tier avx512_bf16) row kernels and dequantizer
- *   cpu_qgemv_cl.c       the VNNI int8 rows on a column-lane copy of W
+ *   cpu_qgemv_cl.c       the VNNI and AVX2 int8 rows on a column-lane copy of W (the same bits)
  *
  * The kernels are written once for the family and specialised per format by a compile-time
  * code FMT; what they need of a format is its row of q32_layouts below (block bytes, where the
@@ -79,6 +79,7 @@ static const q32_layout_t q32_layouts[PF_COUNT] = {
     void q32_rows_avx512_##name(const pq_job_t *j, int n0, int n1);                      \
     void q32_rows_vnni_##name(const pq_job_t *j, int n0, int n1);                        \
     void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1);                          \
+    void q32_rows_cl_avx2_##name(const pq_job_t *j, int n0, int n1);                     \
     void q32_dequant_avx512_##name(const uint8_t *blk, int nblk, float *out);
 
 #pragma GCC visibility push(hidden)

@@ -436,7 +436,9 @@ static inline __attribute__((always_inline)) void y_irows(const pq_job_t *j, int
     static void y_irows_##name(const pq_job_t *j, int n0, int n1) { y_irows(j, n0, n1, code); } \
     void q32_rows_avx2_##name(const pq_job_t *j, int n0, int n1)                         \
     {                                                                                    \
-        if (((const xa_hdr_t *)j->xa)->path == PATH_INT8)                                \
+        if (((const xa_hdr_t *)j->xa)->path == PATH_INT8 && ((const xa_hdr_t *)j->xa)->cl) \
+            q32_rows_cl_avx2_##name(j, n0, n1); /* cpu_qgemv_cl.c */                     \
+        else if (((const xa_hdr_t *)j->xa)->path == PATH_INT8)                           \
             y_irows_##name(j, n0, n1);                                                   \
         else                                                                             \
             y_frows_##name(j, n0, n1);                                                   \

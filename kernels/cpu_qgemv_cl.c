@@ -1,5 +1,5 @@
 /*
- * cpu_qgemv_cl.c -- the 32-element family's column-lane int8 rows (tier avx512_bf16), on a copy
+ * cpu_qgemv_cl.c -- the 32-element family's column-lane int8 rows (tiers avx512_bf16 and avx2), on a copy
  * of W in the CL layout (cpu_qgemv.h; built by pq_repack at load): 16 output columns in the
  * lanes of a vector.  Per (input row, column, block) one exact int32 dot product (8 vpdpbusd,
  * each with a dword of x broadcast to the 16 columns), then per block in order
@@ -177,11 +177,169 @@ static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int
 
 #pragma GCC pop_options
 
-/* ---- entry points (from q32_rows_vnni_*, cpu_qgemv_avx512.c) ------------------------------ */
+/* ---- AVX2: the same copy, the same integer sums and epilogue, 8 columns a vector ---------- *
+ *
+ * Without vpdpbusd a dword step is vpmaddubsw (u8 w x s8 x, adjacent pairs summed into int16)
+ * and vpmaddwd by ones (the pairs into one int32 per column).  Q4's nibbles (<= 15) times
+ * |x| <= 127 give pairs of at most 3810, so a block's 8 steps add up in int16 (<= 30480) and
+ * widen once per block; Q8_0's copy holds q + 128, which vpmaddubsw would saturate, so its
+ * bytes are made signed again (^ 0x80) and multiplied as |q| x sign(x, q) (pairs <= 32512),
+ * widened every step, from an aux of 0 (prep's C is 128 only at the VNNI tier).  Each column's
+ * block sum is the same exact int32 as the VNNI rows', and the epilogue the same fp32 ops in
+ * the same order: tier avx2 gives tier avx512_bf16's bits on this copy (tested). */
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+/* Step s of half h (columns 8h .. 8h + 7) of a cell: 8 x 4 bytes (Q4: the nibbles; Q8_0: q, signed). */
+static inline __attribute__((always_inline)) __m256i y_wstep(const int FMT, const uint8_t *cell, int h, int s)
+{
+    if (!Q32_L(FMT).nib)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(cell + 64 * s + 32 * h)),
+                                _mm256_set1_epi8((char)0x80));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(cell + 64 * (s & 3) + 32 * h));
+    const __m256i m4 = _mm256_set1_epi8(15);
+    return s < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+}
+
+static inline __attribute__((always_inline)) __m256i y_bcast(const uint8_t *x)
+{
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One block for MR input rows x NC halves (from half h0): dot products, then the epilogue. */
+static inline __attribute__((always_inline))
+void y_cblock(const int FMT, const int MR, const int NC, int h0, const uint8_t *cell, const uint8_t *xr, size_t ms,
+              int b, size_t kq, size_t nb16, __m256 (*acc)[2])
+{
+    const int nib = Q32_L(FMT).nib, QV = nib ? 4 : 8;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i d[4][2];
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NC; c++)
+            d[m][c] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; s++) {
+        __m256i w[2], a[2];
+        for (int c = 0; c < NC; c++) {
+            w[c] = y_wstep(FMT, cell, h0 + c, s);
+            if (!nib)
+                a[c] = _mm256_abs_epi8(w[c]);
+        }
+        for (int m = 0; m < MR; m++) {
+            const __m256i xv = y_bcast(xr + m * ms + (size_t)QK * b + 4 * s);
+            for (int c = 0; c < NC; c++)
+                if (nib)
+                    d[m][c] = _mm256_add_epi16(d[m][c], _mm256_maddubs_epi16(w[c], xv));
+                else
+                    d[m][c] = _mm256_add_epi32(d[m][c], _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(a[c], _mm256_sign_epi8(xv, w[c])), ones));
+        }
+    }
+    __m256 dw[2], mw[2];  /* the cell's scales, widened once for every input row */
+    for (int c = 0; c < NC; c++) {
+        dw[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 64 * QV + 16 * (h0 + c))));
+        if (Q32_L(FMT).has_m)
+            mw[c] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 64 * QV + 32 + 16 * (h0 + c))));
+    }
+    for (int m = 0; m < MR; m++) {
+        const uint8_t *xm = xr + m * ms;
+        const float dx = ((const float *)(xm + kq))[b];
+        for (int c = 0; c < NC; c++) {
+            __m256i dot = nib ? _mm256_madd_epi16(d[m][c], ones) : d[m][c];
+            if (!Q32_L(FMT).has_m)
+                dot = _mm256_add_epi32(dot, _mm256_set1_epi32(((const int32_t *)(xm + kq + 4 * nb16))[b]));
+            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[c], _mm256_set1_ps(dx)), acc[m][c]);
+            if (Q32_L(FMT).has_m)
+                v = _mm256_fmadd_ps(mw[c], _mm256_set1_ps(((const float *)(xm + kq + 4 * nb16))[b]), v);
+            acc[m][c] = v;
+        }
+    }
+}
+
+/* y[m, n .. n + 7] = v (+ bias), columns in [n0, n1) only (as c_store). */
+static inline __attribute__((always_inline)) void y_cstore(const pq_job_t *j, int m, int n, int n0, int n1, __m256 v)
+{
+    if (n >= n0 && n + 8 <= n1) {
+        if (j->bias)
+            v = _mm256_add_ps(v, _mm256_loadu_ps(j->bias + n));
+        const size_t off = (size_t)m * j->N + n;
+        if (j->ydt == DT_F32) {
+            _mm256_storeu_ps((float *)j->y + off, v);
+        } else {
+            _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off), bf16x4_rne(_mm256_castps256_ps128(v)));
+            _mm_storel_epi64((__m128i *)((uint16_t *)j->y + off + 4), bf16x4_rne(_mm256_extractf128_ps(v, 1)));
+        }
+        return;
+    }
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < 8; i++)
+        if (n + i >= n0 && n + i < n1)
+            store1(j, m, n + i, t[i]);
+}
+
+static inline __attribute__((always_inline))
+void y_ctile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m0, int t, int h0, int n0, int n1)
+{
+    const xa_hdr_t *h = (const xa_hdr_t *)j->xa;
+    const int nb = j->K / QK;
+    const size_t cb = (size_t)16 * Q32_L(FMT).bb, kq = cl_kq(j->K), nb16 = cl_nb16(nb), ms = h->mstride;
+    const uint8_t *cell = j->cl + (size_t)t * nb * cb, *xr = XA_DATA(h) + (size_t)m0 * ms;
+    __m256 acc[4][2];
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NC; c++)
+            acc[m][c] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, cell += cb) {
+        if (PQ_PF_BYTES)
+            for (size_t o = 0; o < cb; o += 64)
+                _mm_prefetch((const char *)cell + o + PQ_PF_BYTES, _MM_HINT_T0);
+        y_cblock(FMT, MR, NC, h0, cell, xr, ms, b, kq, nb16, acc);
+    }
+    for (int m = 0; m < MR; m++)
+        for (int c = 0; c < NC; c++)
+            if (16 * t + 8 * (h0 + c) < n1)
+                y_cstore(j, m0 + m, 16 * t + 8 * (h0 + c), n0, n1, acc[m][c]);
+}
+
+/* Per 16-column tile: up to 2 inputs take both halves at once (one pass over the cells);
+ * more take a half at a time, 4 inputs a pass (16 ymm: 2 x MR x NC accumulators). */
+static inline __attribute__((always_inline)) void y_crows(const pq_job_t *j, int n0, int n1, const int FMT)
+{
+    const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
+    for (int t = t0; t < t1; t++) {
+        if (j->M <= 2) {
+            if (j->M == 1)
+                y_ctile(j, FMT, 1, 2, 0, t, 0, n0, n1);
+            else
+                y_ctile(j, FMT, 2, 2, 0, t, 0, n0, n1);
+            continue;
+        }
+        for (int hh = 0; hh < 2; hh++) {
+            const int c0 = 16 * t + 8 * hh;
+            if (c0 >= n1 || c0 + 8 <= n0)
+                continue;
+            for (int m0 = 0; m0 < j->M; m0 += 4)
+                switch (j->M - m0 < 4 ? j->M - m0 : 4) {
+                case 1: y_ctile(j, FMT, 1, 1, m0, t, hh, n0, n1); break;
+                case 2: y_ctile(j, FMT, 2, 1, m0, t, hh, n0, n1); break;
+                case 3: y_ctile(j, FMT, 3, 1, m0, t, hh, n0, n1); break;
+                default: y_ctile(j, FMT, 4, 1, m0, t, hh, n0, n1); break;
+                }
+        }
+    }
+}
+
+#pragma GCC pop_options
+
+/* ---- entry points (from q32_rows_vnni_*, cpu_qgemv_avx512.c; q32_rows_avx2_*, cpu_qgemv_avx2.c) */
 
 #define Q32_INSTANCE_CL(name, code)                                                         \
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")))            \
-    void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1) { c_vrows(j, n0, n1, code); }
+    void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1) { c_vrows(j, n0, n1, code); } \
+    __attribute__((target("avx2,fma,f16c")))                                                \
+    void q32_rows_cl_avx2_##name(const pq_job_t *j, int n0, int n1) { y_crows(j, n0, n1, code); }
 
 Q32_FORMATS(Q32_INSTANCE_CL)
 

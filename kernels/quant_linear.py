@@ -89,15 +89,16 @@ REGROUP_MB = 1024
 _regroup_held = 0  # bytes of regrouped copies alive
 #: The copy's layouts (pg_weight_t.rpl, cpu_dispatch.h): "groups" (each full 16-block group in
 #: the block-lane registers' order; the AVX-512 int8 rows read it, the bits of the blocks) and
-#: "cl" (16 output columns in a vector's lanes; the VNNI int8 rows read it, cpu_qgemv_cl.c: bits
-#: of its own, the same at every M).
+#: "cl" (16 output columns in a vector's lanes; the VNNI and AVX2 int8 rows read it,
+#: cpu_qgemv_cl.c: bits of its own, the same at every M and at both tiers).
 LAYOUTS = {"groups": 0, "cl": 1}
 _best_layout: Optional[str] = None  # the CPU's, asked once (machine_tiers moves the ISA cap)
 
 
 def default_layout() -> Optional[str]:
-    """The copy this CPU's best tier reads: "cl" with AVX-512 VNNI (avx512_bf16), "groups" with
-    AVX-512 alone, None below (the AVX2 and portable rows read the blocks).
+    """The copy this CPU's best tier reads: "cl" with AVX-512 VNNI (avx512_bf16) or AVX2 at
+    best, "groups" with AVX-512 alone (whose AVX2 cap then reads the blocks), None without SIMD
+    rows (the portable ones read the blocks).
     PRESCIENT_REGROUP_LAYOUT=groups keeps "groups" on a VNNI CPU (the blocks' bits; to compare)."""
     global _best_layout
     want = os.environ.get("PRESCIENT_REGROUP_LAYOUT", "").strip().lower()
@@ -105,7 +106,8 @@ def default_layout() -> Optional[str]:
         raise ValueError(f"PRESCIENT_REGROUP_LAYOUT={want!r}: expected one of {', '.join(LAYOUTS)}")
     if _best_layout is None:
         tiers = cpu_linear.machine_tiers()
-        _best_layout = "cl" if "avx512_bf16" in tiers else "groups" if "avx512" in tiers else ""
+        _best_layout = ("cl" if "avx512_bf16" in tiers else "groups" if "avx512" in tiers
+                        else "cl" if "avx2" in tiers else "")
     if want == "groups" and _best_layout:
         return "groups"
     return _best_layout or None
@@ -212,11 +214,11 @@ class QuantLinear:
             self.regroup()
 
     def regroup(self, on: bool = True, layout: Optional[str] = None) -> bool:
-        """Hold (or drop) a copy of W laid out for the AVX-512 int8 kernels (cpu_qgemv.c's
+        """Hold (or drop) a copy of W laid out for the SIMD int8 kernels (cpu_qgemv.c's
         q32_repack; LAYOUTS; `layout` None: the held copy's, else default_layout()). "groups"
-        gives the blocks' bits faster; "cl" (AVX-512 VNNI only) gives the column-lane rows,
+        (AVX-512) gives the blocks' bits faster; "cl" (AVX-512 VNNI, AVX2) gives the column-lane rows,
         faster at every M, with bits of their own, the same at every M, so a weight keeps the
-        copy it got at construction (on a CPU with AVX-512, for Q8_0 / Q4_0 / Q4_1, within
+        copy it got at construction (on a CPU with AVX2 or AVX-512, for Q8_0 / Q4_0 / Q4_1, within
         REGROUP_MB for the process). As large as W ("cl": N rounded up to 16). Returns whether
         a copy is held. Not while another thread runs this weight (the kernels read the copy
         through the descriptor)."""
@@ -224,7 +226,7 @@ class QuantLinear:
         layout = layout or self._layout or default_layout()
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-        if layout == "cl" and "avx512_bf16" not in cpu_linear.machine_tiers():
+        if layout == "cl" and not {"avx512_bf16", "avx2"} & set(cpu_linear.machine_tiers()):
             layout = None  # no kernel here reads it
         if not on or not self._native or layout is None or self._layout != layout:
             self._desc.rp = None  # before the copy can be freed

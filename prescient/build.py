@@ -197,7 +197,7 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
     rg = regrouped_bytes()
     # (all of the process's copies: a draft model's too)
-    extra = f" (+{rg / (1 << 20):.1f} MiB of weight copies laid out for the AVX-512 kernels)" if rg else ""
+    extra = f" (+{rg / (1 << 20):.1f} MiB of weight copies laid out for the SIMD kernels)" if rg else ""
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB{extra}; "
             f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
 

@@ -347,24 +347,32 @@ def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
     ql.set_mode("auto")
 
 
+CL_TIERS = ("avx512_bf16", "avx2")  # the tiers whose int8 rows read a "cl" copy
+
+
+@pytest.mark.parametrize("tier", CL_TIERS)
 @pytest.mark.parametrize("qtype", qr.BLOCK32)
-def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype):
-    """With AVX-512 VNNI a weight holds a "cl" copy (16 output columns in a vector's lanes) and
-    the int8 rows of tier avx512_bf16 read it: row i of an M-row call has the bits of the one-row
-    call at every M (the tiles of 1-4 inputs x 1-2 column tiles, one or two blocks a step), with
-    a bias, fp32 and bf16, N past a multiple of 16, a matrix split over the pool; within the
-    int8 bound of the reference.  Below that tier the copy is not read."""
+def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype, tier):
+    """With AVX2 or AVX-512 VNNI a weight holds a "cl" copy (16 output columns in a vector's
+    lanes; "groups" is AVX-512 without VNNI's) and the int8 rows of tiers avx512_bf16 and avx2
+    read it: row i of an M-row call has the bits of the one-row call at every M (the tiles of
+    1-4 inputs x 1-2 column tiles or halves, one or two blocks a step), with a bias, fp32 and
+    bf16, N past a multiple of 16 (and of 8), a matrix split over the pool; within the int8
+    bound of the reference.  The tier below does not read the copy."""
     _require_native(qtype)
-    if "avx512_bf16" not in _tiers():
-        pytest.skip("the column-lane copy is for the AVX-512 VNNI kernels")
-    tier_cap("avx512_bf16")
+    if tier not in _tiers():
+        pytest.skip(f"this CPU has no {tier} tier")
+    tier_cap(tier)
     ql.set_mode("int8")
     g = torch.Generator().manual_seed(14)
-    # a 8-column tail tile; 4 pool chunks (a 16-row-aligned split) and an odd block count; one block
-    for N, K in ((40, 576), (200, 1504), (16, 32)):
+    # an 8-column tail tile, 4 pool chunks (a 16-row-aligned split) and an odd block count; a
+    # 4-column tail (half a half); one block
+    for N, K in ((40, 576), (200, 1504), (36, 96), (16, 32)):
         b = _weights(qtype, N, K, g)
         lin = QuantLinear(b, qtype, N, K, bias=torch.randn(N, generator=g))
-        assert ql.default_layout() == "cl" and lin.regroup() and lin.layout == "cl"
+        if ql.default_layout() != "cl":  # AVX-512 without VNNI: its "groups" copy is the default
+            assert lin.regroup(True, "cl")
+        assert lin.layout == "cl"
         W = qr.dequantize(b, qtype, N, K).double()
         mag = _mag(b, qtype, N, K, W)
         for dt in DTYPES:
@@ -374,15 +382,43 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype):
             for M in (2, 3, 4, 5, 7, 8, 13, 64):
                 got = lin(x[:M])
                 assert torch.equal(got, alone[:M]), (N, K, dt, M, (got != alone[:M]).sum().item())
-    # the copy is what the VNNI rows read, and only they
+    # the copy is what the tier's rows read, and the tier below does not
     x = torch.randn(3, K, generator=g)
     clean = lin(x)
     lin._regrouped[0] ^= 0x11  # a quant byte of column 0, block 0
     assert not torch.equal(lin(x), clean)
-    tier_cap("avx512")
+    tier_cap("avx512" if tier == "avx512_bf16" else "portable")
     before = lin(x)
     lin._regrouped[0] ^= 0x11
     assert torch.equal(lin(x), before)
+    ql.set_mode("auto")
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
+    """The AVX2 rows (vpmaddubsw: Q4's int16 sums over a block, Q8_0's |q| x sign(x, q) pairs)
+    compute each column's block sums exactly, as vpdpbusd does, and run the same fp32 epilogue:
+    on the same "cl" copy tiers avx2 and avx512_bf16 give the same bits, at every M, fp32 and
+    bf16, with a bias (so a model's text does not depend on which of them the CPU has)."""
+    _require_native(qtype)
+    if not {"avx2", "avx512_bf16"} <= set(_tiers()):
+        pytest.skip("needs a CPU with both tiers (AVX-512 VNNI)")
+    ql.set_mode("int8")
+    g = torch.Generator().manual_seed(15)
+    for N, K in ((200, 1504), (44, 576), (16, 32)):
+        # random bytes: every quant code (Q8_0's -128, whose pairs reach the int16 limit) and
+        # scales of both signs
+        lin = QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
+        assert lin.layout == "cl"
+        for dt in DTYPES:
+            # activations whose blocks quantize to +-127 throughout (the largest pair sums)
+            x = torch.cat([torch.randn(32, K, generator=g), torch.sign(torch.randn(32, K, generator=g))]).to(dt)
+            got = {}
+            for tier in ("avx512_bf16", "avx2"):
+                tier_cap(tier)
+                got[tier] = [lin(x[:M]) for M in (1, 2, 3, 4, 5, 8, 17, 64)]
+            for M, a, b in zip((1, 2, 3, 4, 5, 8, 17, 64), got["avx512_bf16"], got["avx2"]):
+                assert torch.equal(a, b), (N, K, dt, M, (a != b).sum().item())
     ql.set_mode("auto")
 
 
