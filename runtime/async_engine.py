@@ -44,6 +44,9 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stop = False
+        # when the engine thread last found nothing to run (None while it has work): written by
+        # that thread only, read by the server's idle-time chores (idle_seconds)
+        self._idle_since: float | None = None
         self.step_hooks: list[Callable[[Engine, list[RequestOutput], float], None]] = []
         remote = getattr(engine, "remote_prefill", None)
         if remote is not None:  # a prefill/decode split: pages arriving wake the loop
@@ -125,6 +128,14 @@ class AsyncEngine:
             raise value
         return value
 
+    def idle_seconds(self) -> float:
+        """How long the engine has had nothing to run (0 while it has requests or a submission
+        waits in its inbox): for work that should not take the CPU from decoding."""
+        since = self._idle_since
+        if since is None or self._inbox:
+            return 0.0
+        return time.monotonic() - since
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -150,11 +161,14 @@ class AsyncEngine:
         while not self._stop:
             self._drain()
             if not self.engine.has_unfinished_requests():
+                if self._idle_since is None:
+                    self._idle_since = time.monotonic()
                 if self._idle_work():
                     continue  # one forward of background work; the inbox is looked at first
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self._idle_since = None
             t0 = time.perf_counter()
             steps = self.engine.num_steps
             try:

@@ -1,5 +1,5 @@
-"""A long-running server's memory: the KV cache made resident ahead of need, and malloc settings
-that keep the heap from fragmenting.
+"""A long-running server's memory: the KV cache made resident ahead of need, malloc settings
+that keep the heap from fragmenting, and the start-up heap kept out of the cyclic collector.
 
 The KV cache is allocated as untouched zero pages (runtime/model.py `_zeros`), so a start costs
 nothing for it; left so, the process's memory then grows page by page for as long as the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import threading
@@ -87,3 +88,19 @@ def tune_allocator(mmap_threshold: int = 32 << 20, arena_max: int = 2) -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_ARENA_MAX, arena_max))
+
+
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the model, torch's and the libraries' modules) to the
+    collector's permanent generation (gc.freeze), after one full collection; returns how many.
+
+    CPython's oldest-generation collection walks every tracked object, and a loaded server holds
+    hundreds of thousands that never become garbage: measured in `prescient serve` on the default
+    model, each such collection took 100-120 ms (2 in ~8 s of batch-1 streaming), holding the GIL,
+    so the engine thread could not start its next step -- a stall of that size in every stream's
+    inter-token gap. Frozen, the same collections take ~1.6 ms. Objects made later are collected
+    as before; a frozen object freed by its reference count is freed as ever (only cycles among
+    start-up objects are no longer found)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -81,15 +81,19 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
     async def lifespan(app):
         await warm_up(ctx)
         if config.warm_grammar and ctx.engine.tokenizer is not None:
-            # in the background: /health need not wait for the workers' imports
-            ctx.warm_grammar_task = asyncio.create_task(ctx.constraints.compiler())
+            # in the background, once the engine has been idle a moment: /health need not wait
+            # for the workers' imports, and no stream decodes beside them
+            ctx.warm_grammar_task = asyncio.create_task(
+                ctx.constraints.warm_when_idle(aengine.idle_seconds, config.warm_grammar_idle_s))
         ctx.ready = True
         try:
             yield
         finally:
             ctx.ready = False
-            if ctx.warm_grammar_task is not None:  # the compiler must exist before close() stops it
-                with contextlib.suppress(Exception):
+            if ctx.warm_grammar_task is not None:  # a compiler being built must exist before close() stops it
+                if not ctx.constraints.warming:
+                    ctx.warm_grammar_task.cancel()
+                with contextlib.suppress(BaseException):
                     await ctx.warm_grammar_task
             ctx.close()
             await asyncio.to_thread(aengine.shutdown)
@@ -171,7 +175,7 @@ def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 
     from prescient.runtime.async_engine import AsyncEngine
 
     sock = listening_socket(host, port)
-    from prescient.runtime.memory import tune_allocator
+    from prescient.runtime.memory import freeze_startup_objects, tune_allocator
 
     config = dataclasses.replace(config, warm_grammar=True)  # a server's first grammar waits for no worker start
 
@@ -179,6 +183,7 @@ def run_server(spec, config: ServerConfig, host: str = "127.0.0.1", port: int = 
     engine = build_engine(spec)
     engine.prefault_kv()  # a server's memory is flat from the start, not growing as the KV cache fills
     app = build_app(AsyncEngine(engine), config)
+    freeze_startup_objects()  # full collections walk only what requests make (runtime/memory.py)
     server = GracefulServer(uvicorn_config(app, host, port, config))
     if engine.model.is_sharded:  # --tp: a lost rank ends the server (runtime/tp_worker.py)
         engine.model.set_failure_handler(lambda message: setattr(server, "should_exit", True))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from prescient.grammar import GrammarCompiler, GrammarError, GrammarSpec, spec_from_response_format
 from prescient.server.errors import bad_request
@@ -61,12 +62,30 @@ class Constraints:
         self._metrics = metrics
         self._compiler: GrammarCompiler | None = None
         self._lock = asyncio.Lock()
+        self.warming = False  # warm_when_idle is building the compiler (a shutdown then waits for it)
 
     async def compiler(self) -> GrammarCompiler:
         async with self._lock:
             if self._compiler is None:
                 self._compiler = await asyncio.to_thread(self._engine.grammar_compiler, self._backend)
         return self._compiler
+
+    async def warm_when_idle(self, idle_seconds: Callable[[], float], after_s: float, poll_s: float = 0.1) -> None:
+        """Build the compiler (and start its worker processes) once `idle_seconds()` (the engine's,
+        AsyncEngine.idle_seconds) reaches `after_s`, unless a grammar request built it first.
+        A worker's start is ~2.5 s of CPU (xgrammar imports torch): begun with the server, the
+        first requests decoded beside it, at nice 10 but still ~40% slower for their first
+        seconds on 2 cores (the default model through `prescient serve`, first pass: 134-160
+        against 229-264 tok/s with no workers starting). Cancel it only while not `warming`."""
+        while self._compiler is None:
+            if idle_seconds() >= after_s:
+                self.warming = True
+                try:
+                    await self.compiler()
+                finally:
+                    self.warming = False
+                return
+            await asyncio.sleep(poll_s)
 
     def close(self) -> None:
         """Stop the compiler's worker processes (server shutdown)."""

@@ -74,8 +74,11 @@ class ServerConfig:
     # ITL bound nearly implies TPOT <= 100 ms; set it tighter to require a reading speed.
     # Start the grammar compiler's worker processes with the server (~2.5 s of low-priority CPU
     # and ~310 MB each, grammar/compile_pool.py) rather than at the first constrained request,
-    # which would otherwise wait for them. `prescient serve` does; apps built in tests do not.
+    # which would otherwise wait for them: once the engine has been idle warm_grammar_idle_s,
+    # so that no stream decodes beside their start (Constraints.warm_when_idle). `prescient
+    # serve` does; apps built in tests do not.
     warm_grammar: bool = False
+    warm_grammar_idle_s: float = 1.0
     slo_ttft_ms: float | None = 1000.0  # None switches an objective off
     slo_itl_ms: float | None = 100.0  # p99 of a request's per-emission gaps
     slo_tpot_ms: float | None = None

@@ -15,3 +15,70 @@ def test_the_compile_workers_start_with_the_server_when_asked(make_tiny_server):
         assert time.monotonic() < deadline, "the grammar workers did not start with the server"
         time.sleep(0.1)
     assert cold.ctx.constraints._compiler is None  # no request asked for a grammar: nothing started
+
+
+def test_the_compile_workers_wait_for_an_idle_engine():
+    """`prescient serve` starts the workers once the engine has been idle a moment, not while
+    a stream decodes (their start took ~40% of the first streams' speed on 2 cores): while the
+    engine reports itself busy nothing is built; after it has idled `after_s`, the compiler is."""
+    import asyncio
+
+    from prescient.server.constraints import Constraints
+
+    class Engine:  # what Constraints asks of the engine: the compiler, built once
+        built = 0
+
+        def grammar_compiler(self, backend):
+            self.built += 1
+            return object()
+
+    async def run():
+        engine, idle = Engine(), [0.0]
+        c = Constraints(engine)
+        task = asyncio.create_task(c.warm_when_idle(lambda: idle[0], after_s=1.0, poll_s=0.01))
+        await asyncio.sleep(0.2)  # busy (0 s idle), then idle but not long enough
+        assert engine.built == 0
+        idle[0] = 0.9
+        await asyncio.sleep(0.1)
+        assert engine.built == 0 and not task.done()
+        idle[0] = 1.0
+        await asyncio.wait_for(task, 5)
+        assert engine.built == 1 and c._compiler is not None
+        # a grammar request that came first leaves nothing to warm
+        engine2 = Engine()
+        c2 = Constraints(engine2)
+        await c2.compiler()
+        await asyncio.wait_for(c2.warm_when_idle(lambda: 5.0, after_s=1.0), 5)
+        assert engine2.built == 1
+
+    asyncio.run(run())
+
+
+def test_the_engine_says_how_long_it_has_been_idle(tiny_model_dir):
+    """AsyncEngine.idle_seconds (what the warm-up waits on): growing while nothing runs, 0 from
+    a submission until its request ends, then growing again from then."""
+    import asyncio
+
+    from prescient.runtime.async_engine import AsyncEngine
+    from prescient.runtime.sampling_params import SamplingParams
+    from tests.server.conftest import tiny_engine
+
+    aengine = AsyncEngine(tiny_engine(tiny_model_dir))
+
+    async def run():
+        await asyncio.sleep(0.3)
+        before = aengine.idle_seconds()
+        assert before >= 0.2
+        during = []
+        async for _ in aengine.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0)):
+            during.append(aengine.idle_seconds())
+        # every output before the last one: the request still runs (by the last, it may have ended)
+        assert len(during) > 1 and max(during[:-1]) == 0.0
+        await asyncio.sleep(0.2)
+        after = aengine.idle_seconds()
+        assert 0.1 <= after < before + 0.2  # counted from the request's end, not from the start
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        aengine.shutdown()
