@@ -343,7 +343,7 @@ def test_regrouped_copy_gives_the_blocks_bits(tier_cap, qtype):
     tier_cap("avx2")
     before = lin(x)
     lin._regrouped[0] ^= 0x11
-    assert torch.equal(lin(x), before)  # the AVX2 rows read the blocks
+    assert torch.equal(lin(x), before)  # the AVX2 rows read the blocks here (a "cl" copy they would read)
     ql.set_mode("auto")
 
 
