@@ -210,7 +210,7 @@ static inline size_t plan_mstride(int nb, int V)
 
 
 /* ------------------------------------------------------------------------- */
-/* The column-lane (CL) layout (cpu_qgemv_cl.c, tier avx512_bf16)             */
+/* The column-lane (CL) layout (cpu_qgemv_cl.c, tiers avx512_bf16 and avx2)   */
 /*                                                                            */
 /* W: one cell of 16 * bb bytes per (16-column tile t, block b), at offset    */
 /* (t * nb + b) * 16 * bb: QV = 4 (Q4) or 8 (Q8_0) vectors of 64 bytes, byte */

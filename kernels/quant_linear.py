@@ -99,7 +99,8 @@ def default_layout() -> Optional[str]:
     """The copy this CPU's best tier reads: "cl" with AVX-512 VNNI (avx512_bf16) or AVX2 at
     best, "groups" with AVX-512 alone (whose AVX2 cap then reads the blocks), None without SIMD
     rows (the portable ones read the blocks).
-    PRESCIENT_REGROUP_LAYOUT=groups keeps "groups" on a VNNI CPU (the blocks' bits; to compare)."""
+    PRESCIENT_REGROUP_LAYOUT=groups gives the blocks' bits instead (to compare): "groups" where
+    AVX-512 reads it, no copy on an AVX2-only CPU (its rows then read the blocks)."""
     global _best_layout
     want = os.environ.get("PRESCIENT_REGROUP_LAYOUT", "").strip().lower()
     if want and want not in LAYOUTS:  # asked every time: a bad value never passes silently
@@ -109,7 +110,7 @@ def default_layout() -> Optional[str]:
         _best_layout = ("cl" if "avx512_bf16" in tiers else "groups" if "avx512" in tiers
                         else "cl" if "avx2" in tiers else "")
     if want == "groups" and _best_layout:
-        return "groups"
+        return "groups" if _best_layout == "groups" or "avx512" in cpu_linear.machine_tiers() else None
     return _best_layout or None
 
 
@@ -226,7 +227,8 @@ class QuantLinear:
         layout = layout or self._layout or default_layout()
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
-        if layout == "cl" and not {"avx512_bf16", "avx2"} & set(cpu_linear.machine_tiers()):
+        tiers = set(cpu_linear.machine_tiers())
+        if (layout == "cl" and not {"avx512_bf16", "avx2"} & tiers) or (layout == "groups" and "avx512" not in tiers):
             layout = None  # no kernel here reads it
         if not on or not self._native or layout is None or self._layout != layout:
             self._desc.rp = None  # before the copy can be freed
@@ -253,7 +255,7 @@ class QuantLinear:
 
     @property
     def regrouped(self) -> bool:
-        """Whether the kernels read a copy of W (at the AVX-512 tiers; `layout` says which)."""
+        """Whether the kernels read a copy of W (at the SIMD tiers; `layout` says which)."""
         return self._regrouped is not None
 
     @property

@@ -152,6 +152,8 @@ class AsyncEngine:
         self._wake.set()
 
     def _drain(self) -> None:
+        if self._inbox:  # before the inbox empties: idle_seconds never sees neither (a stale idle time)
+            self._idle_since = None
         with self._lock:
             pending, self._inbox = self._inbox, []
         for fn in pending:

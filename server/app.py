@@ -90,11 +90,12 @@ def build_app(aengine, config: ServerConfig = ServerConfig()) -> Starlette:
             yield
         finally:
             ctx.ready = False
-            if ctx.warm_grammar_task is not None:  # a compiler being built must exist before close() stops it
-                if not ctx.constraints.warming:
-                    ctx.warm_grammar_task.cancel()
+            if ctx.warm_grammar_task is not None:
+                ctx.warm_grammar_task.cancel()
                 with contextlib.suppress(BaseException):
                     await ctx.warm_grammar_task
+            with contextlib.suppress(BaseException):
+                await ctx.constraints.settle()  # a compiler being built must exist before close() stops it
             ctx.close()
             await asyncio.to_thread(aengine.shutdown)
 

@@ -19,6 +19,7 @@ processes: ~2.5 s to start, ~310 MB each, which unconstrained servers never pay)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -61,14 +62,32 @@ class Constraints:
         self._backend = backend  # CompilerConfig.backend of the compiler built on first use
         self._metrics = metrics
         self._compiler: GrammarCompiler | None = None
-        self._lock = asyncio.Lock()
-        self.warming = False  # warm_when_idle is building the compiler (a shutdown then waits for it)
+        self._build: asyncio.Future | None = None  # the one build in flight (or done)
 
     async def compiler(self) -> GrammarCompiler:
-        async with self._lock:
-            if self._compiler is None:
-                self._compiler = await asyncio.to_thread(self._engine.grammar_compiler, self._backend)
+        """The compiler, built once (on a thread: its vocabulary scan and worker starts). The build
+        is one future every caller awaits shielded: a caller cancelled meanwhile (a client gone,
+        the warm-up stopped) leaves it running, so its result is kept (and closed at shutdown)
+        rather than dropped with its worker processes; a failed build is tried again next time."""
+        if self._compiler is None:
+            if self._build is None:
+                self._build = asyncio.ensure_future(asyncio.to_thread(self._engine.grammar_compiler, self._backend))
+            build = self._build
+            try:
+                compiler = await asyncio.shield(build)
+            except Exception:
+                if self._build is build:
+                    self._build = None
+                raise
+            self._compiler = compiler
         return self._compiler
+
+    async def settle(self) -> None:
+        """Wait for a build in flight (before close(), so its workers are stopped too)."""
+        build = self._build
+        if build is not None:
+            with contextlib.suppress(Exception):
+                self._compiler = self._compiler or await asyncio.shield(build)
 
     async def warm_when_idle(self, idle_seconds: Callable[[], float], after_s: float, poll_s: float = 0.1) -> None:
         """Build the compiler (and start its worker processes) once `idle_seconds()` (the engine's,
@@ -76,14 +95,11 @@ class Constraints:
         A worker's start is ~2.5 s of CPU (xgrammar imports torch): begun with the server, the
         first requests decoded beside it, at nice 10 but still ~40% slower for their first
         seconds on 2 cores (the default model through `prescient serve`, first pass: 134-160
-        against 229-264 tok/s with no workers starting). Cancel it only while not `warming`."""
+        against 229-264 tok/s with no workers starting). Cancelling it leaves a build it began
+        running (`settle` waits for it)."""
         while self._compiler is None:
             if idle_seconds() >= after_s:
-                self.warming = True
-                try:
-                    await self.compiler()
-                finally:
-                    self.warming = False
+                await self.compiler()
                 return
             await asyncio.sleep(poll_s)
 

@@ -64,16 +64,15 @@ def test_the_engine_says_how_long_it_has_been_idle(tiny_model_dir):
     from tests.server.conftest import tiny_engine
 
     aengine = AsyncEngine(tiny_engine(tiny_model_dir))
+    during = []  # read on the engine thread after each step: the request still running
+    aengine.step_hooks.append(lambda engine, outputs, seconds: during.append(aengine.idle_seconds()))
 
     async def run():
         await asyncio.sleep(0.3)
         before = aengine.idle_seconds()
-        assert before >= 0.2
-        during = []
-        async for _ in aengine.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0)):
-            during.append(aengine.idle_seconds())
-        # every output before the last one: the request still runs (by the last, it may have ended)
-        assert len(during) > 1 and max(during[:-1]) == 0.0
+        assert before >= 0.2 and not during
+        outs = [o async for o in aengine.generate([5, 6, 7, 8], SamplingParams(max_tokens=8, temperature=0))]
+        assert outs[-1].finished and len(during) > 1 and max(during) == 0.0
         await asyncio.sleep(0.2)
         after = aengine.idle_seconds()
         assert 0.1 <= after < before + 0.2  # counted from the request's end, not from the start
@@ -82,3 +81,50 @@ def test_the_engine_says_how_long_it_has_been_idle(tiny_model_dir):
         asyncio.run(asyncio.wait_for(run(), 60))
     finally:
         aengine.shutdown()
+
+
+def test_a_cancelled_caller_leaves_the_one_build_running():
+    """The compiler is built once: a caller cancelled mid-build (a client gone, the warm-up
+    stopped at shutdown) leaves the build running, and the next caller (or `settle`, before the
+    server closes the compiler) gets its result, not a second build with its own workers; a
+    build that failed is tried again."""
+    import asyncio
+    import threading
+
+    from prescient.server.constraints import Constraints
+
+    class Engine:
+        def __init__(self, fail_first=False):
+            self.built, self.fail_first = 0, fail_first
+            self.go = threading.Event()
+
+        def grammar_compiler(self, backend):
+            self.go.wait(10)
+            self.built += 1
+            if self.fail_first and self.built == 1:
+                raise RuntimeError("no workers")
+            return object()
+
+    async def run():
+        engine = Engine()
+        c = Constraints(engine)
+        first = asyncio.create_task(c.compiler())
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        engine.go.set()
+        await asyncio.wait_for(c.settle(), 10)
+        got = await c.compiler()
+        assert engine.built == 1 and got is c._compiler is not None
+
+        engine = Engine(fail_first=True)
+        engine.go.set()
+        c = Constraints(engine)
+        try:
+            await c.compiler()
+            raise AssertionError("the failed build was not reported")
+        except RuntimeError:
+            pass
+        assert await c.compiler() is not None and engine.built == 2
+
+    asyncio.run(run())
