@@ -152,7 +152,7 @@ class AsyncEngine:
         self._wake.set()
 
     def _drain(self) -> None:
-        if self._inbox:  # before the inbox empties: idle_seconds never sees neither (a stale idle time)
+        if self._inbox:  # first: idle_seconds must not read an emptied inbox beside a stale idle time
             self._idle_since = None
         with self._lock:
             pending, self._inbox = self._inbox, []
