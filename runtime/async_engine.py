@@ -170,7 +170,7 @@ class AsyncEngine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
-            self._idle_since = None
+            self._idle_since = None  # (work that came without the inbox: a P/D split's handed-off prompts)
             t0 = time.perf_counter()
             steps = self.engine.num_steps
             try:
