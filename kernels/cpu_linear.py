@@ -47,6 +47,8 @@ cores the pool's workers spin on.  Calls may come
 from any thread; the pool serves one call at a time and a concurrent caller runs on its own
 thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel, ``PRESCIENT_ISA=portable|avx2|
 avx512|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
+``PRESCIENT_AVX_VNNI=1|0`` turns tier avx2's AVX-VNNI rows on or off (default: on where avx2 is the
+CPU's best tier and it has AVX-VNNI, so a capped AVX-512 CPU runs plain AVX2),
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
 ``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
 build cache.
@@ -104,7 +106,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
 ISA_TIERS = tuple(_ISA_NAMES.values())
 
-_C_VERSION = 3  # must match PG_VERSION in cpu_runtime.c
+_C_VERSION = 4  # must match PG_VERSION in cpu_runtime.c
 
 _lock = threading.RLock()
 _lib: Optional[ctypes.CDLL] = None  # the loaded .so (GEMV enabled or not)
@@ -233,11 +235,13 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear_w.restype = ci
     lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_rows.restype = ci
-    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads"):
+    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
     lib.pg_set_isa_cap.argtypes = [ci]
     lib.pg_set_isa_cap.restype = ci
+    lib.pg_set_avx_vnni.argtypes = [ci]
+    lib.pg_set_avx_vnni.restype = ci
     lib.pg_set_num_threads.argtypes = [ci]
     lib.pg_set_num_threads.restype = ci
     lib.pg_set_spin_us.argtypes = [ci, ci]
@@ -263,12 +267,25 @@ def _env_isa_cap() -> Optional[int]:
     return ISA_TIERS.index(isa)
 
 
+def _env_avx_vnni() -> Optional[int]:
+    """PRESCIENT_AVX_VNNI=1|0 (None when unset): tier avx2's AVX-VNNI rows on or off."""
+    v = os.environ.get("PRESCIENT_AVX_VNNI", "").strip()
+    if not v:
+        return None
+    if v not in ("0", "1"):
+        raise ValueError(f"PRESCIENT_AVX_VNNI={v!r}: expected 0 or 1")
+    return int(v)
+
+
 def _apply_env(lib: ctypes.CDLL) -> None:
     n = os.environ.get("PRESCIENT_GEMV_THREADS")
     lib.pg_set_num_threads(int(n) if n else cpu_threads.default_threads())
     cap = _env_isa_cap()
     if cap is not None:
         lib.pg_set_isa_cap(cap)
+    vnni = _env_avx_vnni()
+    if vnni is not None:
+        lib.pg_set_avx_vnni(vnni)
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
     if spin:
         parts = [int(p) for p in spin.split(",")]
@@ -282,6 +299,7 @@ def _load_library() -> None:
         if _lib_tried:
             return
         _env_isa_cap()  # a bad PRESCIENT_ISA raises here, on every call, before anything loads
+        _env_avx_vnni()
         _lib_tried = True
         errors = []
         cc = _compiler()
@@ -352,6 +370,7 @@ def kernel_info() -> dict:
     info = {"available": ok, "so": _so_path, "reason": _why_not}
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
+        info["avx_vnni"] = bool(_lib.pg_avx_vnni())
         info["threads"] = _lib.pg_num_threads()
         st = (ctypes.c_uint64 * 3)()
         _lib.pg_stats(st)
@@ -381,6 +400,13 @@ def _set_isa_cap(cap: int | str) -> str:
     if isinstance(cap, str):
         cap = ISA_TIERS.index(cap)
     return _ISA_NAMES[library().pg_set_isa_cap(int(cap))]
+
+
+def _set_avx_vnni(on: bool | None) -> bool:
+    """Tier avx2's AVX-VNNI rows on / off (None: the default, on where avx2 is the CPU's best
+    tier); returns whether they are in use now (never without the instruction). For tests and
+    benchmarks."""
+    return bool(library().pg_set_avx_vnni(-1 if on is None else int(bool(on))))
 
 
 def machine_tiers() -> list[str]:
@@ -584,7 +610,9 @@ def pack_weight(w: torch.Tensor, bias: Optional[torch.Tensor] = None,
 
 def build_signature() -> str:
     """What a measurement on these kernels depends on: the CPU, the compiled .so (its name is a
-    hash of sources, flags and compiler) and the ISA tier in use. Cost tables are keyed by it."""
+    hash of sources, flags and compiler), the ISA tier in use (and tier avx2's AVX-VNNI rows).
+    Cost tables are keyed by it."""
     info = kernel_info()
-    return "|".join(str(x) for x in (_cpu_signature(), info.get("so"), info.get("isa"), info.get("threads"),
+    isa = f"{info.get('isa')}{'+avxvnni' if info.get('avx_vnni') else ''}"
+    return "|".join(str(x) for x in (_cpu_signature(), info.get("so"), isa, info.get("threads"),
                                       torch.__version__, len(os.sched_getaffinity(0))))

@@ -13,6 +13,10 @@
  * there), and the weight vectors are shared by every input row from L1 with x broadcast from
  * memory, so up to 4 input rows x 2 column tiles (or 1-2 rows x 2 tiles x 2 blocks) keep up to 8
  * independent chains.  Measured in docs/CPU_PERFORMANCE.md (eleventh session).
+ *
+ * Tier avx2 reads the same copy 8 columns a vector (vpmaddubsw pair sums, the same exact block
+ * sums and epilogue: the same bits), or, on a CPU with AVX-VNNI (pg_avx_vnni), vpdpbusd on ymm
+ * (fourteenth session).
  */
 #include <stdint.h>
 #include <stddef.h>
@@ -202,6 +206,20 @@ static inline __attribute__((always_inline)) __m256i y_wstep(const int FMT, cons
     return s < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
 }
 
+/* acc + vpdpbusd(u8 w, s8 x), VEX-encoded (AVX-VNNI), in inline assembly: no target attribute
+ * (which would let the compiler use AVX-VNNI in the plain AVX2 instances too); its callers run
+ * only where pg_avx_vnni() says the CPU has it. */
+static inline __attribute__((always_inline)) __m256i y_dpbusd(__m256i acc, __m256i w, __m256i x)
+{
+#if PQ_AVXVNNI
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+#else
+    (void)w, (void)x;
+    __builtin_trap();
+#endif
+    return acc;
+}
+
 static inline __attribute__((always_inline)) __m256i y_bcast(const uint8_t *x)
 {
     int32_t v;
@@ -209,17 +227,22 @@ static inline __attribute__((always_inline)) __m256i y_bcast(const uint8_t *x)
     return _mm256_set1_epi32(v);
 }
 
-/* One block for MR input rows x NC halves (from half h0): dot products, then the epilogue. */
+/* One block for MR input rows x NC halves (from half h0): dot products, then the epilogue.
+ * VNNI: the dword steps as vpdpbusd into int32, each sum split over SP chains (even / odd steps)
+ * so that its 5-cycle latency does not bind, added at the block's end (exact, as the int16 path's
+ * widening is). */
 static inline __attribute__((always_inline))
-void y_cblock(const int FMT, const int MR, const int NC, int h0, const uint8_t *cell, const uint8_t *xr, size_t ms,
-              int b, size_t kq, size_t nb16, __m256 (*acc)[2])
+void y_cblock(const int FMT, const int VNNI, const int MR, const int NC, int h0, const uint8_t *cell,
+              const uint8_t *xr, size_t ms, int b, size_t kq, size_t nb16, __m256 (*acc)[2])
 {
     const int nib = Q32_L(FMT).nib, QV = nib ? 4 : 8;
+    const int SP = VNNI && !(MR == 2 && NC == 2) ? 2 : 1;  /* 16 ymm: MR x NC x SP sums + MR x NC accs */
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i d[4][2];
+    __m256i d[4][2][2];
     for (int m = 0; m < MR; m++)
         for (int c = 0; c < NC; c++)
-            d[m][c] = _mm256_setzero_si256();
+            for (int p = 0; p < SP; p++)
+                d[m][c][p] = _mm256_setzero_si256();
     for (int s = 0; s < 8; s++) {
         __m256i w[2], a[2];
         for (int c = 0; c < NC; c++) {
@@ -229,12 +252,16 @@ void y_cblock(const int FMT, const int MR, const int NC, int h0, const uint8_t *
         }
         for (int m = 0; m < MR; m++) {
             const __m256i xv = y_bcast(xr + m * ms + (size_t)QK * b + 4 * s);
-            for (int c = 0; c < NC; c++)
-                if (nib)
-                    d[m][c] = _mm256_add_epi16(d[m][c], _mm256_maddubs_epi16(w[c], xv));
+            for (int c = 0; c < NC; c++) {
+                __m256i *dp = &d[m][c][s % SP];
+                if (VNNI)
+                    *dp = nib ? y_dpbusd(*dp, w[c], xv) : y_dpbusd(*dp, a[c], _mm256_sign_epi8(xv, w[c]));
+                else if (nib)
+                    *dp = _mm256_add_epi16(*dp, _mm256_maddubs_epi16(w[c], xv));
                 else
-                    d[m][c] = _mm256_add_epi32(d[m][c], _mm256_madd_epi16(
+                    *dp = _mm256_add_epi32(*dp, _mm256_madd_epi16(
                         _mm256_maddubs_epi16(a[c], _mm256_sign_epi8(xv, w[c])), ones));
+            }
         }
     }
     __m256 dw[2], mw[2];  /* the cell's scales, widened once for every input row */
@@ -247,7 +274,8 @@ void y_cblock(const int FMT, const int MR, const int NC, int h0, const uint8_t *
         const uint8_t *xm = xr + m * ms;
         const float dx = ((const float *)(xm + kq))[b];
         for (int c = 0; c < NC; c++) {
-            __m256i dot = nib ? _mm256_madd_epi16(d[m][c], ones) : d[m][c];
+            __m256i dot = SP == 2 ? _mm256_add_epi32(d[m][c][0], d[m][c][1])
+                        : (nib && !VNNI) ? _mm256_madd_epi16(d[m][c][0], ones) : d[m][c][0];
             if (!Q32_L(FMT).has_m)
                 dot = _mm256_add_epi32(dot, _mm256_set1_epi32(((const int32_t *)(xm + kq + 4 * nb16))[b]));
             __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw[c], _mm256_set1_ps(dx)), acc[m][c]);
@@ -281,7 +309,8 @@ static inline __attribute__((always_inline)) void y_cstore(const pq_job_t *j, in
 }
 
 static inline __attribute__((always_inline))
-void y_ctile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m0, int t, int h0, int n0, int n1)
+void y_ctile(const pq_job_t *j, const int FMT, const int VNNI, const int MR, const int NC, int m0, int t, int h0,
+             int n0, int n1)
 {
     const xa_hdr_t *h = (const xa_hdr_t *)j->xa;
     const int nb = j->K / QK;
@@ -295,7 +324,7 @@ void y_ctile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
         if (PQ_PF_BYTES)
             for (size_t o = 0; o < cb; o += 64)
                 _mm_prefetch((const char *)cell + o + PQ_PF_BYTES, _MM_HINT_T0);
-        y_cblock(FMT, MR, NC, h0, cell, xr, ms, b, kq, nb16, acc);
+        y_cblock(FMT, VNNI, MR, NC, h0, cell, xr, ms, b, kq, nb16, acc);
     }
     for (int m = 0; m < MR; m++)
         for (int c = 0; c < NC; c++)
@@ -305,15 +334,16 @@ void y_ctile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
 
 /* Per 16-column tile: up to 2 inputs take both halves at once (one pass over the cells);
  * more take a half at a time, 4 inputs a pass (16 ymm: 2 x MR x NC accumulators). */
-static inline __attribute__((always_inline)) void y_crows(const pq_job_t *j, int n0, int n1, const int FMT)
+static inline __attribute__((always_inline)) void y_crows(const pq_job_t *j, int n0, int n1, const int FMT,
+                                                          const int VNNI)
 {
     const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
     for (int t = t0; t < t1; t++) {
         if (j->M <= 2) {
             if (j->M == 1)
-                y_ctile(j, FMT, 1, 2, 0, t, 0, n0, n1);
+                y_ctile(j, FMT, VNNI, 1, 2, 0, t, 0, n0, n1);
             else
-                y_ctile(j, FMT, 2, 2, 0, t, 0, n0, n1);
+                y_ctile(j, FMT, VNNI, 2, 2, 0, t, 0, n0, n1);
             continue;
         }
         for (int hh = 0; hh < 2; hh++) {
@@ -322,10 +352,10 @@ static inline __attribute__((always_inline)) void y_crows(const pq_job_t *j, int
                 continue;
             for (int m0 = 0; m0 < j->M; m0 += 4)
                 switch (j->M - m0 < 4 ? j->M - m0 : 4) {
-                case 1: y_ctile(j, FMT, 1, 1, m0, t, hh, n0, n1); break;
-                case 2: y_ctile(j, FMT, 2, 1, m0, t, hh, n0, n1); break;
-                case 3: y_ctile(j, FMT, 3, 1, m0, t, hh, n0, n1); break;
-                default: y_ctile(j, FMT, 4, 1, m0, t, hh, n0, n1); break;
+                case 1: y_ctile(j, FMT, VNNI, 1, 1, m0, t, hh, n0, n1); break;
+                case 2: y_ctile(j, FMT, VNNI, 2, 1, m0, t, hh, n0, n1); break;
+                case 3: y_ctile(j, FMT, VNNI, 3, 1, m0, t, hh, n0, n1); break;
+                default: y_ctile(j, FMT, VNNI, 4, 1, m0, t, hh, n0, n1); break;
                 }
         }
     }
@@ -339,7 +369,13 @@ static inline __attribute__((always_inline)) void y_crows(const pq_job_t *j, int
     __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2,f16c")))            \
     void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1) { c_vrows(j, n0, n1, code); } \
     __attribute__((target("avx2,fma,f16c")))                                                \
-    void q32_rows_cl_avx2_##name(const pq_job_t *j, int n0, int n1) { y_crows(j, n0, n1, code); }
+    void q32_rows_cl_avx2_##name(const pq_job_t *j, int n0, int n1)                         \
+    {                                                                                       \
+        if (PQ_AVXVNNI && pg_avx_vnni())                                                    \
+            y_crows(j, n0, n1, code, 1);                                                    \
+        else                                                                                \
+            y_crows(j, n0, n1, code, 0);                                                    \
+    }
 
 Q32_FORMATS(Q32_INSTANCE_CL)
 

@@ -40,7 +40,7 @@
 #endif
 
 /* The library's version (kernels/cpu_linear.py checks it). */
-#define PG_VERSION 3
+#define PG_VERSION 4
 #define PG_MAX_THREADS 16
 /* Software prefetch distance of the read probe: the GEMV tiles' (cpu_gemv.c). */
 #ifndef PG_PF_BYTES
@@ -62,6 +62,8 @@ typedef struct {
 
 static int g_isa = -1;      /* best ISA the CPU + OS support */
 static int g_isa_cap = 99;  /* user cap (tests force lower paths) */
+static int g_has_avx_vnni = -1;  /* the CPU has AVX-VNNI (VEX vpdpbusd) */
+static int g_avx_vnni = -1;      /* pg_set_avx_vnni: 1 on, 0 off, -1 the default (pg_avx_vnni) */
 
 static int detect_isa(void)
 {
@@ -92,6 +94,19 @@ static int detect_isa(void)
     return ISA_AVX512;
 #else
     return ISA_PORTABLE;
+#endif
+}
+
+static int detect_avx_vnni(void)
+{
+#ifdef PG_X86
+    unsigned a, b, c, d;
+    if (detect_isa() < ISA_AVX2 || __get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 4) & 1;  /* CPUID.(7, 1):EAX[4] AVX-VNNI; AVX state is checked by detect_isa */
+#else
+    return 0;
 #endif
 }
 
@@ -289,6 +304,8 @@ __attribute__((constructor)) static void pg_init(void)
     /* A start value only: the Python loader sets the pool to the usable physical cores
      * (kernels/cpu_threads.py: SMT siblings once, the cgroup quota) right after loading. */
     g_nthreads = n >= 2 ? 2 : 1;
+    g_isa = detect_isa();  /* once, before any thread reads them */
+    g_has_avx_vnni = detect_avx_vnni();
 }
 
 /* ------------------------------------------------------------------------- */
@@ -298,6 +315,21 @@ __attribute__((constructor)) static void pg_init(void)
 int pg_version(void) { return PG_VERSION; }
 int pg_max_m(void) { return PG_MAX_M; }
 int pg_isa(void) { return current_isa(); }
+
+int pg_avx_vnni(void)
+{
+    if (g_has_avx_vnni <= 0 || current_isa() != ISA_AVX2)
+        return 0;
+    return g_avx_vnni >= 0 ? g_avx_vnni : g_isa == ISA_AVX2;
+}
+
+/* Turn tier avx2's AVX-VNNI rows on (1) or off (0), or back to the default (-1); returns
+ * pg_avx_vnni().  The same bits either way: only the speed differs (tests compare them). */
+int pg_set_avx_vnni(int on)
+{
+    g_avx_vnni = on < 0 ? -1 : on != 0;
+    return pg_avx_vnni();
+}
 int pg_num_threads(void) { return g_nthreads; }
 
 /* Cap the ISA tier (cpu_runtime.h: 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512+BF16); returns the

@@ -50,6 +50,10 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_Q_FIRST = 16 };
 
 /* The tier in use (0 .. ISA_COUNT - 1). */
 int pg_isa(void);
+/* 1 where tier avx2's int8 rows take AVX-VNNI's vpdpbusd (cpu_qgemv_cl.c): the CPU has it and
+ * pg_set_avx_vnni has not turned it off; by default on only where avx2 is the CPU's best tier
+ * (Intel's client cores since Alder Lake), so capping an AVX-512 CPU to avx2 still runs plain AVX2. */
+int pg_avx_vnni(void);
 /* Threads per pool call, the caller included. */
 int pg_num_threads(void);
 

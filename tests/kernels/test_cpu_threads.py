@@ -134,5 +134,6 @@ def test_the_startup_line_says_the_pool_size_and_where_it_came_from(monkeypatch)
         "CPU kernels avx2, 8 threads (one per usable core; PRESCIENT_GEMV_THREADS=n to change)"
     assert kernels_line({"isa": "avx2", "threads": 4}, tp=2) == \
         "CPU kernels avx2, 4 threads (the usable cores shared by 2 ranks)"
+    assert kernels_line({"isa": "avx2", "avx_vnni": True, "threads": 8}).startswith("CPU kernels avx2 + AVX-VNNI, 8")
     monkeypatch.setenv("PRESCIENT_GEMV_THREADS", "1")
     assert kernels_line({"isa": "portable", "threads": 1}) == "CPU kernels portable, 1 thread (PRESCIENT_GEMV_THREADS)"

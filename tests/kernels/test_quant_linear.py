@@ -423,6 +423,59 @@ def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
     ql.set_mode("auto")
 
 
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_avx_vnni_rows_have_the_avx2_rows_bits(tier_cap, qtype):
+    """Where the CPU has AVX-VNNI, tier avx2's rows take vpdpbusd (Q4's nibbles as they are,
+    Q8_0's |q| x sign(x, q)) for vpmaddubsw's pair sums: the same exact int32 block sums and the
+    same epilogue, so the same bits as the plain AVX2 rows, at every M (both row tilings), fp32
+    and bf16, with a bias. An Intel client core (no AVX-512) runs them by default."""
+    _require_native(qtype)
+    tier_cap("avx2")
+    if not cpu_linear._set_avx_vnni(True):
+        pytest.skip("needs a CPU with AVX-VNNI")
+    try:
+        ql.set_mode("int8")
+        g = torch.Generator().manual_seed(16)
+        for N, K in ((200, 1504), (44, 576), (16, 32)):
+            lin = QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
+            assert lin.layout == "cl"
+            for dt in DTYPES:
+                x = torch.cat([torch.randn(32, K, generator=g), torch.sign(torch.randn(32, K, generator=g))]).to(dt)
+                got = {}
+                for vnni in (False, True):
+                    assert cpu_linear._set_avx_vnni(vnni) == vnni
+                    got[vnni] = [lin(x[:M]) for M in (1, 2, 3, 4, 5, 8, 17, 64)]
+                for M, a, b in zip((1, 2, 3, 4, 5, 8, 17, 64), got[False], got[True]):
+                    assert torch.equal(a, b), (N, K, dt, M, (a != b).sum().item())
+    finally:
+        cpu_linear._set_avx_vnni(None)
+
+
+def test_avx_vnni_rows_run_only_at_tier_avx2_and_by_default_only_where_it_is_the_best(tier_cap):
+    """The AVX-VNNI rows are tier avx2's alone (the AVX-512 tiers have their own vpdpbusd rows),
+    on by default only on a CPU whose best tier is avx2 (an Intel client core): a bigger CPU
+    capped to avx2 (PRESCIENT_ISA=avx2) still runs, and tests, the plain AVX2 rows."""
+    tiers = _tiers()
+    try:
+        if "avx512" in tiers:
+            tier_cap("avx2")
+            assert cpu_linear._set_avx_vnni(None) is False
+            tier_cap(99)
+            assert cpu_linear._set_avx_vnni(True) is False  # on, but not this tier's rows
+            assert cpu_linear.kernel_info()["avx_vnni"] is False
+        if "avx2" in tiers:
+            tier_cap("avx2")
+            assert cpu_linear._set_avx_vnni(False) is False
+    finally:
+        cpu_linear._set_avx_vnni(None)
+
+
+def test_a_bad_avx_vnni_switch_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("PRESCIENT_AVX_VNNI", "yes")
+    with pytest.raises(ValueError, match="PRESCIENT_AVX_VNNI"):
+        cpu_linear._env_avx_vnni()
+
+
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_many_rows_in_one_call_equal_the_64_row_calls(tier_cap, qtype):
     """rows() takes a prefill chunk's rows in one library call (pg_linear_rows: every 64-row
