@@ -43,11 +43,11 @@ typedef struct {
     pq_job_t job;
 } pq_task_t;
 
-/* The column-lane copy the tier's int8 rows read (cpu_qgemv_cl.c: tiers avx512_bf16 and avx2,
- * the same bits at both), or NULL (the other tiers read the blocks or a block-group copy). */
+/* The column-lane copy the tier's int8 rows read (cpu_qgemv_cl.c: the VNNI tiers and avx2, the
+ * same bits at all), or NULL (the other tiers read the blocks or a block-group copy). */
 static const uint8_t *cl_copy(const pg_weight_t *d, int isa)
 {
-    return (isa >= ISA_AVX512_BF16 || isa == ISA_AVX2) && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+    return (isa >= ISA_AVX512_VNNI || isa == ISA_AVX2) && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
 }
 
 static void pq_task(const void *ctx, int i0, int i1)

@@ -26,21 +26,21 @@ static const pq_format_t g_formats[PF_COUNT] = {
         .dequant_ref = q32_dequant_ref_q8_0,
         .dequant = {[ISA_AVX2] = SIMD(q32_dequant_avx2_q8_0), [ISA_AVX512] = SIMD(q32_dequant_avx512_q8_0)},
         .xa_bytes = q32_xa_bytes, .prep = q32_prep_q8_0, .act_block = q32_act_block_q8_0,
-        .rows = {q32_rows_ref_q8_0, SIMD(q32_rows_avx2_q8_0), SIMD(q32_rows_avx512_q8_0), SIMD(q32_rows_vnni_q8_0)},
+        .rows = {q32_rows_ref_q8_0, SIMD(q32_rows_avx2_q8_0), SIMD(q32_rows_avx512_q8_0), [ISA_AVX512_VNNI] = SIMD(q32_rows_vnni_q8_0)},
     },
     [DT_Q4_0 - DT_Q_FIRST] = {
         .name = "q4_0", .wdt = DT_Q4_0, .block_elems = 32, .block_bytes = sizeof(block_q4_0),
         .dequant_ref = q32_dequant_ref_q4_0,
         .dequant = {[ISA_AVX2] = SIMD(q32_dequant_avx2_q4_0), [ISA_AVX512] = SIMD(q32_dequant_avx512_q4_0)},
         .xa_bytes = q32_xa_bytes, .prep = q32_prep_q4_0, .act_block = q32_act_block_q4_0,
-        .rows = {q32_rows_ref_q4_0, SIMD(q32_rows_avx2_q4_0), SIMD(q32_rows_avx512_q4_0), SIMD(q32_rows_vnni_q4_0)},
+        .rows = {q32_rows_ref_q4_0, SIMD(q32_rows_avx2_q4_0), SIMD(q32_rows_avx512_q4_0), [ISA_AVX512_VNNI] = SIMD(q32_rows_vnni_q4_0)},
     },
     [DT_Q4_1 - DT_Q_FIRST] = {
         .name = "q4_1", .wdt = DT_Q4_1, .block_elems = 32, .block_bytes = sizeof(block_q4_1),
         .dequant_ref = q32_dequant_ref_q4_1,
         .dequant = {[ISA_AVX2] = SIMD(q32_dequant_avx2_q4_1), [ISA_AVX512] = SIMD(q32_dequant_avx512_q4_1)},
         .xa_bytes = q32_xa_bytes, .prep = q32_prep_q4_1, .act_block = q32_act_block_q4_1,
-        .rows = {q32_rows_ref_q4_1, SIMD(q32_rows_avx2_q4_1), SIMD(q32_rows_avx512_q4_1), SIMD(q32_rows_vnni_q4_1)},
+        .rows = {q32_rows_ref_q4_1, SIMD(q32_rows_avx2_q4_1), SIMD(q32_rows_avx512_q4_1), [ISA_AVX512_VNNI] = SIMD(q32_rows_vnni_q4_1)},
     },
     /* The K-quants: one kernel per SIMD tier family entry (cpu_qgemv_k.c picks AVX2 / AVX-512 /
      * VNNI from j->isa), the fp32-dequantize kernel at the portable tier. */

@@ -46,7 +46,7 @@ default: kernels/cpu_threads.py), independent of torch's intra-op threads.  Use
 cores the pool's workers spin on.  Calls may come
 from any thread; the pool serves one call at a time and a concurrent caller runs on its own
 thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel, ``PRESCIENT_ISA=portable|avx2|
-avx512|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
+avx512|avx512_vnni|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
 ``PRESCIENT_AVX_VNNI=1|0`` turns tier avx2's AVX-VNNI rows on or off (default: on where avx2 is the
 CPU's best tier and it has AVX-VNNI, so a capped AVX-512 CPU runs plain AVX2),
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
@@ -103,7 +103,7 @@ _SOURCES = tuple(Path(__file__).with_name(f) for f in _SOURCE_NAMES)
 _HEADERS = tuple(Path(__file__).with_name(h) for h in _HEADER_NAMES)
 _DT = {torch.float32: 0, torch.bfloat16: 1}
 #: ISA tiers (kernels/cpu_runtime.h), lowest first; PRESCIENT_ISA=<name> caps the tier in use.
-_ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_bf16"}
+_ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_vnni", 4: "avx512_bf16"}
 ISA_TIERS = tuple(_ISA_NAMES.values())
 
 _C_VERSION = 4  # must match PG_VERSION in cpu_runtime.c

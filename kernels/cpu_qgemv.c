@@ -199,7 +199,7 @@ static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, in
         return;
     const int V = isa >= ISA_AVX512 ? 16 : 8;
     h->V = V;
-    h->vnni = isa >= ISA_AVX512_BF16;
+    h->vnni = isa >= ISA_AVX512_VNNI;
     h->cl = cl && (h->vnni || isa == ISA_AVX2);  /* the tiers whose rows read a CL copy */
     h->mstride = h->cl ? cl_mstride(K) : plan_mstride(h->nb, V);
     /* Correction C: Q4_0's nibbles are unsigned (q - 8 folded out: -8 * sum q), VNNI's Q8_0

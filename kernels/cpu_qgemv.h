@@ -4,7 +4,7 @@
  *   cpu_qgemv.c          the generic reference (portable rows, exact dequantizer), the
  *                        activation prep and the path choice (float / int8)
  *   cpu_qgemv_avx2.c     AVX2 + FMA + F16C row kernels and dequantizer
- *   cpu_qgemv_avx512.c   AVX-512 (BW; + VNNI at tier avx512_bf16) row kernels and dequantizer
+ *   cpu_qgemv_avx512.c   AVX-512 (BW; + VNNI from tier avx512_vnni) row kernels and dequantizer
  *   cpu_qgemv_cl.c       the VNNI and AVX2 int8 rows on a column-lane copy of W (the same bits)
  *
  * The kernels are written once for the family and specialised per format by a compile-time
@@ -65,7 +65,7 @@ typedef struct {
     unsigned auto_int8;
 } q32_layout_t;
 
-#define Q32_SIMD_TIERS ((1u << ISA_AVX2) | (1u << ISA_AVX512) | (1u << ISA_AVX512_BF16))
+#define Q32_SIMD_TIERS ((1u << ISA_AVX2) | (1u << ISA_AVX512) | (1u << ISA_AVX512_VNNI) | (1u << ISA_AVX512_BF16))
 
 static const q32_layout_t q32_layouts[PF_COUNT] = {
     [DT_Q8_0 - DT_Q_FIRST] = {.bb = sizeof(block_q8_0), .qoff = offsetof(block_q8_0, qs),
@@ -219,7 +219,7 @@ static inline size_t plan_mstride(int nb, int V)
 
 
 /* ------------------------------------------------------------------------- */
-/* The column-lane (CL) layout (cpu_qgemv_cl.c, tiers avx512_bf16 and avx2)   */
+/* The column-lane (CL) layout (cpu_qgemv_cl.c, the VNNI tiers and avx2) */
 /*                                                                            */
 /* W: one cell of 16 * bb bytes per (16-column tile t, block b), at offset    */
 /* (t * nb + b) * 16 * bb: QV = 4 (Q4) or 8 (Q8_0) vectors of 64 bytes, byte */

@@ -1,6 +1,6 @@
 /*
- * cpu_qgemv_avx512.c -- the 32-element family's AVX-512 kernels (tiers avx512 and avx512_bf16):
- * F/BW/VL/DQ everywhere, + VNNI (vpdpbusd) in the int8 row kernels of tier avx512_bf16.  The
+ * cpu_qgemv_avx512.c -- the 32-element family's AVX-512 kernels (tiers avx512, avx512_vnni and avx512_bf16):
+ * F/BW/VL/DQ everywhere, + VNNI (vpdpbusd) in the int8 row kernels of tiers avx512_vnni and up.  The
  * algorithms, layouts and measurements are in cpu_qgemv.c's header; the shared structures in
  * cpu_qgemv.h.  Uses nothing of the other kernel files (only cpu_qgemv.h's inline helpers).
  */

@@ -1,5 +1,5 @@
 /*
- * cpu_qgemv_cl.c -- the 32-element family's column-lane int8 rows (tiers avx512_bf16 and avx2), on a copy
+ * cpu_qgemv_cl.c -- the 32-element family's column-lane int8 rows (the VNNI tiers and avx2), on a copy
  * of W in the CL layout (cpu_qgemv.h; built by pq_repack at load): 16 output columns in the
  * lanes of a vector.  Per (input row, column, block) one exact int32 dot product (8 vpdpbusd,
  * each with a dword of x broadcast to the 16 columns), then per block in order

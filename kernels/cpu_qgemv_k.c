@@ -20,7 +20,7 @@
  * Q8_K) plus per-16 sums of the int8 values, then multiply the unsigned weight codes by the
  * int8 activations (vpmaddubsw: u8 x s8 pairs -> s16, no saturation: 2 * 63 * 127 < 2^15),
  * apply the integer sub-block scales with vpmaddwd + vpaddd (AVX2, AVX-512) or vpdpwssd
- * (AVX-512 VNNI, tier avx512_bf16) into int32, and scale each super-block's integer sum by
+ * (AVX-512 VNNI, tiers avx512_vnni and up) into int32, and scale each super-block's integer sum by
  * d * dx in fp32.  (vpdpbusd would need the sub-block scales applied afterwards, a vpmulld per
  * vector; vpdpwssd folds them into the s16 step.)  The min term (Q4_K / Q5_K: dmin*m_j * sum
  * of x over sub-block j) and Q6_K's -32 offset come from the sums of the quantized x, so the
@@ -874,17 +874,17 @@ static const qk_fmt_t g_qk[DT_Q6_K - DT_Q4_K + 1] = {
     [DT_Q4_K - DT_Q4_K] = {
         .bb = Q4K_BYTES, .reorder = 1,
         .deq = {deq_q4k_c, PQK_SIMD(deq_q4k_avx2), PQK_SIMD(deq_q4k_avx512)},
-        .int8_rows = {NULL, PQK_SIMD(rows_q4k_avx2), PQK_SIMD(rows_q4k_avx512), PQK_SIMD(rows_q4k_vnni)},
+        .int8_rows = {NULL, PQK_SIMD(rows_q4k_avx2), PQK_SIMD(rows_q4k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q4k_vnni)},
     },
     [DT_Q5_K - DT_Q4_K] = {
         .bb = Q5K_BYTES, .reorder = 1,
         .deq = {deq_q5k_c, PQK_SIMD(deq_q5k_avx2), PQK_SIMD(deq_q5k_avx512)},
-        .int8_rows = {NULL, PQK_SIMD(rows_q5k_avx2), PQK_SIMD(rows_q5k_avx512), PQK_SIMD(rows_q5k_vnni)},
+        .int8_rows = {NULL, PQK_SIMD(rows_q5k_avx2), PQK_SIMD(rows_q5k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q5k_vnni)},
     },
     [DT_Q6_K - DT_Q4_K] = {
         .bb = Q6K_BYTES, .reorder = 0,
         .deq = {deq_q6k_c, PQK_SIMD(deq_q6k_avx2), PQK_SIMD(deq_q6k_avx512)},
-        .int8_rows = {NULL, PQK_SIMD(rows_q6k_avx2), PQK_SIMD(rows_q6k_avx512), PQK_SIMD(rows_q6k_vnni)},
+        .int8_rows = {NULL, PQK_SIMD(rows_q6k_avx2), PQK_SIMD(rows_q6k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q6k_vnni)},
     },
 };
 
@@ -926,7 +926,9 @@ static void prep_k(const float *x, int M, int K, void *xa, int isa, int wdt)
 static void rows_k(const pq_job_t *j, int n0, int n1, int wdt, int force_float)
 {
     const qk_fmt_t *q = qk_of(wdt);
-    const int t = j->isa < ISA_COUNT ? j->isa : ISA_COUNT - 1;
+    int t = j->isa < ISA_COUNT ? j->isa : ISA_COUNT - 1;
+    while (t > 0 && !q->int8_rows[t])  /* a tier without its own: the next lower tier's */
+        t--;
     if (!force_float && j->xa && uses_int8(j->isa) && q->int8_rows[t]) {
         q->int8_rows[t](j, n0, n1);
         return;

@@ -91,7 +91,7 @@ static int detect_isa(void)
     __cpuid_count(7, 1, a, b, c, d);
     if (((a >> 5) & 1) && vnni)     /* AVX512_BF16 (+ VNNI, which every such CPU has) */
         return ISA_AVX512_BF16;
-    return ISA_AVX512;
+    return vnni ? ISA_AVX512_VNNI : ISA_AVX512;
 #else
     return ISA_PORTABLE;
 #endif
@@ -332,7 +332,7 @@ int pg_set_avx_vnni(int on)
 }
 int pg_num_threads(void) { return g_nthreads; }
 
-/* Cap the ISA tier (cpu_runtime.h: 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512+BF16); returns the
+/* Cap the ISA tier (cpu_runtime.h: 0 portable, 1 AVX2, 2 AVX-512, 3 + VNNI, 4 + BF16); returns the
  * tier now in use. */
 int pg_set_isa_cap(int cap)
 {

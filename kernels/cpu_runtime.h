@@ -23,7 +23,8 @@ enum {
     ISA_PORTABLE = 0,    /* plain C the compiler vectorises (any CPU; aarch64 adds NEON there) */
     ISA_AVX2 = 1,        /* AVX2 + FMA + F16C (Haswell, Zen 1-3) */
     ISA_AVX512 = 2,      /* AVX-512 F/BW/VL/DQ (Skylake-X; bf16 by widening) */
-    ISA_AVX512_BF16 = 3, /* + AVX512_BF16 (vdpbf16ps) and VNNI (Zen 4, Sapphire Rapids) */
+    ISA_AVX512_VNNI = 3, /* + AVX512_VNNI (vpdpbusd: the int8 rows; Cascade Lake, Ice Lake) */
+    ISA_AVX512_BF16 = 4, /* + AVX512_BF16 (vdpbf16ps; Zen 4, Sapphire Rapids: all have VNNI) */
     ISA_COUNT
 };
 

@@ -157,7 +157,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--q4-gguf", default=None, help="the Q4_1 GGUF (default: the default model's file)")
     ap.add_argument("--bf16-gguf", default=None, help="a BF16 GGUF of the same model (write_gguf writes one)")
     ap.add_argument("--q8-gguf", default=None, help="a Q8_0 GGUF of the same model")
-    ap.add_argument("--isa", default=None, help="PRESCIENT_ISA for the server (portable, avx2, avx512, avx512_bf16)")
+    ap.add_argument("--isa", default=None, help="PRESCIENT_ISA for the server (portable, avx2, avx512, avx512_vnni, avx512_bf16)")
     ap.add_argument("--speculate", default="off,ngram", help="prescient modes, comma-separated")
     add_shared(ap, reps={"default": 2, "help": "passes over the workloads"},
                workloads={"help": "a workloads .jsonl (default: the bundled 11)"}, peer_pythonpath=True)

@@ -205,7 +205,7 @@ def _tiers():
     return cpu_linear.machine_tiers() if cpu_linear.available() else []
 
 
-@pytest.mark.parametrize("tier", ["portable", "avx2", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("tier", ["portable", "avx2", "avx512", "avx512_vnni", "avx512_bf16"])
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_small_m_every_tier(tier_cap, qtype, tier):
     _require_native(qtype)
@@ -399,11 +399,11 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype, tier):
 def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
     """The AVX2 rows (vpmaddubsw: Q4's int16 sums over a block, Q8_0's |q| x sign(x, q) pairs)
     compute each column's block sums exactly, as vpdpbusd does, and run the same fp32 epilogue:
-    on the same "cl" copy tiers avx2 and avx512_bf16 give the same bits, at every M, fp32 and
-    bf16, with a bias (so a model's text does not depend on which of them the CPU has)."""
+    on the same "cl" copy tiers avx2, avx512_vnni and avx512_bf16 give the same bits, at every M,
+    fp32 and bf16, with a bias (so a model's text does not depend on which of them the CPU has)."""
     _require_native(qtype)
-    if not {"avx2", "avx512_bf16"} <= set(_tiers()):
-        pytest.skip("needs a CPU with both tiers (AVX-512 VNNI)")
+    if not {"avx2", "avx512_vnni", "avx512_bf16"} <= set(_tiers()):
+        pytest.skip("needs a CPU with the three tiers (AVX-512 BF16 and VNNI)")
     ql.set_mode("int8")
     g = torch.Generator().manual_seed(15)
     for N, K in ((200, 1504), (44, 576), (16, 32)):
@@ -415,11 +415,12 @@ def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
             # activations whose blocks quantize to +-127 throughout (the largest pair sums)
             x = torch.cat([torch.randn(32, K, generator=g), torch.sign(torch.randn(32, K, generator=g))]).to(dt)
             got = {}
-            for tier in ("avx512_bf16", "avx2"):
+            for tier in ("avx512_bf16", "avx512_vnni", "avx2"):
                 tier_cap(tier)
                 got[tier] = [lin(x[:M]) for M in (1, 2, 3, 4, 5, 8, 17, 64)]
-            for M, a, b in zip((1, 2, 3, 4, 5, 8, 17, 64), got["avx512_bf16"], got["avx2"]):
-                assert torch.equal(a, b), (N, K, dt, M, (a != b).sum().item())
+            for other in ("avx512_vnni", "avx2"):
+                for M, a, b in zip((1, 2, 3, 4, 5, 8, 17, 64), got["avx512_bf16"], got[other]):
+                    assert torch.equal(a, b), (other, N, K, dt, M, (a != b).sum().item())
     ql.set_mode("auto")
 
 
