@@ -159,8 +159,11 @@ def _compiler() -> Optional[str]:
 def _flag_sets() -> list[list[str]]:
     common = ["-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
     # -march=native first; without it the AVX-512 kernels still exist (per-function target
-    # attributes, chosen at run time) and only the portable path loses host tuning.
-    return [common + ["-march=native"], common]
+    # attributes, chosen at run time) and only the portable path loses host tuning. Last, both
+    # without AVX-VNNI's `{vex} vpdpbusd` (cpu_runtime.h PQ_AVXVNNI): a GCC >= 11 beside an
+    # assembler older than binutils 2.36 must not cost every CPU its kernels.
+    novnni = ["-DPQ_AVXVNNI=0"]
+    return [common + ["-march=native"], common, common + ["-march=native"] + novnni, common + novnni]
 
 
 def _so_path_for(cc: str, flags: list[str]) -> Path:

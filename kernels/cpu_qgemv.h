@@ -27,15 +27,6 @@
 #include <immintrin.h>
 #define PQ_X86 1
 #define PQ_KEEP(v) __asm__("" : "+v"(v))
-/* AVX-VNNI's VEX vpdpbusd in inline assembly needs an assembler from 2021 (binutils 2.36), which
- * ships with GCC >= 11 / clang >= 12; older toolchains build the library without it. */
-#if !defined(PQ_AVXVNNI) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                             (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#define PQ_AVXVNNI 1
-#endif
-#endif
-#ifndef PQ_AVXVNNI
-#define PQ_AVXVNNI 0
 #endif
 
 #define QK 32                 /* elements per block */

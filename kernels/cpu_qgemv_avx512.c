@@ -452,8 +452,8 @@ void z_idec(const int FMT, const int VNNI, const int KIND, const int FULL, const
 
 /* *acc += vpdpbusd(u8 w, s8 x).  Inline asm, so that one body serves both int8 variants:
  * they are compiled for AVX-512BW (a VNNI target could let gcc emit VNNI instructions in the BW
- * variant too, which an AVX-512 CPU without VNNI cannot run) and this is reached only at tier
- * avx512_bf16.  It is also faster: a build with the intrinsic in a separate VNNI target region
+ * variant too, which an AVX-512 CPU without VNNI cannot run) and this is reached only at tiers
+ * avx512_vnni and up.  It is also faster: a build with the intrinsic in a separate VNNI target region
  * spilled more around it (0.46 against 0.34 ns per block for the dot products, M = 1, Zen 5). */
 static inline __attribute__((always_inline)) void z_dpbusd(__m512i *acc, __m512i w, __m512i x)
 {

@@ -188,9 +188,10 @@ static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int
  * |x| <= 127 give pairs of at most 3810, so a block's 8 steps add up in int16 (<= 30480) and
  * widen once per block; Q8_0's copy holds q + 128, which vpmaddubsw would saturate, so its
  * bytes are made signed again (^ 0x80) and multiplied as |q| x sign(x, q) (pairs <= 32512),
- * widened every step, from an aux of 0 (prep's C is 128 only at the VNNI tier).  Each column's
- * block sum is the same exact int32 as the VNNI rows', and the epilogue the same fp32 ops in
- * the same order: tier avx2 gives tier avx512_bf16's bits on this copy (tested). */
+ * widened every step, from an aux of 0 (prep's C is 128 only at the AVX-512 VNNI tiers).  Each
+ * column's block sum is the same exact int32 as the VNNI rows', and the epilogue the same fp32
+ * ops in the same order: tier avx2 gives tiers avx512_vnni's and avx512_bf16's bits on this copy
+ * (tested); with AVX-VNNI its vpdpbusd takes the same operands (Q8_0: |q| and sign(x, q)). */
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -236,7 +237,9 @@ void y_cblock(const int FMT, const int VNNI, const int MR, const int NC, int h0,
               const uint8_t *xr, size_t ms, int b, size_t kq, size_t nb16, __m256 (*acc)[2])
 {
     const int nib = Q32_L(FMT).nib, QV = nib ? 4 : 8;
-    const int SP = VNNI && !(MR == 2 && NC == 2) ? 2 : 1;  /* 16 ymm: MR x NC x SP sums + MR x NC accs */
+    /* 16 ymm: the MR x NC x SP sums, MR x NC accs, w / |w|, x and a sign temporary: at 2 x 2
+     * a second chain would spill (Q8_0: ~18 live); 4 x 1 with two chains uses all 16 */
+    const int SP = VNNI && !(MR == 2 && NC == 2) ? 2 : 1;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i d[4][2][2];
     for (int m = 0; m < MR; m++)

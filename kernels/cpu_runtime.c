@@ -318,8 +318,8 @@ int pg_isa(void) { return current_isa(); }
 
 int pg_avx_vnni(void)
 {
-    if (g_has_avx_vnni <= 0 || current_isa() != ISA_AVX2)
-        return 0;
+    if (!PQ_AVXVNNI || g_has_avx_vnni <= 0 || current_isa() != ISA_AVX2)
+        return 0;  /* built without the instruction, a CPU without it, or not tier avx2 */
     return g_avx_vnni >= 0 ? g_avx_vnni : g_isa == ISA_AVX2;
 }
 

@@ -49,6 +49,17 @@ enum {
  * cpu_formats.h. */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_Q_FIRST = 16 };
 
+/* AVX-VNNI's VEX vpdpbusd (tier avx2's rows, cpu_qgemv_cl.c) is inline assembly, which needs an
+ * assembler from 2021 (binutils 2.36): on by default with GCC >= 11 / clang >= 12, which usually
+ * come with one; kernels/cpu_linear.py retries the build with -DPQ_AVXVNNI=0 where not. */
+#if !defined(PQ_AVXVNNI) && (defined(__x86_64__) || defined(__i386__)) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define PQ_AVXVNNI 1
+#endif
+#ifndef PQ_AVXVNNI
+#define PQ_AVXVNNI 0
+#endif
+
 /* The tier in use (0 .. ISA_COUNT - 1). */
 int pg_isa(void);
 /* 1 where tier avx2's int8 rows take AVX-VNNI's vpdpbusd (cpu_qgemv_cl.c): the CPU has it and
