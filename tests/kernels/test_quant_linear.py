@@ -395,6 +395,32 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype, tier):
     ql.set_mode("auto")
 
 
+CL_ROWS = (1, 2, 3, 4, 5, 8, 17, 64)  # every row tiling of the CL kernels, 1-2 and 4-row passes
+
+
+def _assert_cl_rows_agree(qtype: str, seed: int, setups: dict) -> None:
+    """Each of `setups` (name -> a call that points the kernels at one variant) gives the first's
+    bits on random "cl" weights (every quant code: Q8_0's -128, whose pairs reach the int16 limit;
+    scales of both signs), with a bias, at every M of CL_ROWS, fp32 and bf16, activations whose
+    blocks quantize to +-127 throughout among them (the largest pair sums)."""
+    ql.set_mode("int8")
+    g = torch.Generator().manual_seed(seed)
+    for N, K in ((200, 1504), (44, 576), (16, 32)):
+        lin = QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
+        assert lin.layout == "cl"
+        for dt in DTYPES:
+            x = torch.cat([torch.randn(32, K, generator=g), torch.sign(torch.randn(32, K, generator=g))]).to(dt)
+            got = {}
+            for name, setup in setups.items():
+                setup()
+                got[name] = [lin(x[:M]) for M in CL_ROWS]
+            first = next(iter(got))
+            for name, outs in got.items():
+                for M, a, b in zip(CL_ROWS, got[first], outs):
+                    assert torch.equal(a, b), (name, N, K, dt, M, (a != b).sum().item())
+    ql.set_mode("auto")
+
+
 @pytest.mark.parametrize("qtype", qr.BLOCK32)
 def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
     """The AVX2 rows (vpmaddubsw: Q4's int16 sums over a block, Q8_0's |q| x sign(x, q) pairs)
@@ -404,25 +430,8 @@ def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
     _require_native(qtype)
     if not {"avx2", "avx512_vnni"} <= set(_tiers()):
         pytest.skip("needs a CPU with AVX-512 VNNI")
-    vnni_tiers = [t for t in ("avx512_bf16", "avx512_vnni") if t in _tiers()]
-    ql.set_mode("int8")
-    g = torch.Generator().manual_seed(15)
-    for N, K in ((200, 1504), (44, 576), (16, 32)):
-        # random bytes: every quant code (Q8_0's -128, whose pairs reach the int16 limit) and
-        # scales of both signs
-        lin = QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
-        assert lin.layout == "cl"
-        for dt in DTYPES:
-            # activations whose blocks quantize to +-127 throughout (the largest pair sums)
-            x = torch.cat([torch.randn(32, K, generator=g), torch.sign(torch.randn(32, K, generator=g))]).to(dt)
-            got = {}
-            for tier in vnni_tiers + ["avx2"]:
-                tier_cap(tier)
-                got[tier] = [lin(x[:M]) for M in (1, 2, 3, 4, 5, 8, 17, 64)]
-            for other in vnni_tiers[1:] + ["avx2"]:
-                for M, a, b in zip((1, 2, 3, 4, 5, 8, 17, 64), got[vnni_tiers[0]], got[other]):
-                    assert torch.equal(a, b), (other, N, K, dt, M, (a != b).sum().item())
-    ql.set_mode("auto")
+    tiers = [t for t in ("avx512_bf16", "avx512_vnni") if t in _tiers()] + ["avx2"]
+    _assert_cl_rows_agree(qtype, 15, {t: (lambda t=t: tier_cap(t)) for t in tiers})
 
 
 @pytest.mark.parametrize("qtype", qr.BLOCK32)
@@ -435,20 +444,12 @@ def test_avx_vnni_rows_have_the_avx2_rows_bits(tier_cap, qtype):
     tier_cap("avx2")
     if not cpu_linear._set_avx_vnni(True):
         pytest.skip("needs a CPU with AVX-VNNI")
+
+    def rows(on: bool):
+        assert cpu_linear._set_avx_vnni(on) == on
+
     try:
-        ql.set_mode("int8")
-        g = torch.Generator().manual_seed(16)
-        for N, K in ((200, 1504), (44, 576), (16, 32)):
-            lin = QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
-            assert lin.layout == "cl"
-            for dt in DTYPES:
-                x = torch.cat([torch.randn(32, K, generator=g), torch.sign(torch.randn(32, K, generator=g))]).to(dt)
-                got = {}
-                for vnni in (False, True):
-                    assert cpu_linear._set_avx_vnni(vnni) == vnni
-                    got[vnni] = [lin(x[:M]) for M in (1, 2, 3, 4, 5, 8, 17, 64)]
-                for M, a, b in zip((1, 2, 3, 4, 5, 8, 17, 64), got[False], got[True]):
-                    assert torch.equal(a, b), (N, K, dt, M, (a != b).sum().item())
+        _assert_cl_rows_agree(qtype, 16, {"avx2": lambda: rows(False), "avx-vnni": lambda: rows(True)})
     finally:
         cpu_linear._set_avx_vnni(None)
 
