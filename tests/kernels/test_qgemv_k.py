@@ -285,6 +285,34 @@ def test_pool_split_is_bitwise_identical(lib, tier, qtype):
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+def test_avx_vnni_rows_have_the_avx2_rows_bits(lib, qtype):
+    """Where the CPU has AVX-VNNI, tier avx2's rows sum the int16 pair products with vpdpwssd
+    instead of vpmaddwd + vpaddd: the same exact int32s, so the same bits, at every M of the
+    4-input tiles (1-5, 8, 33), on real, random and extreme blocks, with a bias."""
+    if "avx2" not in cpu_linear.machine_tiers():
+        pytest.skip("this CPU cannot run avx2")
+    cpu_linear._set_isa_cap("avx2")
+    try:
+        if not cpu_linear._set_avx_vnni(True):
+            pytest.skip("needs a CPU with AVX-VNNI")
+        g = torch.Generator().manual_seed(17)
+        N, K = 67, 512
+        for kind in ("real", "random", "extreme"):
+            blocks = _blocks(qtype, N, K, kind, g)
+            bias = torch.randn(N, generator=g)
+            for M in (1, 2, 3, 4, 5, 8, 33):
+                x = _x(M, K, kind, g)
+                got = []
+                for on in (False, True):
+                    assert cpu_linear._set_avx_vnni(on) == on
+                    got.append(_run(lib, qtype, blocks, x, bias))
+                assert torch.equal(got[0], got[1]), (kind, M, (got[0] != got[1]).sum().item())
+    finally:
+        cpu_linear._set_avx_vnni(None)
+        cpu_linear._set_isa_cap(99)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_through_pg_linear_w(lib, tier, qtype):
     """The whole path: cpu_gemv.c's pg_linear_w -> cpu_qgemv.c (x conversion, prep, pool)
     -> this file's rows, fp32 and bf16 x."""
