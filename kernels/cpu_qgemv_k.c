@@ -46,8 +46,9 @@
  *
  * ISA tiers (cpu_runtime.h, j->isa): per-function #pragma GCC target regions so the generic build
  * holds every tier; tier avx2 sums its int16 products with AVX-VNNI's vpdpwssd where the CPU has
- * it (pg_avx_vnni: the same bits, 1.04-1.17x at M >= 4 on the Xeon).  Dequantization (pqk_dequantize_rows and the portable path) is compiled
- * with fp-contract=off: it rounds d*sc, d*sc*q and dmin*m as the reference does, bit for bit.
+ * it (pg_avx_vnni: the same bits, 1.04-1.17x at M >= 4 on the Xeon).  Dequantization
+ * (pqk_dequantize_rows and the portable path) is compiled with fp-contract=off: it rounds d*sc,
+ * d*sc*q and dmin*m as the reference does, bit for bit.
  */
 #include <stdint.h>
 #include <stddef.h>
