@@ -519,23 +519,19 @@ void tile_q6k_avx2(const pq_job_t *j, const xa_t *xv, int n, int m0, const int M
 PQK_ROWS(rows_q4k_plain, tile_q45k_avx2, 0, 0)
 PQK_ROWS(rows_q5k_plain, tile_q45k_avx2, 1, 0)
 PQK_ROWS(rows_q6k_plain, tile_q6k_avx2, 0)
-#if PQ_AVXVNNI
 PQK_ROWS(rows_q4k_avxvnni, tile_q45k_avx2, 0, 1)
 PQK_ROWS(rows_q5k_avxvnni, tile_q45k_avx2, 1, 1)
 PQK_ROWS(rows_q6k_avxvnni, tile_q6k_avx2, 1)
+/* tier avx2's rows: with AVX-VNNI's vpdpwssd where the CPU has it (the same bits; a build
+ * without the instruction, PQ_AVXVNNI 0, never takes that branch) */
 #define PQK_AVX2_ROWS(q)                                                                 \
     static void rows_##q##_avx2(const pq_job_t *j, int n0, int n1)                       \
     {                                                                                    \
-        if (pg_avx_vnni())                                                               \
+        if (PQ_AVXVNNI && pg_avx_vnni())                                                 \
             rows_##q##_avxvnni(j, n0, n1);                                               \
         else                                                                             \
             rows_##q##_plain(j, n0, n1);                                                 \
     }
-#else
-#define PQK_AVX2_ROWS(q)                                                                 \
-    static void rows_##q##_avx2(const pq_job_t *j, int n0, int n1) { rows_##q##_plain(j, n0, n1); }
-#endif
-/* tier avx2's rows: with AVX-VNNI's vpdpwssd where the CPU has it (the same bits) */
 PQK_AVX2_ROWS(q4k)
 PQK_AVX2_ROWS(q5k)
 PQK_AVX2_ROWS(q6k)

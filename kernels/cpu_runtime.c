@@ -101,7 +101,7 @@ static int detect_avx_vnni(void)
 {
 #ifdef PG_X86
     unsigned a, b, c, d;
-    if (detect_isa() < ISA_AVX2 || __get_cpuid_max(0, NULL) < 7)
+    if (g_isa < ISA_AVX2 || __get_cpuid_max(0, NULL) < 7)  /* g_isa: detected just before */
         return 0;
     __cpuid_count(7, 1, a, b, c, d);
     return (a >> 4) & 1;  /* CPUID.(7, 1):EAX[4] AVX-VNNI; AVX state is checked by detect_isa */
