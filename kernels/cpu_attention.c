@@ -15,7 +15,8 @@
  * in the base-2 domain (q.k * scale * log2 e, then 2^x), which is the same softmax; m moves
  * only when a score passes it by more than PA_LAZY (so weights stay below 2^8).  For
  * bf16, q.k uses vdpbf16ps where the CPU has it (bf16 products are exact in fp32, the sums
- * are fp32) and fp32 FMAs on the widened values otherwise; P.V is always fp32 (P is never
+ * are fp32; or its two FMAs, the same bits: pg_bf16_fma) and fp32 FMAs on the widened values
+ * otherwise; P.V is always fp32 (P is never
  * rounded to bf16).  A bf16 output is rounded once, to nearest even.
  *
  * Layout of one step (AVX-512 and portable; AVX2 takes q.K from the rows, see its section):
@@ -80,7 +81,8 @@
  * ISA: per-function target attributes and the run-time ISA of cpu_runtime.c (pg_isa, tiers in
  * cpu_runtime.h), so the same source builds everywhere: ISA_AVX2 runs the AVX2 + FMA step (two
  * ymm of scores per query row, each score a dot product from K's cache row), ISA_AVX512 and up the
- * AVX-512 step, vdpbf16ps for bf16 K from ISA_AVX512_BF16; the portable path is plain C.
+ * AVX-512 step, vdpbf16ps (or its FMAs) for bf16 K from ISA_AVX512_BF16; the portable path is
+ * plain C.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -189,6 +191,8 @@ typedef struct {
     float *partials;         /* [nparts][part_stride]: acc [rows][D], m [rows], l [rows] */
     size_t part_stride;
     int perm;                /* accumulators in [even | odd] order per 32 (bf16 K/V, AVX-512) */
+    int dp;                  /* bf16 q x bf16 K as vdpbf16ps computes it (tier avx512_bf16)... */
+    int fma;                 /* ...by its two FMAs (pg_bf16_fma; fp32 q rows), not the instruction */
     _Atomic int err;         /* set by an item whose scratch allocation failed */
 } pa_job_t;
 
@@ -716,6 +720,46 @@ static void qk_bf16w(const uint32_t *kt, int D, const void *const *q, float *s, 
 
 static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R);
 
+/* vdpbf16ps's products as two FMAs (pg_bf16_fma): qk_dp_rows' chains and order, each pair's
+ * odd product added before its even one, each rounded once, as the instruction does (products of
+ * bf16 values are exact in fp32): the same bits from fp32 q rows (widened exactly), at twice
+ * the multiply-adds a cycle where vdpbf16ps issues every other cycle (Emerald Rapids). */
+static inline __attribute__((always_inline))
+void qk_dpfma_rows(const uint32_t *kt, int D, const void *const *qv, float *s, const int MR)
+{
+    const int NA = PA_NA;
+    const int nw = D / 2;  /* a multiple of 16 */
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const float *q[PA_MR];
+    __m512 acc[PA_MR][PA_NA];
+    for (int m = 0; m < MR; m++) {
+        q[m] = (const float *)qv[m];
+        for (int a = 0; a < NA; a++)
+            acc[m][a] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < nw; c += NA)
+        for (int a = 0; a < NA; a++) {
+            const __m512i kw = _mm512_load_si512((const void *)(kt + (size_t)(c + a) * 16));
+            const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16));
+            const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(kw, hi));
+            for (int m = 0; m < MR; m++)
+                acc[m][a] = _mm512_fmadd_ps(ke, _mm512_set1_ps(q[m][2 * (c + a)]),
+                                            _mm512_fmadd_ps(ko, _mm512_set1_ps(q[m][2 * (c + a) + 1]), acc[m][a]));
+        }
+    for (int m = 0; m < MR; m++) {
+        __m512 v = acc[m][0];
+        for (int a = 1; a < NA; a++)
+            v = _mm512_add_ps(v, acc[m][a]);
+        _mm512_store_ps(s + m * 16, v);
+    }
+}
+
+static void qk_bf16dpfma(const uint32_t *kt, int D, const void *const *q, float *s, int R)
+{
+    for (int r = 0; r < R; r += PA_MR)
+        PA_ROWS_SWITCH(qk_dpfma_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
+}
+
 static void qk_i8(const uint32_t *kw, int D, const void *const *q, float *s, int R)
 {
     for (int r = 0; r < R; r += PA_MR)
@@ -899,7 +943,9 @@ static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int R
         }
     } else {
         transpose_chunk(krow, hoff, n, D / 2, (uint32_t *)w->kt, pf);
-        if (J->isa >= ISA_AVX512_BF16)
+        if (J->fma)
+            qk_bf16dpfma((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+        else if (J->dp)
             qk_bf16dp((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
         else
             qk_bf16w((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
@@ -1543,9 +1589,9 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         atomic_store((_Atomic int *)&J->err, 1);  /* the one field items write */
         return;
     }
-    /* Only vdpbf16ps (bf16 q x bf16 K) multiplies bf16 q as is; every other path wants fp32
-     * q rows. */
-    const int widen_q = J->dt == DT_BF16 && !(J->kvdt == DT_BF16 && J->isa >= ISA_AVX512_BF16);
+    /* Only vdpbf16ps itself (bf16 q x bf16 K) multiplies bf16 q as is; every other path, its
+     * FMAs included, wants fp32 q rows. */
+    const int widen_q = J->dt == DT_BF16 && !(J->dp && !J->fma);
     /* AVX2 widens a bf16 K row as the even, then the odd elements of each 16: q to match. */
     const int perm_q = J->isa == ISA_AVX2 && J->kvdt == DT_BF16;
     for (int r = 0; r < RT; r++) {
@@ -1824,6 +1870,8 @@ int pa_tree_attention(const pa_args_t *a)
     if (D % 32)
         J.isa = ISA_PORTABLE;  /* the vector paths work in 32-wide blocks of head_dim */
     J.perm = J.isa >= ISA_AVX512 && J.kvdt == DT_BF16;
+    J.dp = J.isa >= ISA_AVX512_BF16 && J.kvdt == DT_BF16;
+    J.fma = J.dp && pg_bf16_fma();
 
     /* Validate everything the items will index with, before any work starts. */
     if (J.cu[0] != 0 || J.cu[S] != T)

@@ -49,6 +49,9 @@ thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel, ``PRESC
 avx512|avx512_vnni|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
 ``PRESCIENT_AVX_VNNI=1|0`` turns tier avx2's AVX-VNNI rows on or off (default: on where avx2 is the
 CPU's best tier and it has AVX-VNNI, so a capped AVX-512 CPU runs plain AVX2),
+``PRESCIENT_BF16_DOT=dp|fma`` whether tier avx512_bf16 computes vdpbf16ps's products (bf16 weights,
+bf16 K) by the instruction or as two FMAs, the same bits (default: FMAs on Intel CPUs, which issue
+vdpbf16ps at a quarter of their FMAs' rate),
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
 ``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
 build cache.
@@ -106,7 +109,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 _ISA_NAMES = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512_vnni", 4: "avx512_bf16"}
 ISA_TIERS = tuple(_ISA_NAMES.values())
 
-_C_VERSION = 4  # must match PG_VERSION in cpu_runtime.c
+_C_VERSION = 5  # must match PG_VERSION in cpu_runtime.c
 
 _lock = threading.RLock()
 _lib: Optional[ctypes.CDLL] = None  # the loaded .so (GEMV enabled or not)
@@ -238,13 +241,15 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear_w.restype = ci
     lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_rows.restype = ci
-    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni"):
+    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni", "pg_bf16_fma"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
     lib.pg_set_isa_cap.argtypes = [ci]
     lib.pg_set_isa_cap.restype = ci
     lib.pg_set_avx_vnni.argtypes = [ci]
     lib.pg_set_avx_vnni.restype = ci
+    lib.pg_set_bf16_fma.argtypes = [ci]
+    lib.pg_set_bf16_fma.restype = ci
     lib.pg_set_num_threads.argtypes = [ci]
     lib.pg_set_num_threads.restype = ci
     lib.pg_set_spin_us.argtypes = [ci, ci]
@@ -280,6 +285,17 @@ def _env_avx_vnni() -> Optional[int]:
     return int(v)
 
 
+def _env_bf16_dot() -> Optional[int]:
+    """PRESCIENT_BF16_DOT=dp|fma (None when unset): tier avx512_bf16's vdpbf16ps products by the
+    instruction (0) or by two FMAs (1; the same bits)."""
+    v = os.environ.get("PRESCIENT_BF16_DOT", "").strip().lower()
+    if not v:
+        return None
+    if v not in ("dp", "fma"):
+        raise ValueError(f"PRESCIENT_BF16_DOT={os.environ['PRESCIENT_BF16_DOT']!r}: expected dp or fma")
+    return int(v == "fma")
+
+
 def _apply_env(lib: ctypes.CDLL) -> None:
     n = os.environ.get("PRESCIENT_GEMV_THREADS")
     lib.pg_set_num_threads(int(n) if n else cpu_threads.default_threads())
@@ -289,6 +305,9 @@ def _apply_env(lib: ctypes.CDLL) -> None:
     vnni = _env_avx_vnni()
     if vnni is not None:
         lib.pg_set_avx_vnni(vnni)
+    dot = _env_bf16_dot()
+    if dot is not None:
+        lib.pg_set_bf16_fma(dot)
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
     if spin:
         parts = [int(p) for p in spin.split(",")]
@@ -374,6 +393,9 @@ def kernel_info() -> dict:
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
         info["avx_vnni"] = bool(_lib.pg_avx_vnni())
+        # how tier avx512_bf16 computes vdpbf16ps's products ("dp": the instruction, "fma": two
+        # FMAs, the same bits); None below it
+        info["bf16_dot"] = ("fma" if _lib.pg_bf16_fma() else "dp") if info["isa"] == "avx512_bf16" else None
         info["threads"] = _lib.pg_num_threads()
         st = (ctypes.c_uint64 * 3)()
         _lib.pg_stats(st)
@@ -410,6 +432,13 @@ def _set_avx_vnni(on: bool | None) -> bool:
     tier); returns whether they are in use now (never without the instruction). For tests and
     benchmarks."""
     return bool(library().pg_set_avx_vnni(-1 if on is None else int(bool(on))))
+
+
+def _set_bf16_fma(on: bool | None) -> bool:
+    """Tier avx512_bf16's vdpbf16ps products by two FMAs (True) or by the instruction (False),
+    the same bits either way, or None: the default (FMAs on Intel CPUs); returns whether the FMAs
+    are in use now (never below the tier). For tests and benchmarks."""
+    return bool(library().pg_set_bf16_fma(-1 if on is None else int(bool(on))))
 
 
 def machine_tiers() -> list[str]:
@@ -613,9 +642,10 @@ def pack_weight(w: torch.Tensor, bias: Optional[torch.Tensor] = None,
 
 def build_signature() -> str:
     """What a measurement on these kernels depends on: the CPU, the compiled .so (its name is a
-    hash of sources, flags and compiler), the ISA tier in use (and tier avx2's AVX-VNNI rows).
-    Cost tables are keyed by it."""
+    hash of sources, flags and compiler), the ISA tier in use (and tier avx2's AVX-VNNI rows,
+    tier avx512_bf16's bf16 products). Cost tables are keyed by it."""
     info = kernel_info()
-    isa = f"{info.get('isa')}{'+avxvnni' if info.get('avx_vnni') else ''}"
+    isa = (f"{info.get('isa')}{'+avxvnni' if info.get('avx_vnni') else ''}"
+           f"{'+bf16fma' if info.get('bf16_dot') == 'fma' else ''}")
     return "|".join(str(x) for x in (_cpu_signature(), info.get("so"), isa, info.get("threads"),
                                       torch.__version__, len(os.sched_getaffinity(0))))

@@ -40,7 +40,7 @@
 #endif
 
 /* The library's version (kernels/cpu_linear.py checks it). */
-#define PG_VERSION 4
+#define PG_VERSION 5
 #define PG_MAX_THREADS 16
 /* Software prefetch distance of the read probe: the GEMV tiles' (cpu_gemv.c). */
 #ifndef PG_PF_BYTES
@@ -64,6 +64,8 @@ static int g_isa = -1;      /* best ISA the CPU + OS support */
 static int g_isa_cap = 99;  /* user cap (tests force lower paths) */
 static int g_has_avx_vnni = -1;  /* the CPU has AVX-VNNI (VEX vpdpbusd) */
 static int g_avx_vnni = -1;      /* pg_set_avx_vnni: 1 on, 0 off, -1 the default (pg_avx_vnni) */
+static int g_intel = 0;          /* the CPU's vendor is Intel (pg_bf16_fma's default) */
+static int g_bf16_fma = -1;      /* pg_set_bf16_fma: 1 FMAs, 0 vdpbf16ps, -1 the default */
 
 static int detect_isa(void)
 {
@@ -105,6 +107,18 @@ static int detect_avx_vnni(void)
         return 0;
     __cpuid_count(7, 1, a, b, c, d);
     return (a >> 4) & 1;  /* CPUID.(7, 1):EAX[4] AVX-VNNI; AVX state is checked by detect_isa */
+#else
+    return 0;
+#endif
+}
+
+static int detect_intel(void)
+{
+#ifdef PG_X86
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d))
+        return 0;
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  /* "Genu" "ineI" "ntel" */
 #else
     return 0;
 #endif
@@ -306,6 +320,7 @@ __attribute__((constructor)) static void pg_init(void)
     g_nthreads = n >= 2 ? 2 : 1;
     g_isa = detect_isa();  /* once, before any thread reads them */
     g_has_avx_vnni = detect_avx_vnni();
+    g_intel = detect_intel();
 }
 
 /* ------------------------------------------------------------------------- */
@@ -329,6 +344,20 @@ int pg_set_avx_vnni(int on)
 {
     g_avx_vnni = on < 0 ? -1 : on != 0;
     return pg_avx_vnni();
+}
+int pg_bf16_fma(void)
+{
+    if (current_isa() < ISA_AVX512_BF16)
+        return 0;
+    return g_bf16_fma >= 0 ? g_bf16_fma : g_intel;
+}
+
+/* Tier avx512_bf16's vdpbf16ps products by two FMAs (1) or by the instruction (0), or back to
+ * the default (-1); returns pg_bf16_fma().  The same bits either way (tests compare them). */
+int pg_set_bf16_fma(int on)
+{
+    g_bf16_fma = on < 0 ? -1 : on != 0;
+    return pg_bf16_fma();
 }
 int pg_num_threads(void) { return g_nthreads; }
 

@@ -66,6 +66,13 @@ int pg_isa(void);
  * pg_set_avx_vnni has not turned it off; by default on only where avx2 is the CPU's best tier
  * (Intel's client cores since Alder Lake), so capping an AVX-512 CPU to avx2 still runs plain AVX2. */
 int pg_avx_vnni(void);
+/* 1 where tier avx512_bf16 computes vdpbf16ps's products (bf16 weights in cpu_gemv.c, bf16 K in
+ * cpu_attention.c) as two fp32 FMAs on the widened values, odd element then even: the
+ * instruction's own order and rounding, so the same bits (short of subnormals, which it flushes).
+ * By default on Intel CPUs, whose cores issue vdpbf16ps at a quarter of their zmm FMAs' rate
+ * (Emerald Rapids: 1.46 vs 5.82 G/s a core, 47 vs 93 multiply-adds a ns); AMD's issue both at one
+ * rate, so the instruction's two products a lane win there. */
+int pg_bf16_fma(void);
 /* Threads per pool call, the caller included. */
 int pg_num_threads(void);
 

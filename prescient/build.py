@@ -204,7 +204,7 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
 
 def kernels_line(info: dict, tp: int = 1) -> str:
     """"CPU kernels avx2, 8 threads (...)": the tier (with "+ AVX-VNNI" where tier avx2's rows take
-    it) and the pool size in use (kernels/cpu_linear.kernel_info), where the size came from and
+    it, "(vdpbf16ps as FMAs)" where tier avx512_bf16 computes that instruction's products by FMAs) and the pool size in use (kernels/cpu_linear.kernel_info), where the size came from and
     how to change it."""
     if os.environ.get("PRESCIENT_GEMV_THREADS"):
         how = "PRESCIENT_GEMV_THREADS"
@@ -213,7 +213,8 @@ def kernels_line(info: dict, tp: int = 1) -> str:
     else:
         how = "one per usable core; PRESCIENT_GEMV_THREADS=n to change"
     n = info["threads"]
-    isa = info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "")
+    isa = info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "") + (
+        " (vdpbf16ps as FMAs)" if info.get("bf16_dot") == "fma" else "")
     return f"CPU kernels {isa}, {n} thread{'s' if n != 1 else ''} ({how})"
 
 

@@ -432,3 +432,30 @@ def test_generic_build_runs_every_path(generic_so):
             assert lib.pa_tree_attention(_pack_args(q, k, v, bt, ctx, cu, 0.125, out=out, **scales)) == 0
             err = (out.float() - ref).abs()
             assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5).all()), (dtype, kv, tier)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
+    """Tier avx512_bf16's q.K on a bf16 cache, by vdpbf16ps or as its two FMAs a lane (odd product
+    first; pg_bf16_fma, the default on Intel): the same bits for decode rows, trees, prefill
+    chunks and several sequences, at head_dim 64 and 128, alone and pooled."""
+    _tier_or_skip("avx512_bf16")
+    isa_cap("avx512_bf16")
+    rng = random.Random(5)
+    try:
+        for head_dim in (64, 128):
+            for q_lens, ctx_lens, tree in [([1], [17], None), ([1, 1, 1], [33, 400, 1000], None),
+                                           ([9], [300], 9), ([16], [1040], 16), ([40], [40], None)]:
+                batch = _batch(q_lens, ctx_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                               head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + ctx_lens[0])
+                mask = _random_tree(tree, rng).mask_bits() if tree else None
+                outs = []
+                for fma in (False, True):
+                    assert cpu_linear._set_bf16_fma(fma) is fma
+                    for solo in (2048, 0):
+                        cpu_attention._set_solo_work(solo)
+                        outs.append(cpu_attention.tree_attention(*batch, mask, head_dim ** -0.5))
+                assert all(torch.equal(outs[0], o) for o in outs[1:]), (head_dim, q_lens, ctx_lens)
+    finally:
+        cpu_linear._set_bf16_fma(None)
+        cpu_attention._set_solo_work(2048)

@@ -423,6 +423,59 @@ def test_builds_and_runs_without_march_native(generic_so):
                 _check(y, x, w, xround=xround)
 
 
+@pytest.fixture
+def bf16_tier():
+    """Tier avx512_bf16 (skipped where this CPU lacks it); the tier and the bf16 product switch
+    are restored afterwards."""
+    if not cpu_linear.available() or "avx512_bf16" not in cpu_linear.machine_tiers():
+        pytest.skip("this CPU cannot run the avx512_bf16 tier")
+    before = cpu_linear.kernel_info()["isa"]
+    cpu_linear._set_isa_cap("avx512_bf16")
+    yield
+    cpu_linear._set_bf16_fma(None)
+    cpu_linear._set_isa_cap(ISA_TIERS.index(before))
+
+
+def test_bf16_products_as_fmas_give_the_instructions_bits(bf16_tier):
+    """Tier avx512_bf16 computes vdpbf16ps's products (bf16 weights x x rounded to bf16) either by
+    the instruction or as two FMAs a lane, the odd product then the even one (pg_bf16_fma, the
+    default on Intel): the same bits at every M and tile shape, K with and without a tail of
+    each parity, fp32 and bf16 x, with a bias, pooled (the LM head) or not."""
+    g = torch.Generator().manual_seed(21)
+    cases = 0
+    for N, K, Ms in [(577, 33, range(1, 17)), (130, 577, (1, 5, 8, 9, 31)), (64, 1000, (3, 8, MAX_M)),
+                     (31, 8, (1, 7)), (4099, 576, (1, 2, 8, 13)), (49152, 576, (1, 9))]:
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        b = torch.randn(N, generator=g)
+        for M in Ms:
+            for xdt in DTYPES:
+                x = torch.randn(M, K, generator=g).to(xdt)
+                lin = pack_weight(w, b if (M + N) % 2 else None)
+                assert cpu_linear._set_bf16_fma(False) is False
+                assert cpu_linear.kernel_info()["bf16_dot"] == "dp"
+                y_dp = lin(x)
+                assert cpu_linear._set_bf16_fma(True) is True
+                assert cpu_linear.kernel_info()["bf16_dot"] == "fma"
+                y_fma = lin(x)
+                assert torch.equal(y_dp, y_fma), (N, K, M, xdt)
+                cases += 1
+    assert cases == 2 * (16 + 5 + 3 + 2 + 4 + 2)
+
+
+def test_bf16_fma_switch_only_at_tier_avx512_bf16_and_by_name(bf16_tier, monkeypatch):
+    """Below tier avx512_bf16 there is no vdpbf16ps to compute (the bf16 rows widen x as fp32), so
+    the switch reads off; a bad PRESCIENT_BF16_DOT is refused by name."""
+    assert cpu_linear._set_bf16_fma(True) is True
+    cpu_linear._set_isa_cap("avx512")
+    assert cpu_linear._set_bf16_fma(True) is False
+    assert cpu_linear.kernel_info()["bf16_dot"] is None
+    monkeypatch.setenv("PRESCIENT_BF16_DOT", "amx")
+    with pytest.raises(ValueError, match="PRESCIENT_BF16_DOT"):
+        cpu_linear._env_bf16_dot()
+    monkeypatch.setenv("PRESCIENT_BF16_DOT", "FMA")
+    assert cpu_linear._env_bf16_dot() == 1
+
+
 def test_prescient_isa_env():
     """PRESCIENT_ISA=avx2 caps the tier at load; a bad value is an error naming the tiers."""
     if "avx2" not in cpu_linear.machine_tiers():
