@@ -586,6 +586,17 @@ static void transpose_chunk(const char *const rows[PA_CHUNK], size_t hoff, int n
         __m512i r[16];
         for (int t = 0; t < pf->n; t++)
             _mm_prefetch(pf->k[t] + hoff + (size_t)c * 4, _MM_HINT_T0);
+        if (nj == 16 && n == 16) {
+            /* The usual case in straight-line code: plain loads (masked ones), one test per
+             * row, and the stores of a variable count (which gcc turned into a spill and a `rep
+             * movs`) cost Emerald Rapids about half of this step. */
+            for (int t = 0; t < 16; t++)
+                r[t] = _mm512_loadu_si512((const void *)((const uint32_t *)(rows[t] + hoff) + c));
+            transpose16(r);
+            for (int j = 0; j < 16; j++)
+                _mm512_store_si512((void *)(kt + (size_t)(c + j) * 16), r[j]);
+            continue;
+        }
         for (int t = 0; t < 16; t++)
             r[t] = t < n ? _mm512_maskz_loadu_epi32(lm, (const uint32_t *)(rows[t] + hoff) + c)
                          : _mm512_setzero_si512();
@@ -975,6 +986,14 @@ static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int R
     }
     softmax_chunk(w, r0, RH, J->G, J->scl, J->kvdt == PA_KV_I8);
     pv_chunk(w, r0, RH, n, vr, D, vm, vpf, hoff);
+}
+
+/* A bf16 q row as fp32, in order (D % 16 == 0): what the FMA paths multiply. */
+static void widen_q_avx512(const uint16_t *src, int D, float *dst)
+{
+    for (int d = 0; d < D; d += 16)
+        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d))), 16)));
 }
 
 /* out row = acc * inv in the output dtype (D % 32 == 0 here); perm: acc holds each 32-wide
@@ -1601,6 +1620,9 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
 #ifdef PA_X86
         if (perm_q && D % 16 == 0) {
             perm_q_avx2(src, J->dt, D, w->qf + (size_t)r * D);
+            w->qrow[r] = w->qf + (size_t)r * D;
+        } else if (widen_q && J->isa >= ISA_AVX512 && D % 16 == 0) {
+            widen_q_avx512((const uint16_t *)src, D, w->qf + (size_t)r * D);
             w->qrow[r] = w->qf + (size_t)r * D;
         } else
 #endif
