@@ -27,6 +27,9 @@ typedef struct {
 /* y[M, N] = x[M, K] @ W^T (+ bias); x, y fp32 or bf16 (xdt; y has x's dtype); M <= PG_MAX_M.
  * 0 on success, -1 bad arguments, -2 allocation failure. */
 int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
+/* A bf16 weight's AMX copy (pg_weight_t.rpl for a float dtype; cpu_gemv_amx.c): per 16-column
+ * tile and 32-element block, the 16 columns' element pairs as tdpbf16ps' B operand. */
+#define PG_RP_AMX 2
 /* The same for a block-format weight (d->wdt >= DT_Q_FIRST). */
 int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
 /* The same for any T >= 1 rows (prefill chunks): the rows in kernel calls of at most PG_MAX_M

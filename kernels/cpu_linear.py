@@ -49,9 +49,10 @@ thread only.  Environment: ``PRESCIENT_CPU_GEMV=0`` disables the kernel, ``PRESC
 avx512|avx512_vnni|avx512_bf16`` caps the ISA tier (to run a lower tier on a bigger CPU),
 ``PRESCIENT_AVX_VNNI=1|0`` turns tier avx2's AVX-VNNI rows on or off (default: on where avx2 is the
 CPU's best tier and it has AVX-VNNI, so a capped AVX-512 CPU runs plain AVX2),
-``PRESCIENT_BF16_DOT=dp|fma`` whether tier avx512_bf16 computes vdpbf16ps's products (bf16 weights,
-bf16 K) by the instruction or as two FMAs, the same bits (default: FMAs on Intel CPUs, which issue
-vdpbf16ps at a quarter of their FMAs' rate),
+``PRESCIENT_BF16_DOT=dp|fma|amx`` how tier avx512_bf16 multiplies bf16 by bf16: vdpbf16ps, or its
+products as two FMAs (the same bits; the default on Intel CPUs, which issue vdpbf16ps at a quarter
+of their FMAs' rate), or bf16 weights on AMX tiles (other bits; the default where the CPU has
+AMX-BF16: a copy of each bf16 weight in the tiles' layout, within ``PRESCIENT_REGROUP_MB``),
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
 ``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
 build cache.
@@ -70,6 +71,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -97,7 +99,7 @@ MAX_M = _max_m()
 # layer order, lowest first (each file uses only the ones before it; tests/kernels/
 # test_format_table.py keeps the symbol graph acyclic): the runtime (pool, ISA), the kernels,
 # the format table over them, the dispatcher over the table, the fused layer on top.
-_SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_attention.c", "cpu_argmax.c",
+_SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_gemv_amx.c", "cpu_attention.c", "cpu_argmax.c",
                  "cpu_qgemv_cl.c", "cpu_qgemv_avx2.c", "cpu_qgemv_avx512.c", "cpu_qgemv.c", "cpu_qgemv_k.c",
                  "cpu_formats.c", "cpu_dispatch.c", "cpu_layer.c")
 _HEADER_NAMES = ("cpu_runtime.h", "cpu_bf16.h", "cpu_gemv.h", "cpu_attention.h", "cpu_formats.h",
@@ -119,6 +121,15 @@ _fn = None  # pg_linear_w, bound once; None when the GEMV is unavailable or disa
 _tried = False
 _why_not: Optional[str] = None
 _so_path: Optional[str] = None
+_RP_AMX = 2  # pg_weight_t.rpl of a bf16 weight's AMX copy (PG_RP_AMX, cpu_dispatch.h)
+_amx_lock = threading.Lock()
+_amx_held = 0  # bytes of AMX copies alive (PackedLinear._amx_copy)
+
+
+def _amx_release(nbytes: int) -> None:
+    global _amx_held
+    with _amx_lock:
+        _amx_held -= nbytes
 
 
 class _WeightDesc(ctypes.Structure):
@@ -165,7 +176,7 @@ def _flag_sets() -> list[list[str]]:
     # attributes, chosen at run time) and only the portable path loses host tuning. Last, both
     # without AVX-VNNI's `{vex} vpdpbusd` (cpu_runtime.h PQ_AVXVNNI): a GCC >= 11 beside an
     # assembler older than binutils 2.36 must not cost every CPU its kernels.
-    novnni = ["-DPQ_AVXVNNI=0"]
+    novnni = ["-DPQ_AVXVNNI=0", "-DPG_AMX=0"]
     return [common + ["-march=native"], common, common + ["-march=native"] + novnni, common + novnni]
 
 
@@ -241,7 +252,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear_w.restype = ci
     lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_rows.restype = ci
-    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni", "pg_bf16_fma"):
+    for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni", "pg_bf16_fma", "pg_bf16_amx"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
     lib.pg_set_isa_cap.argtypes = [ci]
@@ -250,6 +261,12 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_avx_vnni.restype = ci
     lib.pg_set_bf16_fma.argtypes = [ci]
     lib.pg_set_bf16_fma.restype = ci
+    lib.pg_set_bf16_amx.argtypes = [ci]
+    lib.pg_set_bf16_amx.restype = ci
+    lib.pg_amx_repack_bytes.argtypes = [ci, ci]
+    lib.pg_amx_repack_bytes.restype = ctypes.c_size_t
+    lib.pg_amx_repack.argtypes = [vp, ci, ci, vp]
+    lib.pg_amx_repack.restype = ci
     lib.pg_set_num_threads.argtypes = [ci]
     lib.pg_set_num_threads.restype = ci
     lib.pg_set_spin_us.argtypes = [ci, ci]
@@ -285,15 +302,20 @@ def _env_avx_vnni() -> Optional[int]:
     return int(v)
 
 
-def _env_bf16_dot() -> Optional[int]:
-    """PRESCIENT_BF16_DOT=dp|fma (None when unset): tier avx512_bf16's vdpbf16ps products by the
-    instruction (0) or by two FMAs (1; the same bits)."""
+_BF16_DOTS = ("dp", "fma", "amx")
+
+
+def _env_bf16_dot() -> Optional[str]:
+    """PRESCIENT_BF16_DOT=dp|fma|amx (None when unset): how tier avx512_bf16 multiplies bf16 by
+    bf16. dp: vdpbf16ps; fma: its products as two FMAs (the same bits); amx: bf16 weights on AMX
+    tiles (other bits), the bf16 cache's q.K as the default computes it."""
     v = os.environ.get("PRESCIENT_BF16_DOT", "").strip().lower()
     if not v:
         return None
-    if v not in ("dp", "fma"):
-        raise ValueError(f"PRESCIENT_BF16_DOT={os.environ['PRESCIENT_BF16_DOT']!r}: expected dp or fma")
-    return int(v == "fma")
+    if v not in _BF16_DOTS:
+        raise ValueError(f"PRESCIENT_BF16_DOT={os.environ['PRESCIENT_BF16_DOT']!r}: expected one of "
+                         f"{', '.join(_BF16_DOTS)}")
+    return v
 
 
 def _apply_env(lib: ctypes.CDLL) -> None:
@@ -307,7 +329,9 @@ def _apply_env(lib: ctypes.CDLL) -> None:
         lib.pg_set_avx_vnni(vnni)
     dot = _env_bf16_dot()
     if dot is not None:
-        lib.pg_set_bf16_fma(dot)
+        lib.pg_set_bf16_amx(int(dot == "amx"))
+        if dot != "amx":
+            lib.pg_set_bf16_fma(int(dot == "fma"))
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
     if spin:
         parts = [int(p) for p in spin.split(",")]
@@ -396,6 +420,8 @@ def kernel_info() -> dict:
         # how tier avx512_bf16 computes vdpbf16ps's products ("dp": the instruction, "fma": two
         # FMAs, the same bits); None below it
         info["bf16_dot"] = ("fma" if _lib.pg_bf16_fma() else "dp") if info["isa"] == "avx512_bf16" else None
+        # bf16 weights packed from now on get an AMX copy and run on the tiles (cpu_gemv_amx.c)
+        info["bf16_amx"] = bool(_lib.pg_bf16_amx())
         info["threads"] = _lib.pg_num_threads()
         st = (ctypes.c_uint64 * 3)()
         _lib.pg_stats(st)
@@ -439,6 +465,19 @@ def _set_bf16_fma(on: bool | None) -> bool:
     the same bits either way, or None: the default (FMAs on Intel CPUs); returns whether the FMAs
     are in use now (never below the tier). For tests and benchmarks."""
     return bool(library().pg_set_bf16_fma(-1 if on is None else int(bool(on))))
+
+
+def _set_bf16_amx(on: bool | None) -> bool:
+    """bf16 weights on AMX tiles (True) or not (False), or None: the default (on where the CPU
+    has AMX-BF16 and the OS grants it); returns whether they are on now. Weights packed while
+    it is on carry an AMX copy; each call takes the tiles only while it is on. For tests and
+    benchmarks."""
+    return bool(library().pg_set_bf16_amx(-1 if on is None else int(bool(on))))
+
+
+def amx_bytes() -> int:
+    """Bytes of bf16 weights' AMX copies alive in this process (PackedLinear)."""
+    return _amx_held
 
 
 def machine_tiers() -> list[str]:
@@ -506,7 +545,7 @@ class PackedLinear:
     Inference only: the weight is held detached (a gradient reaches x, never the weight)."""
 
     __slots__ = ("weight", "bias", "in_features", "out_features", "dtype",
-                 "_bias32", "_desc", "_dptr")
+                 "_bias32", "_desc", "_dptr", "_amx", "__weakref__")
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         if weight.dim() != 2:
@@ -530,6 +569,33 @@ class PackedLinear:
                                  None if self._bias32 is None else self._bias32.data_ptr(),
                                  _DT[self.dtype], self.out_features, self.in_features)
         self._dptr = ctypes.addressof(self._desc)
+        self._amx = self._amx_copy()
+
+    def _amx_copy(self) -> Optional[torch.Tensor]:
+        """A bf16 weight's copy in the AMX tiles' layout (pg_amx_repack), where the tiles are on
+        now and the copies stay within PRESCIENT_REGROUP_MB (default 1024 MiB, as the block
+        formats' copies: a copy doubles a weight's memory); the descriptor then points to it."""
+        global _amx_held
+        if self.dtype != torch.bfloat16 or _lib is None or not _lib.pg_bf16_amx():
+            return None
+        N, K = self.out_features, self.in_features
+        nbytes = _lib.pg_amx_repack_bytes(N, K)
+        try:
+            budget = int(os.environ.get("PRESCIENT_REGROUP_MB", 1024)) << 20
+        except ValueError:
+            budget = 1024 << 20
+        with _amx_lock:
+            if _amx_held + nbytes > budget:
+                return None
+            _amx_held += nbytes
+        copy = torch.empty(nbytes // 2, dtype=torch.int16)
+        if _lib.pg_amx_repack(self.weight.data_ptr(), N, K, copy.data_ptr()) != 0:
+            _amx_release(nbytes)
+            return None
+        weakref.finalize(self, _amx_release, nbytes)
+        self._desc.rp = copy.data_ptr()
+        self._desc.rpl = _RP_AMX
+        return copy
 
     def __repr__(self) -> str:
         return (f"PackedLinear(in={self.in_features}, out={self.out_features}, "
@@ -646,6 +712,6 @@ def build_signature() -> str:
     tier avx512_bf16's bf16 products). Cost tables are keyed by it."""
     info = kernel_info()
     isa = (f"{info.get('isa')}{'+avxvnni' if info.get('avx_vnni') else ''}"
-           f"{'+bf16fma' if info.get('bf16_dot') == 'fma' else ''}")
+           f"{'+bf16fma' if info.get('bf16_dot') == 'fma' else ''}{'+bf16amx' if info.get('bf16_amx') else ''}")
     return "|".join(str(x) for x in (_cpu_signature(), info.get("so"), isa, info.get("threads"),
                                       torch.__version__, len(os.sched_getaffinity(0))))

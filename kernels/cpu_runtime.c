@@ -24,6 +24,9 @@
 #include <sched.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/syscall.h>
+#endif
 
 #include "cpu_runtime.h"
 
@@ -66,6 +69,8 @@ static int g_has_avx_vnni = -1;  /* the CPU has AVX-VNNI (VEX vpdpbusd) */
 static int g_avx_vnni = -1;      /* pg_set_avx_vnni: 1 on, 0 off, -1 the default (pg_avx_vnni) */
 static int g_intel = 0;          /* the CPU's vendor is Intel (pg_bf16_fma's default) */
 static int g_bf16_fma = -1;      /* pg_set_bf16_fma: 1 FMAs, 0 vdpbf16ps, -1 the default */
+static int g_has_amx = 0;        /* AMX-BF16 usable in this process (detect_amx) */
+static int g_bf16_amx = -1;      /* pg_set_bf16_amx: 1 on, 0 off, -1 the default (on) */
 
 static int detect_isa(void)
 {
@@ -119,6 +124,28 @@ static int detect_intel(void)
     if (!__get_cpuid(0, &a, &b, &c, &d))
         return 0;
     return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  /* "Genu" "ineI" "ntel" */
+#else
+    return 0;
+#endif
+}
+
+/* AMX-BF16 and AMX-TILE (CPUID.(7, 0):EDX[22], [24]), their state in XCR0 (bits 17-18), and
+ * Linux's permission for this process to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM,
+ * asked once here; torch's oneDNN asks the same). */
+static int detect_amx(void)
+{
+#if defined(PG_X86) && PG_AMX && defined(__linux__)
+    unsigned a, b, c, d;
+    if (g_isa < ISA_AVX512_BF16 || __get_cpuid_max(0, NULL) < 0xd)
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!((d >> 22) & 1) || !((d >> 24) & 1))
+        return 0;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3u) != 3u)
+        return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #else
     return 0;
 #endif
@@ -321,6 +348,7 @@ __attribute__((constructor)) static void pg_init(void)
     g_isa = detect_isa();  /* once, before any thread reads them */
     g_has_avx_vnni = detect_avx_vnni();
     g_intel = detect_intel();
+    g_has_amx = detect_amx();
 }
 
 /* ------------------------------------------------------------------------- */
@@ -358,6 +386,18 @@ int pg_set_bf16_fma(int on)
 {
     g_bf16_fma = on < 0 ? -1 : on != 0;
     return pg_bf16_fma();
+}
+int pg_bf16_amx(void)
+{
+    return current_isa() >= ISA_AVX512_BF16 && g_has_amx && g_bf16_amx != 0;
+}
+
+/* bf16 weights on AMX tiles (1) or not (0), or back to the default (-1, on); returns
+ * pg_bf16_amx().  Other bits than the vdpbf16ps path's (cpu_gemv_amx.c). */
+int pg_set_bf16_amx(int on)
+{
+    g_bf16_amx = on < 0 ? -1 : on != 0;
+    return pg_bf16_amx();
 }
 int pg_num_threads(void) { return g_nthreads; }
 

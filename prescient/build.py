@@ -192,10 +192,11 @@ def load_model(spec: EngineSpec) -> LoadedModel:
 
 def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token"."""
+    from prescient.kernels.cpu_linear import amx_bytes
     from prescient.kernels.quant_linear import regrouped_bytes
 
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
-    rg = regrouped_bytes()
+    rg = regrouped_bytes() + amx_bytes()
     # (all of the process's copies: a draft model's too)
     extra = f" (+{rg / (1 << 20):.1f} MiB of weight copies laid out for the SIMD kernels)" if rg else ""
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB{extra}; "
@@ -213,8 +214,9 @@ def kernels_line(info: dict, tp: int = 1) -> str:
     else:
         how = "one per usable core; PRESCIENT_GEMV_THREADS=n to change"
     n = info["threads"]
-    isa = info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "") + (
-        " (vdpbf16ps as FMAs)" if info.get("bf16_dot") == "fma" else "")
+    notes = [n for n, on in (("vdpbf16ps as FMAs", info.get("bf16_dot") == "fma"),
+                             ("bf16 weights on AMX", info.get("bf16_amx"))) if on]
+    isa = info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "") + (f" ({'; '.join(notes)})" if notes else "")
     return f"CPU kernels {isa}, {n} thread{'s' if n != 1 else ''} ({how})"
 
 

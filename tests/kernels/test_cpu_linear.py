@@ -425,14 +425,16 @@ def test_builds_and_runs_without_march_native(generic_so):
 
 @pytest.fixture
 def bf16_tier():
-    """Tier avx512_bf16 (skipped where this CPU lacks it); the tier and the bf16 product switch
-    are restored afterwards."""
+    """Tier avx512_bf16 (skipped where this CPU lacks it) with the AMX tiles off; the tier and the
+    bf16 switches are restored afterwards."""
     if not cpu_linear.available() or "avx512_bf16" not in cpu_linear.machine_tiers():
         pytest.skip("this CPU cannot run the avx512_bf16 tier")
     before = cpu_linear.kernel_info()["isa"]
     cpu_linear._set_isa_cap("avx512_bf16")
+    cpu_linear._set_bf16_amx(False)  # the vdpbf16ps path unless a test turns the tiles on
     yield
     cpu_linear._set_bf16_fma(None)
+    cpu_linear._set_bf16_amx(None)
     cpu_linear._set_isa_cap(ISA_TIERS.index(before))
 
 
@@ -469,11 +471,59 @@ def test_bf16_fma_switch_only_at_tier_avx512_bf16_and_by_name(bf16_tier, monkeyp
     cpu_linear._set_isa_cap("avx512")
     assert cpu_linear._set_bf16_fma(True) is False
     assert cpu_linear.kernel_info()["bf16_dot"] is None
-    monkeypatch.setenv("PRESCIENT_BF16_DOT", "amx")
+    monkeypatch.setenv("PRESCIENT_BF16_DOT", "amx2")
     with pytest.raises(ValueError, match="PRESCIENT_BF16_DOT"):
         cpu_linear._env_bf16_dot()
     monkeypatch.setenv("PRESCIENT_BF16_DOT", "FMA")
-    assert cpu_linear._env_bf16_dot() == 1
+    assert cpu_linear._env_bf16_dot() == "fma"
+
+
+@pytest.fixture
+def amx_tier(bf16_tier):
+    """Tier avx512_bf16 with bf16 weights on AMX tiles (skipped where the CPU or the OS has none)."""
+    if not cpu_linear._set_bf16_amx(True):
+        pytest.skip("no AMX-BF16 tiles on this CPU (or not granted by the OS)")
+    yield
+
+
+def test_amx_rows_match_float64_and_do_not_depend_on_m(amx_tier):
+    """bf16 weights on AMX tiles (cpu_gemv_amx.c): x rounded to bf16 and fp32 sums, within the
+    fp32 bound of the float64 product; each row's bits the same at every M (1 to 4 row groups of
+    16), with tails of N and K, a bias, fp32 and bf16 x, alone and pooled (the 49152-row head)."""
+    g = torch.Generator().manual_seed(31)
+    Ms = (1, 2, 7, 15, 16, 17, 31, 33, 48, MAX_M)
+    for N, K in [(577, 33), (130, 577), (64, 1000), (31, 8), (1536, 576), (49152, 576)]:
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        bias = torch.randn(N, generator=g) if N % 2 else None
+        lin = pack_weight(w, bias)
+        assert lin._amx is not None and cpu_linear.kernel_info()["bf16_amx"]
+        for xdt in DTYPES:
+            x = torch.randn(MAX_M, K, generator=g).to(xdt)
+            full = lin(x)
+            _check(full, x, w, bias=bias, xround=torch.bfloat16)
+            for M in Ms if N < 49152 else (1, 9, MAX_M):
+                assert torch.equal(lin(x[:M]), full[:M]), (N, K, M, xdt)
+            assert torch.equal(lin(x[MAX_M - 1:]), full[MAX_M - 1:])  # a last row alone
+
+
+def test_amx_switch_is_read_per_call_and_by_name(amx_tier, monkeypatch):
+    """With the tiles off, a weight that carries an AMX copy runs the vdpbf16ps path (its bits:
+    those of a weight packed without a copy); weights packed while they are off get no copy.
+    PRESCIENT_BF16_DOT takes amx too."""
+    g = torch.Generator().manual_seed(32)
+    w = torch.randn(300, 576, generator=g).to(torch.bfloat16)
+    x = torch.randn(8, 576, generator=g)  # fp32 y: bf16 outputs would round most differences away
+    with_copy = pack_weight(w)
+    on = with_copy(x)
+    assert cpu_linear._set_bf16_amx(False) is False
+    without = pack_weight(w)
+    assert without._amx is None and cpu_linear.kernel_info()["bf16_amx"] is False
+    off = with_copy(x)
+    assert torch.equal(off, without(x)) and not torch.equal(off, on)
+    cpu_linear._set_bf16_amx(True)
+    assert torch.equal(with_copy(x), on)
+    monkeypatch.setenv("PRESCIENT_BF16_DOT", "AMX")
+    assert cpu_linear._env_bf16_dot() == "amx"
 
 
 def test_prescient_isa_env():
