@@ -10,13 +10,14 @@
 
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]); w fp32 or bf16 (wdt), x and y fp32 or bf16 (xdt;
  * y has x's dtype); M <= PG_MAX_M.  0 on success, -1 bad arguments, -2 allocation failure. */
+int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
+              void *y, int M, int N, int K);
+
 /* bf16 weights on AMX tiles (cpu_gemv_amx.c): the copy pg_amx_repack makes of w [N, K] (its
  * size pg_amx_repack_bytes; the pair layout of tdpbf16ps' B operand), then pg_linear's product
  * from it.  pg_linear_amx: -1 bad arguments or a build without AMX, -2 allocation failure. */
 size_t pg_amx_repack_bytes(int N, int K);
 int pg_amx_repack(const uint16_t *w, int N, int K, uint16_t *out);
 int pg_linear_amx(const uint16_t *rp, const float *bias, const void *x, int xdt, void *y, int M, int N, int K);
-int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
-              void *y, int M, int N, int K);
 
 #endif

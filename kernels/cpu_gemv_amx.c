@@ -245,6 +245,8 @@ int pg_linear_amx(const uint16_t *rp, const float *bias, const void *x, int xdt,
             memset(dst + K, 0, (xrow - K) * 2);  /* the last block's tail */
     }
     j.xp = xp;
+    /* the tile loads read xp through an asm without a memory operand: the stores come first */
+    __asm__ volatile("" ::: "memory");
     const int NT = (N + 15) / 16, nth = pg_num_threads();
     const size_t tile_bytes = (size_t)j.KB * 1024;
     if (nth <= 1 || (size_t)NT * tile_bytes < 48 * 1024 || NT < 4) {

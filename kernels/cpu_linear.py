@@ -124,6 +124,24 @@ _so_path: Optional[str] = None
 _RP_AMX = 2  # pg_weight_t.rpl of a bf16 weight's AMX copy (PG_RP_AMX, cpu_dispatch.h)
 _amx_lock = threading.Lock()
 _amx_held = 0  # bytes of AMX copies alive (PackedLinear._amx_copy)
+#: byte counts of the process's other weight copies (quant_linear.regrouped_bytes registers its
+#: own): all of them share one PRESCIENT_REGROUP_MB budget
+_other_copies: list = []
+COPY_BUDGET_MB = 1024
+
+
+def copy_budget() -> int:
+    """Bytes the process's weight copies laid out for the kernels may take in all
+    (PRESCIENT_REGROUP_MB, default COPY_BUDGET_MB; a copy doubles its weight's memory)."""
+    try:
+        return int(os.environ.get("PRESCIENT_REGROUP_MB", COPY_BUDGET_MB)) << 20
+    except ValueError:
+        return COPY_BUDGET_MB << 20
+
+
+def copies_held() -> int:
+    """Bytes of all weight copies alive: the AMX copies and those registered in _other_copies."""
+    return _amx_held + sum(f() for f in _other_copies)
 
 
 def _amx_release(nbytes: int) -> None:
@@ -329,7 +347,8 @@ def _apply_env(lib: ctypes.CDLL) -> None:
         lib.pg_set_avx_vnni(vnni)
     dot = _env_bf16_dot()
     if dot is not None:
-        lib.pg_set_bf16_amx(int(dot == "amx"))
+        if not lib.pg_set_bf16_amx(int(dot == "amx")) and dot == "amx" and lib.pg_isa() >= ISA_TIERS.index("avx512_bf16"):
+            log.warning("PRESCIENT_BF16_DOT=amx: this CPU or OS has no AMX-BF16 tiles; bf16 weights run on FMAs")
         if dot != "amx":
             lib.pg_set_bf16_fma(int(dot == "fma"))
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
@@ -576,20 +595,21 @@ class PackedLinear:
         now and the copies stay within PRESCIENT_REGROUP_MB (default 1024 MiB, as the block
         formats' copies: a copy doubles a weight's memory); the descriptor then points to it."""
         global _amx_held
-        if self.dtype != torch.bfloat16 or _lib is None or not _lib.pg_bf16_amx():
+        if self.dtype != torch.bfloat16 or _lib is None or _fn is None or not _lib.pg_bf16_amx():
             return None
         N, K = self.out_features, self.in_features
         nbytes = _lib.pg_amx_repack_bytes(N, K)
-        try:
-            budget = int(os.environ.get("PRESCIENT_REGROUP_MB", 1024)) << 20
-        except ValueError:
-            budget = 1024 << 20
         with _amx_lock:
-            if _amx_held + nbytes > budget:
+            if copies_held() + nbytes > copy_budget():
                 return None
             _amx_held += nbytes
-        copy = torch.empty(nbytes // 2, dtype=torch.int16)
-        if _lib.pg_amx_repack(self.weight.data_ptr(), N, K, copy.data_ptr()) != 0:
+        try:
+            copy = torch.empty(nbytes // 2, dtype=torch.int16)
+            ok = _lib.pg_amx_repack(self.weight.data_ptr(), N, K, copy.data_ptr()) == 0
+        except BaseException:
+            _amx_release(nbytes)
+            raise
+        if not ok:
             _amx_release(nbytes)
             return None
         weakref.finalize(self, _amx_release, nbytes)

@@ -69,7 +69,8 @@ static int g_has_avx_vnni = -1;  /* the CPU has AVX-VNNI (VEX vpdpbusd) */
 static int g_avx_vnni = -1;      /* pg_set_avx_vnni: 1 on, 0 off, -1 the default (pg_avx_vnni) */
 static int g_intel = 0;          /* the CPU's vendor is Intel (pg_bf16_fma's default) */
 static int g_bf16_fma = -1;      /* pg_set_bf16_fma: 1 FMAs, 0 vdpbf16ps, -1 the default */
-static int g_has_amx = 0;        /* AMX-BF16 usable in this process (detect_amx) */
+static int g_has_amx = 0;        /* the CPU and OS have AMX-BF16 (detect_amx) */
+static _Atomic int g_amx_grant = -1;  /* Linux's tile-data permission: -1 not asked yet, 0 refused, 1 granted */
 static int g_bf16_amx = -1;      /* pg_set_bf16_amx: 1 on, 0 off, -1 the default (on) */
 
 static int detect_isa(void)
@@ -129,9 +130,7 @@ static int detect_intel(void)
 #endif
 }
 
-/* AMX-BF16 and AMX-TILE (CPUID.(7, 0):EDX[22], [24]), their state in XCR0 (bits 17-18), and
- * Linux's permission for this process to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM,
- * asked once here; torch's oneDNN asks the same). */
+/* AMX-BF16 and AMX-TILE (CPUID.(7, 0):EDX[22], [24]) and their state in XCR0 (bits 17-18). */
 static int detect_amx(void)
 {
 #if defined(PG_X86) && PG_AMX && defined(__linux__)
@@ -143,12 +142,24 @@ static int detect_amx(void)
         return 0;
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    if (((lo >> 17) & 3u) != 3u)
-        return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ((lo >> 17) & 3u) == 3u;
 #else
     return 0;
 #endif
+}
+
+/* Linux's permission for this process to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, as
+ * torch's oneDNN asks it), once; two threads asking at once both get the same answer. */
+static int amx_granted(void)
+{
+    int g = atomic_load(&g_amx_grant);
+#if defined(PG_X86) && PG_AMX && defined(__linux__)
+    if (g < 0) {
+        g = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+        atomic_store(&g_amx_grant, g);
+    }
+#endif
+    return g > 0;
 }
 
 static int current_isa(void)
@@ -389,7 +400,7 @@ int pg_set_bf16_fma(int on)
 }
 int pg_bf16_amx(void)
 {
-    return current_isa() >= ISA_AVX512_BF16 && g_has_amx && g_bf16_amx != 0;
+    return current_isa() >= ISA_AVX512_BF16 && g_has_amx && g_bf16_amx != 0 && amx_granted();
 }
 
 /* bf16 weights on AMX tiles (1) or not (0), or back to the default (-1, on); returns

@@ -59,8 +59,8 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_Q_FIRST = 16 };
 #ifndef PQ_AVXVNNI
 #define PQ_AVXVNNI 0
 #endif
-/* AMX intrinsics (cpu_gemv_amx.c): GCC 11, clang 12; the fallback build sets -DPG_AMX=0. */
-#if !defined(PG_AMX) && (defined(__x86_64__) || defined(__i386__)) && \
+/* AMX intrinsics (cpu_gemv_amx.c): x86-64 only, GCC 11, clang 12; the fallback build sets -DPG_AMX=0. */
+#if !defined(PG_AMX) && defined(__x86_64__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define PG_AMX 1
 #endif
@@ -82,8 +82,9 @@ int pg_avx_vnni(void);
  * rate, so the instruction's two products a lane win there. */
 int pg_bf16_fma(void);
 /* 1 where tier avx512_bf16 multiplies bf16 weights that carry an AMX copy on AMX tiles
- * (cpu_gemv_amx.c): the CPU has AMX-BF16, the OS granted this process the tile state, and
- * pg_set_bf16_amx has not turned it off (on by default). */
+ * (cpu_gemv_amx.c): the CPU and OS have AMX-BF16, pg_set_bf16_amx has not turned it off (on by
+ * default) and Linux granted this process the tile state (asked at the first call that gets
+ * this far, not at load: the grant enlarges every signal frame of the process). */
 int pg_bf16_amx(void);
 /* Threads per pool call, the caller included. */
 int pg_num_threads(void);

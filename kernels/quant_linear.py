@@ -83,9 +83,9 @@ def _lib() -> Optional[ctypes.CDLL]:
     return _qlib
 
 
-#: MiB of regrouped weight copies built by default (PRESCIENT_REGROUP_MB overrides; 0: none):
-#: the copy doubles a weight's memory, so a large model gets it for its first layers only.
-REGROUP_MB = 1024
+# The regrouped copies share one budget with bf16 weights' AMX copies (cpu_linear.copy_budget:
+# PRESCIENT_REGROUP_MB, default 1024 MiB; 0: none): a copy doubles a weight's memory, so a large
+# model gets copies for its first layers only.
 _regroup_held = 0  # bytes of regrouped copies alive
 #: The copy's layouts (pg_weight_t.rpl, cpu_dispatch.h): "groups" (each full 16-block group in
 #: the block-lane registers' order; the AVX-512 int8 rows read it, the bits of the blocks) and
@@ -115,17 +115,17 @@ def default_layout() -> Optional[str]:
 
 
 def _regroup_wanted(nbytes: int) -> bool:
-    """Whether a new copy of nbytes stays within PRESCIENT_REGROUP_MB with the copies held."""
-    try:
-        budget = int(os.environ.get("PRESCIENT_REGROUP_MB", REGROUP_MB)) << 20
-    except ValueError:
-        budget = REGROUP_MB << 20
-    return 0 < nbytes and _regroup_held + nbytes <= budget
+    """Whether a new copy of nbytes stays within PRESCIENT_REGROUP_MB with the copies held (these
+    and bf16 weights' AMX copies: cpu_linear.copies_held, one budget)."""
+    return 0 < nbytes and cpu_linear.copies_held() + nbytes <= cpu_linear.copy_budget()
 
 
 def regrouped_bytes() -> int:
     """Bytes of regrouped weight copies alive in this process (QuantLinear.regroup)."""
     return _regroup_held
+
+
+cpu_linear._other_copies.append(regrouped_bytes)  # one budget with the AMX copies
 
 
 def _release(nbytes: int) -> None:
@@ -220,7 +220,7 @@ class QuantLinear:
         (AVX-512) gives the blocks' bits faster; "cl" (AVX-512 VNNI, AVX2) gives the column-lane rows,
         faster at every M, with bits of their own, the same at every M, so a weight keeps the
         copy it got at construction (on a CPU with AVX2 or AVX-512, for Q8_0 / Q4_0 / Q4_1, within
-        REGROUP_MB for the process). As large as W ("cl": N rounded up to 16). Returns whether
+        PRESCIENT_REGROUP_MB for the process: cpu_linear.copy_budget). As large as W ("cl": N rounded up to 16). Returns whether
         a copy is held. Not while another thread runs this weight (the kernels read the copy
         through the descriptor)."""
         global _regroup_held

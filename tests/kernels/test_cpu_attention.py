@@ -437,10 +437,12 @@ def test_generic_build_runs_every_path(generic_so):
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
     """Tier avx512_bf16's q.K on a bf16 cache, by vdpbf16ps or as its two FMAs a lane (odd product
-    first; pg_bf16_fma, the default on Intel): the same bits for decode rows, trees, prefill
-    chunks and several sequences, at head_dim 64 and 128, alone and pooled."""
+    first; pg_bf16_fma, the default on Intel, where the SDM's order is checked): the same bits for
+    decode rows, trees, prefill chunks and several sequences, at head_dim 64 and 128, alone and
+    pooled. Where the instruction is the default (AMD) each mode is checked against the reference."""
     _tier_or_skip("avx512_bf16")
     isa_cap("avx512_bf16")
+    same_bits = cpu_linear._set_bf16_fma(None)
     rng = random.Random(5)
     try:
         for head_dim in (64, 128):
@@ -455,7 +457,12 @@ def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
                     for solo in (2048, 0):
                         cpu_attention._set_solo_work(solo)
                         outs.append(cpu_attention.tree_attention(*batch, mask, head_dim ** -0.5))
-                assert all(torch.equal(outs[0], o) for o in outs[1:]), (head_dim, q_lens, ctx_lens)
+                if same_bits:
+                    assert all(torch.equal(outs[0], o) for o in outs[1:]), (head_dim, q_lens, ctx_lens)
+                else:
+                    for fma in (False, True):
+                        cpu_linear._set_bf16_fma(fma)
+                        _check(*batch, mask, head_dim ** -0.5)
     finally:
         cpu_linear._set_bf16_fma(None)
         cpu_attention._set_solo_work(2048)

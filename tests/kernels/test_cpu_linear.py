@@ -441,12 +441,16 @@ def bf16_tier():
 def test_bf16_products_as_fmas_give_the_instructions_bits(bf16_tier):
     """Tier avx512_bf16 computes vdpbf16ps's products (bf16 weights x x rounded to bf16) either by
     the instruction or as two FMAs a lane, the odd product then the even one (pg_bf16_fma, the
-    default on Intel): the same bits at every M and tile shape, K with and without a tail of
-    each parity, fp32 and bf16 x, with a bias, pooled (the LM head) or not."""
+    default on Intel, where the SDM's order is checked): the same bits at every M and tile shape,
+    K with and without a tail (of 1, 3, 8, 13 and 31 elements), fp32 and bf16 x, with a bias,
+    pooled (the LM head) or not. Where the instruction is the default (AMD) both are checked
+    against float64 only: its own hardware may round the pair otherwise."""
     g = torch.Generator().manual_seed(21)
+    same_bits = cpu_linear._set_bf16_fma(None)  # the FMAs are the default only where checked
     cases = 0
     for N, K, Ms in [(577, 33, range(1, 17)), (130, 577, (1, 5, 8, 9, 31)), (64, 1000, (3, 8, MAX_M)),
-                     (31, 8, (1, 7)), (4099, 576, (1, 2, 8, 13)), (49152, 576, (1, 9))]:
+                     (31, 8, (1, 7)), (70, 35, (1, 6, 17)), (45, 45, (2, 8)), (33, 63, (1, 9)),
+                     (4099, 576, (1, 2, 8, 13)), (49152, 576, (1, 9))]:
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
         b = torch.randn(N, generator=g)
         for M in Ms:
@@ -459,9 +463,13 @@ def test_bf16_products_as_fmas_give_the_instructions_bits(bf16_tier):
                 assert cpu_linear._set_bf16_fma(True) is True
                 assert cpu_linear.kernel_info()["bf16_dot"] == "fma"
                 y_fma = lin(x)
-                assert torch.equal(y_dp, y_fma), (N, K, M, xdt)
+                if same_bits:
+                    assert torch.equal(y_dp, y_fma), (N, K, M, xdt)
+                else:
+                    _check(y_dp, x, w, bias=lin.bias, xround=torch.bfloat16)
+                    _check(y_fma, x, w, bias=lin.bias, xround=torch.bfloat16)
                 cases += 1
-    assert cases == 2 * (16 + 5 + 3 + 2 + 4 + 2)
+    assert cases == 2 * (16 + 5 + 3 + 2 + 3 + 2 + 2 + 4 + 2)
 
 
 def test_bf16_fma_switch_only_at_tier_avx512_bf16_and_by_name(bf16_tier, monkeypatch):
@@ -479,10 +487,12 @@ def test_bf16_fma_switch_only_at_tier_avx512_bf16_and_by_name(bf16_tier, monkeyp
 
 
 @pytest.fixture
-def amx_tier(bf16_tier):
-    """Tier avx512_bf16 with bf16 weights on AMX tiles (skipped where the CPU or the OS has none)."""
+def amx_tier(bf16_tier, monkeypatch):
+    """Tier avx512_bf16 with bf16 weights on AMX tiles (skipped where the CPU or the OS has none),
+    with room for the tests' copies whatever earlier tests still hold."""
     if not cpu_linear._set_bf16_amx(True):
         pytest.skip("no AMX-BF16 tiles on this CPU (or not granted by the OS)")
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", str((cpu_linear.copies_held() >> 20) + 512))
     yield
 
 
@@ -492,7 +502,7 @@ def test_amx_rows_match_float64_and_do_not_depend_on_m(amx_tier):
     16), with tails of N and K, a bias, fp32 and bf16 x, alone and pooled (the 49152-row head)."""
     g = torch.Generator().manual_seed(31)
     Ms = (1, 2, 7, 15, 16, 17, 31, 33, 48, MAX_M)
-    for N, K in [(577, 33), (130, 577), (64, 1000), (31, 8), (1536, 576), (49152, 576)]:
+    for N, K in [(577, 33), (130, 577), (64, 1000), (31, 8), (45, 45), (1536, 576), (49152, 576)]:
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
         bias = torch.randn(N, generator=g) if N % 2 else None
         lin = pack_weight(w, bias)
@@ -524,6 +534,26 @@ def test_amx_switch_is_read_per_call_and_by_name(amx_tier, monkeypatch):
     assert torch.equal(with_copy(x), on)
     monkeypatch.setenv("PRESCIENT_BF16_DOT", "AMX")
     assert cpu_linear._env_bf16_dot() == "amx"
+
+
+def test_amx_copies_share_the_copy_budget(amx_tier, monkeypatch):
+    """A bf16 weight's AMX copy counts in cpu_linear.copies_held (with the block formats'
+    regrouped copies: one PRESCIENT_REGROUP_MB), is given back with its weight, and is not made
+    past the budget (the weight then runs on FMAs)."""
+    import gc
+
+    g = torch.Generator().manual_seed(33)
+    w = torch.randn(1000, 1024, generator=g).to(torch.bfloat16)
+    gc.collect()
+    held = cpu_linear.copies_held()
+    lin = pack_weight(w)
+    size = 63 * 32 * 1024  # 63 column tiles x 32 blocks x 1 KB
+    assert lin._amx is not None and cpu_linear.copies_held() == held + size
+    del lin
+    gc.collect()
+    assert cpu_linear.copies_held() == held
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", str((held + size - 1) >> 20))  # just short of it
+    assert pack_weight(w)._amx is None
 
 
 def test_prescient_isa_env():

@@ -524,15 +524,17 @@ def test_regrouped_copies_stay_within_their_budget(monkeypatch):
     monkeypatch.setenv("PRESCIENT_REGROUP_MB", "0")
     assert not QuantLinear(b, "q4_1", 64, 512).regrouped
     gc.collect()  # copies of earlier tests' weights still alive count against the budget
+    held = cpu_linear.copies_held()  # all kinds: bf16 weights' AMX copies share the budget
     before = ql.regrouped_bytes()
-    mb = (before + b.numel() + (1 << 20) - 1) >> 20  # room for b's copy, less than 1 MiB more
+    mb = (held + b.numel() + (1 << 20) - 1) >> 20  # room for b's copy, less than 1 MiB more
     monkeypatch.setenv("PRESCIENT_REGROUP_MB", str(mb))
     lin = QuantLinear(b, "q4_1", 64, 512)  # 64 rows: the "cl" copy needs no padding either
     assert lin.regrouped and ql.regrouped_bytes() == before + b.numel()
+    assert cpu_linear.copies_held() == held + b.numel()
     del lin
     gc.collect()
     assert ql.regrouped_bytes() == before
-    rows = ((mb << 20) - before) // 640 + 1  # 640 bytes a 1024-wide Q4_1 row: just past the budget
+    rows = ((mb << 20) - held) // 640 + 1  # 640 bytes a 1024-wide Q4_1 row: just past the budget
     big = _weights("q4_1", rows, 1 << 10, g)
     assert not QuantLinear(big, "q4_1", rows, 1 << 10).regrouped
     if "q4_k" in FORMATS and ql.native_available("q4_k"):
