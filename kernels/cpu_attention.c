@@ -625,6 +625,17 @@ static void widen_i8_words(const uint32_t *kw, int D, float *kt)
     }
 }
 
+/* s[m] = the sum of row m's PA_NA chains, in chain order (every q.K row kernel ends so). */
+static inline __attribute__((always_inline)) void qk_store_rows(__m512 (*acc)[PA_NA], float *s, const int MR)
+{
+    for (int m = 0; m < MR; m++) {
+        __m512 v = acc[m][0];
+        for (int a = 1; a < PA_NA; a++)
+            v = _mm512_add_ps(v, acc[m][a]);
+        _mm512_store_ps(s + m * 16, v);
+    }
+}
+
 /* Scores of MR <= 6 query rows against the chunk: s[m] = sum_d q[m][d] * kt[d][:], fp32 q
  * and K.  PA_NA chains per row, the same for every MR (batch invariance: a row's sum must
  * not depend on how many rows share its tile); 4 x 6 accumulators fit the 32 zmm. */
@@ -647,12 +658,7 @@ void qk_f32_rows(const float *kt, int D, const void *const *qv, float *s, const 
             for (int m = 0; m < MR; m++)
                 acc[m][a] = _mm512_fmadd_ps(kv, _mm512_set1_ps(q[m][d + a]), acc[m][a]);
         }
-    for (int m = 0; m < MR; m++) {
-        __m512 v = acc[m][0];
-        for (int a = 1; a < NA; a++)
-            v = _mm512_add_ps(v, acc[m][a]);
-        _mm512_store_ps(s + m * 16, v);
-    }
+    qk_store_rows(acc, s, MR);
 }
 
 /* The same for bf16 K without vdpbf16ps: each 32-bit word of kt holds the pair
@@ -699,12 +705,7 @@ void qk_i8_rows(const uint32_t *kw, int D, const void *const *qv, float *s, cons
             for (int m = 0; m < MR; m++)
                 acc[m][b % NA] = _mm512_fmadd_ps(k[b], _mm512_set1_ps(q[m][4 * c + b]), acc[m][b % NA]);
     }
-    for (int m = 0; m < MR; m++) {
-        __m512 v = acc[m][0];
-        for (int a = 1; a < NA; a++)
-            v = _mm512_add_ps(v, acc[m][a]);
-        _mm512_store_ps(s + m * 16, v);
-    }
+    qk_store_rows(acc, s, MR);
 }
 
 #define PA_ROWS_SWITCH(FN, n, ...)                    \
@@ -757,12 +758,7 @@ void qk_dpfma_rows(const uint32_t *kt, int D, const void *const *qv, float *s, c
                 acc[m][a] = _mm512_fmadd_ps(ke, _mm512_set1_ps(q[m][2 * (c + a)]),
                                             _mm512_fmadd_ps(ko, _mm512_set1_ps(q[m][2 * (c + a) + 1]), acc[m][a]));
         }
-    for (int m = 0; m < MR; m++) {
-        __m512 v = acc[m][0];
-        for (int a = 1; a < NA; a++)
-            v = _mm512_add_ps(v, acc[m][a]);
-        _mm512_store_ps(s + m * 16, v);
-    }
+    qk_store_rows(acc, s, MR);
 }
 
 static void qk_bf16dpfma(const uint32_t *kt, int D, const void *const *q, float *s, int R)
@@ -1054,12 +1050,7 @@ void qk_dp_rows(const uint32_t *kt, int D, const void *const *q, float *s, const
             for (int m = 0; m < MR; m++)
                 acc[m][a] = dp_bcast(acc[m][a], kv, qw[m] + c + a);
         }
-    for (int m = 0; m < MR; m++) {
-        __m512 v = acc[m][0];
-        for (int a = 1; a < NA; a++)
-            v = _mm512_add_ps(v, acc[m][a]);
-        _mm512_store_ps(s + m * 16, v);
-    }
+    qk_store_rows(acc, s, MR);
 }
 
 static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R)

@@ -299,25 +299,27 @@ def _bind(lib: ctypes.CDLL) -> None:
     _lib = lib
 
 
+def _env_choice(name: str, choices) -> Optional[str]:
+    """The variable `name`, stripped and lower-cased (None when unset); ValueError naming the
+    choices when it is not one of them."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return None
+    if v not in choices:
+        raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(choices)}")
+    return v
+
+
 def _env_isa_cap() -> Optional[int]:
     """PRESCIENT_ISA as a tier index (None when unset); ValueError naming the valid tiers."""
-    isa = os.environ.get("PRESCIENT_ISA", "").strip().lower()
-    if not isa:
-        return None
-    if isa not in ISA_TIERS:
-        raise ValueError(f"PRESCIENT_ISA={os.environ['PRESCIENT_ISA']!r}: expected one of "
-                         f"{', '.join(ISA_TIERS)}")
-    return ISA_TIERS.index(isa)
+    isa = _env_choice("PRESCIENT_ISA", ISA_TIERS)
+    return None if isa is None else ISA_TIERS.index(isa)
 
 
 def _env_avx_vnni() -> Optional[int]:
     """PRESCIENT_AVX_VNNI=1|0 (None when unset): tier avx2's AVX-VNNI rows on or off."""
-    v = os.environ.get("PRESCIENT_AVX_VNNI", "").strip()
-    if not v:
-        return None
-    if v not in ("0", "1"):
-        raise ValueError(f"PRESCIENT_AVX_VNNI={v!r}: expected 0 or 1")
-    return int(v)
+    v = _env_choice("PRESCIENT_AVX_VNNI", ("0", "1"))
+    return None if v is None else int(v)
 
 
 _BF16_DOTS = ("dp", "fma", "amx")
@@ -327,13 +329,7 @@ def _env_bf16_dot() -> Optional[str]:
     """PRESCIENT_BF16_DOT=dp|fma|amx (None when unset): how tier avx512_bf16 multiplies bf16 by
     bf16. dp: vdpbf16ps; fma: its products as two FMAs (the same bits); amx: bf16 weights on AMX
     tiles (other bits), the bf16 cache's q.K as the default computes it."""
-    v = os.environ.get("PRESCIENT_BF16_DOT", "").strip().lower()
-    if not v:
-        return None
-    if v not in _BF16_DOTS:
-        raise ValueError(f"PRESCIENT_BF16_DOT={os.environ['PRESCIENT_BF16_DOT']!r}: expected one of "
-                         f"{', '.join(_BF16_DOTS)}")
-    return v
+    return _env_choice("PRESCIENT_BF16_DOT", _BF16_DOTS)
 
 
 def _apply_env(lib: ctypes.CDLL) -> None:
