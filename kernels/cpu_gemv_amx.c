@@ -40,6 +40,8 @@ int pg_amx_repack(const uint16_t *w, int N, int K, uint16_t *out)
 {
     if (N < 1 || K < 1)
         return -1;
+    if (!pg_amx_granted())  /* the first copy asks Linux for the tile state; no copy without it */
+        return -2;
     const int NT = (N + 15) / 16, KB = (K + 31) / 32;
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < KB; b++) {

@@ -150,7 +150,7 @@ static int detect_amx(void)
 
 /* Linux's permission for this process to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, as
  * torch's oneDNN asks it), once; two threads asking at once both get the same answer. */
-static int amx_granted(void)
+int pg_amx_granted(void)
 {
     int g = atomic_load(&g_amx_grant);
 #if defined(PG_X86) && PG_AMX && defined(__linux__)
@@ -400,7 +400,7 @@ int pg_set_bf16_fma(int on)
 }
 int pg_bf16_amx(void)
 {
-    return current_isa() >= ISA_AVX512_BF16 && g_has_amx && g_bf16_amx != 0 && amx_granted();
+    return current_isa() >= ISA_AVX512_BF16 && g_has_amx && g_bf16_amx != 0 && atomic_load(&g_amx_grant) != 0;
 }
 
 /* bf16 weights on AMX tiles (1) or not (0), or back to the default (-1, on); returns

@@ -83,9 +83,15 @@ int pg_avx_vnni(void);
 int pg_bf16_fma(void);
 /* 1 where tier avx512_bf16 multiplies bf16 weights that carry an AMX copy on AMX tiles
  * (cpu_gemv_amx.c): the CPU and OS have AMX-BF16, pg_set_bf16_amx has not turned it off (on by
- * default) and Linux granted this process the tile state (asked at the first call that gets
- * this far, not at load: the grant enlarges every signal frame of the process). */
+ * default) and Linux has not refused this process the tile state. */
 int pg_bf16_amx(void);
+/* Linux's permission for this process to use the tile data: asked once, by the first AMX copy
+ * (pg_amx_repack), never at load or by kernel_info. Processes holding it ran
+ * tests/runtime/test_pd_split.py's fp32 split engine (no AMX instruction run) slower, and that
+ * file's speculation test failed in 2 of 7 runs (0 of 9 without): only processes with bf16
+ * weights ask. */
+__attribute__((visibility("hidden")))
+int pg_amx_granted(void);
 /* Threads per pool call, the caller included. */
 int pg_num_threads(void);
 
