@@ -937,11 +937,11 @@ static void rows_task(const void *ctx, int n0, int n1)
     run_rows((const job_t *)ctx, n0, n1);
 }
 
-/* Per-thread scratch for converted activations (M*K elements, tiny). */
+/* Per-thread scratch for converted activations (M*K elements, tiny); the AMX path's too. */
 static __thread void *tl_scratch = NULL;
 static __thread size_t tl_scratch_cap = 0;
 
-static void *scratch(size_t bytes)
+void *pg_scratch(size_t bytes)
 {
     if (bytes > tl_scratch_cap) {
         free(tl_scratch);
@@ -950,6 +950,16 @@ static void *scratch(size_t bytes)
         tl_scratch_cap = tl_scratch ? cap : 0;
     }
     return tl_scratch;
+}
+
+void pg_round_bf16(const float *src, uint16_t *dst, size_t n)
+{
+#ifdef PG_X86
+    cvt_f32_to_bf16_avx512bf16(src, dst, n);
+#else
+    for (size_t i = 0; i < n; i++)
+        dst[i] = f32_to_bf16(src[i]);
+#endif
 }
 
 /*
@@ -977,7 +987,7 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     const size_t nb16 = (nx * 2 + 63) & ~(size_t)63;  /* x in bf16, before the FMA path's split */
     void *s = NULL;
     if (kdt != xdt || j.fma) {
-        s = scratch(kdt == DT_F32 ? nx * 4 : nb16 + (j.fma ? nx * 4 : 0));
+        s = pg_scratch(kdt == DT_F32 ? nx * 4 : nb16 + (j.fma ? nx * 4 : 0));
         if (!s)
             return -2;
     }
@@ -990,14 +1000,7 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
             for (size_t i = 0; i < nx; i++)
                 d[i] = bf16_to_f32(xs[i]);
         } else {
-#ifdef PG_X86
-            cvt_f32_to_bf16_avx512bf16((const float *)x, (uint16_t *)s, nx);
-#else
-            const float *xs = (const float *)x;
-            uint16_t *d = (uint16_t *)s;
-            for (size_t i = 0; i < nx; i++)
-                d[i] = f32_to_bf16(xs[i]);
-#endif
+            pg_round_bf16((const float *)x, (uint16_t *)s, nx);
         }
         j.xk = s;
     }

@@ -12,6 +12,13 @@
  * y has x's dtype); M <= PG_MAX_M.  0 on success, -1 bad arguments, -2 allocation failure. */
 int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
               void *y, int M, int N, int K);
+/* The calling thread's scratch of at least `bytes` (NULL if it cannot grow), which pg_linear and
+ * pg_linear_amx use for their converted x; fp32 -> bf16 with round-to-nearest-even (AVX512_BF16's
+ * vcvtneps2bf16 on x86: only where the tier has it). */
+__attribute__((visibility("hidden")))
+void *pg_scratch(size_t bytes);
+__attribute__((visibility("hidden")))
+void pg_round_bf16(const float *src, uint16_t *dst, size_t n);
 
 /* bf16 weights on AMX tiles (cpu_gemv_amx.c): the copy pg_amx_repack makes of w [N, K] (its
  * size pg_amx_repack_bytes; the pair layout of tdpbf16ps' B operand), then pg_linear's product

@@ -202,20 +202,7 @@ static void amx_task(const void *ctx, int u0, int u1)
     _tile_release();
 }
 
-/* fp32 -> bf16 (RNE, as the vdpbf16ps path rounds x). */
-static void amx_round_row(const float *src, uint16_t *dst, int K)
-{
-    int k = 0;
-    for (; k + 16 <= K; k += 16)
-        _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-    for (; k < K; k++)
-        dst[k] = f32_to_bf16(src[k]);
-}
-
 #pragma GCC pop_options
-
-static __thread void *tl_xp = NULL;
-static __thread size_t tl_xp_cap = 0;
 
 int pg_linear_amx(const uint16_t *rp, const float *bias, const void *x, int xdt, void *y, int M, int N, int K)
 {
@@ -225,14 +212,9 @@ int pg_linear_amx(const uint16_t *rp, const float *bias, const void *x, int xdt,
     j.rp = rp; j.bias = bias; j.y = y; j.ydt = xdt;
     j.M = M; j.N = N; j.KB = (K + 31) / 32; j.G = (M + 15) / 16;
     const size_t xrow = (size_t)j.KB * 32, xbytes = (size_t)j.G * 16 * xrow * 2;
-    if (xbytes > tl_xp_cap) {
-        free(tl_xp);
-        tl_xp = aligned_alloc(64, (xbytes + 63) & ~(size_t)63);
-        tl_xp_cap = tl_xp ? xbytes : 0;
-        if (!tl_xp)
-            return -2;
-    }
-    uint16_t *xp = (uint16_t *)tl_xp;
+    uint16_t *xp = (uint16_t *)pg_scratch(xbytes);  /* x rounded as the vdpbf16ps path rounds it */
+    if (!xp)
+        return -2;
     /* rows past M are zeros where a group of 16 reads them (below 16 rows the tiles have M) */
     const int rows = M < 16 ? M : 16 * j.G;
     for (int m = 0; m < rows; m++) {
@@ -242,7 +224,7 @@ int pg_linear_amx(const uint16_t *rp, const float *bias, const void *x, int xdt,
         else if (xdt == DT_BF16)
             memcpy(dst, (const uint16_t *)x + (size_t)m * K, (size_t)K * 2);
         else
-            amx_round_row((const float *)x + (size_t)m * K, dst, K);
+            pg_round_bf16((const float *)x + (size_t)m * K, dst, (size_t)K);
         if (m < M && xrow > (size_t)K)
             memset(dst + K, 0, (xrow - K) * 2);  /* the last block's tail */
     }
