@@ -14,10 +14,11 @@
  * unnormalised fp32 accumulator), so no [q, ctx] score matrix exists.  Scores are taken
  * in the base-2 domain (q.k * scale * log2 e, then 2^x), which is the same softmax; m moves
  * only when a score passes it by more than PA_LAZY (so weights stay below 2^8).  For
- * bf16, q.k uses vdpbf16ps where the CPU has it (bf16 products are exact in fp32, the sums
- * are fp32; or its two FMAs, the same bits: pg_bf16_fma) and fp32 FMAs on the widened values
- * otherwise; P.V is always fp32 (P is never
- * rounded to bf16).  A bf16 output is rounded once, to nearest even.
+ * bf16, q.k runs on AMX tiles where the CPU has AMX-BF16 (pa_amx_on: the tile unit's own
+ * summation, the same on every path), else uses vdpbf16ps where the CPU has it (bf16 products
+ * are exact in fp32, the sums are fp32; or its two FMAs, the same bits: pg_bf16_fma) and fp32
+ * FMAs on the widened values otherwise; P.V is always fp32 (P is never rounded to bf16).  A
+ * bf16 output is rounded once, to nearest even.
  *
  * Layout of one step (AVX-512 and portable; AVX2 takes q.K from the rows, see its section):
  * 16 consecutive context positions (a "chunk"; they may straddle KV
@@ -193,6 +194,7 @@ typedef struct {
     int perm;                /* accumulators in [even | odd] order per 32 (bf16 K/V, AVX-512) */
     int dp;                  /* bf16 q x bf16 K as vdpbf16ps computes it (tier avx512_bf16)... */
     int fma;                 /* ...by its two FMAs (pg_bf16_fma; fp32 q rows), not the instruction */
+    int amx;                 /* ...or on AMX tiles (pa_amx_on; bf16 q rows in qb): other bits */
     _Atomic int err;         /* set by an item whose scratch allocation failed */
 } pa_job_t;
 
@@ -271,7 +273,7 @@ static inline uint32_t visible_bits(const pa_job_t *J, int tok, int li, int pref
 typedef struct {
     float *kt;       /* [D][16] transposed K chunk of one head (bf16 pairs: first D/2 rows) */
     float *vf;       /* [16][D] V chunk of one head widened to fp32 (bf16, many rows) */
-    float *sp;       /* [RT][16] scores, then probabilities */
+    float *sp;       /* [RT + 16][16] scores, then probabilities (AMX stores 16 rows at a time) */
     float *acc;      /* [RT][D] unnormalised outputs of the current piece */
     float *fa;       /* [RT][D] fold of the item's finished pieces (fm, fl: its max, sum) */
     float *fm, *fl;  /* [RT] */
@@ -281,6 +283,9 @@ typedef struct {
     float *lv;       /* [RT][16] running sums per lane (summed into l at the end) */
     uint32_t *vis;   /* [nt] visibility bits of the chunk per query token */
     const void **qrow;    /* [RT] q row pointers */
+    uint16_t *qb;    /* [RT + 16][D] bf16 q rows for the AMX q.K, zero rows past RT */
+    float *sp2;      /* AMX: a second sp, and ... */
+    uint32_t *vis2;  /* ... vis: the next chunk's scores while this one's finish (run_item) */
     float *ksc, *vsc;     /* [16] int8 caches: K scale * scl and V scale of the chunk's
                            * positions for the current head (0 past the chunk's end) */
 } pa_ws_t;
@@ -296,21 +301,23 @@ typedef struct {
 static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
 {
     const size_t D = (size_t)J->D;
-    /* the header, then fifteen regions, each padded to a cache line */
-    const size_t sizes[15] = {
-        sizeof(pa_ws_t), 16 * D * 4, 16 * D * 4, (size_t)RT * 16 * 4, (size_t)RT * D * 4,
+    /* the header, then eighteen regions, each padded to a cache line */
+    const size_t sizes[18] = {
+        sizeof(pa_ws_t), 16 * D * 4, 16 * D * 4, (size_t)(RT + 16) * 16 * 4, (size_t)RT * D * 4,
         (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4, (size_t)RT * 4,
         (size_t)nt * 4 + (size_t)RT * sizeof(void *), (size_t)RT * 16 * 4, 32 * 4,
-        (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4};
+        (size_t)RT * D * 4, (size_t)RT * 4, (size_t)RT * 4,
+        J->amx ? (size_t)(RT + 16) * D * 2 : 0, J->amx ? (size_t)(RT + 16) * 16 * 4 : 0,
+        J->amx ? (size_t)nt * 4 : 0};
     size_t bytes = 0;
-    for (int i = 0; i < 15; i++)
+    for (int i = 0; i < 18; i++)
         bytes += (sizes[i] + 63) & ~(size_t)63;
     char *p = (char *)tls_scratch(0, bytes);
     if (!p)
         return NULL;
     pa_ws_t *w = (pa_ws_t *)p;
-    void *region[15];
-    for (int i = 0; i < 15; i++) {
+    void *region[18];
+    for (int i = 0; i < 18; i++) {
         region[i] = p;
         p += (sizes[i] + 63) & ~(size_t)63;
     }
@@ -329,6 +336,9 @@ static pa_ws_t *ws_get(const pa_job_t *J, int RT, int nt)
     w->fa = (float *)region[12];
     w->fm = (float *)region[13];
     w->fl = (float *)region[14];
+    w->qb = (uint16_t *)region[15];
+    w->sp2 = (float *)region[16];
+    w->vis2 = (uint32_t *)region[17];
     w->vis = (uint32_t *)(w->qrow + RT);
     return w;
 }
@@ -731,6 +741,7 @@ static void qk_bf16w(const uint32_t *kt, int D, const void *const *q, float *s, 
 }
 
 static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R);
+static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R);
 
 /* vdpbf16ps's products as two FMAs (pg_bf16_fma): qk_dp_rows' chains and order, each pair's
  * odd product added before its even one, each rounded once, as the instruction does (products of
@@ -903,6 +914,58 @@ static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, i
     }
 }
 
+/* A bf16 cache's step in two halves, so that the AMX path can run a chunk's q.K (its tile
+ * products' latency) one chunk ahead of its softmax and P.V (run_item); head_avx512 calls both,
+ * one body each whichever caller.  bf16_qk: the chunk's K transposed into kt and the rows' scores
+ * into sp. */
+static PA_ONE_BODY void bf16_qk(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+                                const char *const krow[PA_CHUNK], size_t hoff, const pa_pf_t *pf)
+{
+    const int D = J->D;
+    transpose_chunk(krow, hoff, n, D / 2, (uint32_t *)w->kt, pf);
+    if (J->amx)
+        qk_amx((const uint32_t *)w->kt, D, w->qb + (size_t)r0 * D, w->sp + (size_t)r0 * 16, RH);
+    else if (J->fma)
+        qk_bf16dpfma((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+    else if (J->dp)
+        qk_bf16dp((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+    else
+        qk_bf16w((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
+}
+
+/* bf16_rest: softmax of the scores in sp, then P.V from the chunk's V rows. */
+static PA_ONE_BODY void bf16_rest(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
+                                  const char *const vrow[PA_CHUNK], size_t hoff, const pa_pf_t *pf)
+{
+    const int D = J->D;
+    const void *vr[PA_CHUNK];
+    const pa_pf_t *vpf = pf;
+    if (RH <= 6) {
+        /* One row block: widen V in registers as it is used. */
+        for (int t = 0; t < n; t++)
+            vr[t] = vrow[t] + hoff;
+    } else {
+        /* Several row blocks would each widen it again: widen the chunk once, in the
+         * same [even | odd] order. */
+        vpf = NULL;
+        for (int t = 0; t < n; t++) {
+            const uint16_t *src = (const uint16_t *)(vrow[t] + hoff);
+            float *dst = w->vf + (size_t)t * D;
+            if (t < pf->n)
+                for (int d = 0; d < D; d += 32)
+                    _mm_prefetch(pf->v[t] + hoff + (size_t)d * 2, _MM_HINT_T0);
+            for (int d = 0; d < D; d += 32) {
+                const __m512i x = _mm512_loadu_si512((const void *)(src + d));
+                _mm512_store_ps(dst + d, bf16_even(x));
+                _mm512_store_ps(dst + d + 16, bf16_odd(x));
+            }
+            vr[t] = dst;
+        }
+    }
+    softmax_chunk(w, r0, RH, J->G, J->scl, 0);
+    pv_chunk(w, r0, RH, n, vr, D, RH <= 6 ? PA_V_BF16 : PA_V_F32, vpf, hoff);
+}
+
 /* One kv head (rows [r0, r0 + RH)) against the n positions of the chunk; pf: the chunk
  * to prefetch meanwhile. */
 static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
@@ -949,36 +1012,9 @@ static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int R
             }
         }
     } else {
-        transpose_chunk(krow, hoff, n, D / 2, (uint32_t *)w->kt, pf);
-        if (J->fma)
-            qk_bf16dpfma((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
-        else if (J->dp)
-            qk_bf16dp((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
-        else
-            qk_bf16w((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
-        if (RH <= 6) {
-            /* One row block: widen V in registers as it is used. */
-            for (int t = 0; t < n; t++)
-                vr[t] = vrow[t] + hoff;
-            vm = PA_V_BF16;
-        } else {
-            /* Several row blocks would each widen it again: widen the chunk once, in the
-             * same [even | odd] order. */
-            vpf = NULL;
-            for (int t = 0; t < n; t++) {
-                const uint16_t *src = (const uint16_t *)(vrow[t] + hoff);
-                float *dst = w->vf + (size_t)t * D;
-                if (t < pf->n)
-                    for (int d = 0; d < D; d += 32)
-                        _mm_prefetch(pf->v[t] + hoff + (size_t)d * 2, _MM_HINT_T0);
-                for (int d = 0; d < D; d += 32) {
-                    const __m512i x = _mm512_loadu_si512((const void *)(src + d));
-                    _mm512_store_ps(dst + d, bf16_even(x));
-                    _mm512_store_ps(dst + d + 16, bf16_odd(x));
-                }
-                vr[t] = dst;
-            }
-        }
+        bf16_qk(J, w, r0, RH, n, krow, hoff, pf);
+        bf16_rest(J, w, r0, RH, n, vrow, hoff, pf);
+        return;
     }
     softmax_chunk(w, r0, RH, J->G, J->scl, J->kvdt == PA_KV_I8);
     pv_chunk(w, r0, RH, n, vr, D, vm, vpf, hoff);
@@ -1060,6 +1096,105 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 }
 
 #pragma GCC pop_options
+
+/* ------------------------------------------------------------------------- */
+/* AMX q.K (tier avx512_bf16 with AMX-BF16: pa_amx_on)                        */
+/* ------------------------------------------------------------------------- */
+
+/* kt's bf16 pairs, [D / 2][16] 32-bit words, are tdpbf16ps' B operand as they stand: word c of
+ * row t is the pair (K[t][2c], K[t][2c + 1]), so kt's rows 16 j .. 16 j + 15 are one B tile for
+ * head_dim [32 j, 32 j + 32).  q rows in bf16 (qb, D elements a row) are the A tiles, and one
+ * fp32 tile C of 16 rows x 16 positions is the rows' scores as softmax_chunk reads them:
+ *
+ *     for each 16 rows r:  C = 0;  for j < D / 32:  C += qb[r:r+16, 32 j:32 j+32] . B_j
+ *                          sp[r:r+16] = C          (rows past the call's: scratch, see ws_get)
+ *
+ * A row's sums do not depend on the other rows of its tile, and every path (decode rows, tree
+ * nodes alone, prefill chunks) runs these tiles in this order: batch invariance holds, with the
+ * tile unit's own bits (other than vdpbf16ps' or its FMAs', as for bf16 weights on AMX). */
+#if PG_AMX && defined(PA_X86)
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) pa_tilecfg_t;
+
+/* Every tile 16 rows x 64 bytes: C 0-1, A 2-3, B 4-7 (head_dim <= 128).  Set once per work item
+ * and released at its end (~80 ns a pair here: once per chunk would cost a decode step more than
+ * its products); other code on the thread (oneDNN, cpu_gemv_amx.c's tasks) sets its own. */
+static void amx_begin(void)
+{
+    pa_tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: without this, the stores
+     * above can be dropped (the generic build's were) and ldtilecfg faults on the garbage */
+    __asm__ volatile("" : : "m"(c));
+    _tile_loadconfig(&c);
+}
+
+static void amx_end(void) { _tile_release(); }
+
+static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R)
+{
+    const int nk = D / 32;
+    const long qs = (long)D * 2;  /* bytes per q row */
+    /* kt's and qb's stores come first: the tile loads are asm without a memory operand */
+    __asm__ volatile("" ::: "memory");
+    _tile_loadd(4, kt, 64);
+    if (nk > 1)
+        _tile_loadd(5, kt + 256, 64);
+    if (nk > 2)
+        _tile_loadd(6, kt + 512, 64);
+    if (nk > 3)
+        _tile_loadd(7, kt + 768, 64);
+    for (int r = 0; r < R; r += 16) {
+        const char *a = (const char *)(qb + (size_t)r * D);
+        _tile_zero(0);
+        _tile_loadd(2, a, qs);
+        _tile_dpbf16ps(0, 2, 4);
+        if (nk > 1) {
+            _tile_loadd(3, a + 64, qs);
+            _tile_dpbf16ps(0, 3, 5);
+        }
+        if (nk > 2) {
+            _tile_loadd(2, a + 128, qs);
+            _tile_dpbf16ps(0, 2, 6);
+        }
+        if (nk > 3) {
+            _tile_loadd(3, a + 192, qs);
+            _tile_dpbf16ps(0, 3, 7);
+        }
+        _tile_stored(0, s + (size_t)r * 16, 64);
+    }
+    __asm__ volatile("" ::: "memory");
+}
+
+#pragma GCC pop_options
+
+/* The bf16 cache's q.K on tiles: AMX-BF16 granted and pg_bf16_amx's switch on (one switch for
+ * bf16 products on tiles, weights and this). */
+static int pa_amx_on(void) { return pg_bf16_amx() && pg_amx_granted(); }
+
+#else  /* no AMX in this build: pa_amx_on() is 0, so nothing calls these */
+
+static void amx_begin(void) {}
+static void amx_end(void) {}
+static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R)
+{
+    (void)kt, (void)D, (void)qb, (void)s, (void)R;
+}
+static int pa_amx_on(void) { return 0; }
+
+#endif
 
 /* ------------------------------------------------------------------------- */
 /* AVX2 + FMA chunk step (ISA_AVX2: Haswell, Zen 1-3)                         */
@@ -1587,6 +1722,17 @@ static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int t
     }
 }
 
+/* The AMX pipeline's buffers change places: the chunk just scored becomes the one to finish. */
+static inline void amx_swap(pa_ws_t *w)
+{
+    float *sp = w->sp;
+    uint32_t *vis = w->vis;
+    w->sp = w->sp2;
+    w->vis = w->vis2;
+    w->sp2 = sp;
+    w->vis2 = vis;
+}
+
 static void run_item(const pa_job_t *J, const pa_item_t *it)
 {
     const int D = J->D, G = J->G, esz = J->esz;
@@ -1599,9 +1745,9 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         atomic_store((_Atomic int *)&J->err, 1);  /* the one field items write */
         return;
     }
-    /* Only vdpbf16ps itself (bf16 q x bf16 K) multiplies bf16 q as is; every other path, its
-     * FMAs included, wants fp32 q rows. */
-    const int widen_q = J->dt == DT_BF16 && !(J->dp && !J->fma);
+    /* Only vdpbf16ps itself (bf16 q x bf16 K) and the AMX tiles (a copy in qb) multiply bf16 q
+     * as is; every other path, vdpbf16ps' FMAs included, wants fp32 q rows. */
+    const int widen_q = J->dt == DT_BF16 && !(J->dp && !J->fma) && !J->amx;
     /* AVX2 widens a bf16 K row as the even, then the odd elements of each 16: q to match. */
     const int perm_q = J->isa == ISA_AVX2 && J->kvdt == DT_BF16;
     for (int r = 0; r < RT; r++) {
@@ -1628,8 +1774,15 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         } else {
             w->qrow[r] = src;
         }
+        if (J->amx)
+            memcpy(w->qb + (size_t)r * D, src, (size_t)D * 2);
         w->fm[r] = -INFINITY;
         w->fl[r] = 0.f;
+    }
+    if (J->amx) {
+        /* a tile of 16 rows from any row of the item reads up to 15 past its last */
+        memset(w->qb + (size_t)RT * D, 0, (size_t)16 * D * 2);
+        amx_begin();
     }
     /* The fold of this item's pieces: kept when it writes the output or is its row block's
      * first item; a later item of a split row block writes each piece to its own slot. */
@@ -1671,9 +1824,32 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
             w->m[r] = -INFINITY;
         memset(w->acc, 0, (size_t)RT * D * sizeof(float));
         memset(w->lv, 0, (size_t)RT * 16 * sizeof(float));
+        /* AMX without tree gaps: each chunk's q.K is issued before the last chunk's softmax and
+         * P.V, which then hide its tile products' latency (sp / vis and sp2 / vis2 alternate;
+         * the same arithmetic, in the same order per row, as one chunk at a time). */
+        const int ahead = J->amx && !item_gapped;
+        int prev_n = 0;
+        const char *prev_v[PA_CHUNK];
         for (int pos0 = c0; pos0 < c1; pos0 += PA_CHUNK) {
             const int n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, c1 - pos0, &blk, &off,
                                      krow, vrow, slots);
+#ifdef PA_X86
+            if (ahead) {
+                pf.n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, ce - pf_pos, &pf_blk, &pf_off,
+                                  pf.k, pf.v, pf_slots);
+                pf_pos += pf.n;
+                for (int i = 0; i < it->nt; i++)
+                    w->vis[i] = visible_bits(J, tok0 + i, it->t0 + i, prefix, pos0, n);
+                for (int hi = 0; hi < it->nh; hi++)
+                    bf16_qk(J, w, hi * RH, RH, n, krow, hi * head_bytes, &pf);
+                amx_swap(w);
+                for (int hi = 0; hi < it->nh && prev_n; hi++)
+                    bf16_rest(J, w, hi * RH, RH, prev_n, prev_v, hi * head_bytes, &pf);
+                prev_n = n;
+                memcpy(prev_v, vrow, sizeof vrow);
+                continue;
+            }
+#endif
             pf.n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, ce - pf_pos, &pf_blk, &pf_off,
                               pf.k, pf.v, pf_slots);
             pf_pos += pf.n;
@@ -1721,6 +1897,14 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
                 tree_chunk(J, w, it, tok0, prefix, pos0, c1, RH, head_bytes, kbase, vbase, row_stride,
                            gapped);
         }
+#ifdef PA_X86
+        if (prev_n) {
+            const pa_pf_t none = {0};
+            amx_swap(w);
+            for (int hi = 0; hi < it->nh; hi++)
+                bf16_rest(J, w, hi * RH, RH, prev_n, prev_v, hi * head_bytes, &none);
+        }
+#endif
         for (int r = 0; r < RT; r++) {
             float sum = 0.f;
             for (int i = 0; i < 16; i++)
@@ -1751,6 +1935,8 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         memcpy(p + (size_t)RT * D, w->fm, (size_t)RT * sizeof(float));
         memcpy(p + (size_t)RT * D + RT, w->fl, (size_t)RT * sizeof(float));
     }
+    if (J->amx)
+        amx_end();
 }
 
 /* Row blocks of a plan with ngrp kv-head groups and token blocks of at most ntb tokens. */
@@ -1885,6 +2071,7 @@ int pa_tree_attention(const pa_args_t *a)
     J.perm = J.isa >= ISA_AVX512 && J.kvdt == DT_BF16;
     J.dp = J.isa >= ISA_AVX512_BF16 && J.kvdt == DT_BF16;
     J.fma = J.dp && pg_bf16_fma();
+    J.amx = J.dp && J.dt == DT_BF16 && D <= 128 && pa_amx_on();
 
     /* Validate everything the items will index with, before any work starts. */
     if (J.cu[0] != 0 || J.cu[S] != T)

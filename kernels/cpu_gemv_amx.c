@@ -90,6 +90,8 @@ static void amx_config(int rows)
         c.rows[t] = t < 5 ? rows : 16;
         c.colsb[t] = 64;
     }
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: the whole config is */
+    __asm__ volatile("" : : "m"(c));
     _tile_loadconfig(&c);
 }
 

@@ -51,8 +51,8 @@ avx512|avx512_vnni|avx512_bf16`` caps the ISA tier (to run a lower tier on a big
 CPU's best tier and it has AVX-VNNI, so a capped AVX-512 CPU runs plain AVX2),
 ``PRESCIENT_BF16_DOT=dp|fma|amx`` how tier avx512_bf16 multiplies bf16 by bf16: vdpbf16ps, or its
 products as two FMAs (the same bits; the default on Intel CPUs, which issue vdpbf16ps at a quarter
-of their FMAs' rate), or bf16 weights on AMX tiles (other bits; the default where the CPU has
-AMX-BF16: a copy of each bf16 weight in the tiles' layout, within ``PRESCIENT_REGROUP_MB``),
+of their FMAs' rate), or on AMX tiles (other bits; the default where the CPU has AMX-BF16): bf16
+weights from a copy in the tiles' layout, within ``PRESCIENT_REGROUP_MB``, and a bf16 KV cache's q.K,
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
 ``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
 build cache.
@@ -327,8 +327,8 @@ _BF16_DOTS = ("dp", "fma", "amx")
 
 def _env_bf16_dot() -> Optional[str]:
     """PRESCIENT_BF16_DOT=dp|fma|amx (None when unset): how tier avx512_bf16 multiplies bf16 by
-    bf16. dp: vdpbf16ps; fma: its products as two FMAs (the same bits); amx: bf16 weights on AMX
-    tiles (other bits), the bf16 cache's q.K as the default computes it."""
+    bf16. dp: vdpbf16ps; fma: its products as two FMAs (the same bits); amx: bf16 weights and
+    the bf16 cache's q.K on AMX tiles (other bits)."""
     return _env_choice("PRESCIENT_BF16_DOT", _BF16_DOTS)
 
 
@@ -435,7 +435,8 @@ def kernel_info() -> dict:
         # how tier avx512_bf16 computes vdpbf16ps's products ("dp": the instruction, "fma": two
         # FMAs, the same bits); None below it
         info["bf16_dot"] = ("fma" if _lib.pg_bf16_fma() else "dp") if info["isa"] == "avx512_bf16" else None
-        # bf16 weights packed from now on get an AMX copy and run on the tiles (cpu_gemv_amx.c)
+        # bf16 weights packed from now on get an AMX copy and run on the tiles (cpu_gemv_amx.c),
+        # and so does a bf16 cache's q.K (cpu_attention.c)
         info["bf16_amx"] = bool(_lib.pg_bf16_amx())
         info["threads"] = _lib.pg_num_threads()
         st = (ctypes.c_uint64 * 3)()
@@ -483,10 +484,10 @@ def _set_bf16_fma(on: bool | None) -> bool:
 
 
 def _set_bf16_amx(on: bool | None) -> bool:
-    """bf16 weights on AMX tiles (True) or not (False), or None: the default (on where the CPU
+    """bf16 products on AMX tiles (True) or not (False), or None: the default (on where the CPU
     has AMX-BF16 and the OS grants it); returns whether they are on now. Weights packed while
-    it is on carry an AMX copy; each call takes the tiles only while it is on. For tests and
-    benchmarks."""
+    it is on carry an AMX copy; each linear or attention call (a bf16 cache's q.K) takes the
+    tiles only while it is on. For tests and benchmarks."""
     return bool(library().pg_set_bf16_amx(-1 if on is None else int(bool(on))))
 
 

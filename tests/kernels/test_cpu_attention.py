@@ -443,6 +443,7 @@ def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
     _tier_or_skip("avx512_bf16")
     isa_cap("avx512_bf16")
     same_bits = cpu_linear._set_bf16_fma(None)
+    cpu_linear._set_bf16_amx(False)  # the tiles have bits of their own (the test below)
     rng = random.Random(5)
     try:
         for head_dim in (64, 128):
@@ -465,4 +466,45 @@ def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
                         _check(*batch, mask, head_dim ** -0.5)
     finally:
         cpu_linear._set_bf16_fma(None)
+        cpu_linear._set_bf16_amx(None)
+        cpu_attention._set_solo_work(2048)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_bf16_qk_on_amx_tiles(heads, isa_cap):
+    """Where the CPU has AMX-BF16 (the default there), a bf16 cache's q.K runs on tiles: close to
+    the reference for decode rows, trees, prefill chunks and several sequences at head_dim 32-128,
+    the same bits alone and pooled, other bits than the FMAs' (the switch takes effect); past
+    head_dim 128 the FMAs' bits."""
+    _tier_or_skip("avx512_bf16")
+    isa_cap("avx512_bf16")
+    if not cpu_linear._set_bf16_amx(True):
+        pytest.skip("no AMX-BF16 tiles on this CPU or OS")
+    rng = random.Random(7)
+    differ = 0
+    try:
+        for head_dim in (32, 64, 96, 128, 256):
+            for q_lens, ctx_lens, tree in [([1], [17], None), ([1, 1, 1], [33, 400, 1000], None),
+                                           ([9], [300], 9), ([16], [1040], 16), ([40], [40], None),
+                                           ([3, 8], [700, 530], None)]:
+                batch = _batch(q_lens, ctx_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                               head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + ctx_lens[0])
+                mask = _random_tree(tree, rng).mask_bits() if tree else None
+                outs = {}
+                for amx in (True, False):
+                    cpu_linear._set_bf16_amx(amx)
+                    for solo in (2048, 0):
+                        cpu_attention._set_solo_work(solo)
+                        outs[amx, solo] = cpu_attention.tree_attention(*batch, mask, head_dim ** -0.5)
+                    if amx:
+                        _check(*batch, mask, head_dim ** -0.5)
+                what = (head_dim, q_lens, ctx_lens)
+                assert torch.equal(outs[True, 2048], outs[True, 0]), what
+                if head_dim > 128:
+                    assert torch.equal(outs[True, 2048], outs[False, 2048]), what
+                else:
+                    differ += int(not torch.equal(outs[True, 2048], outs[False, 2048]))
+        assert differ > 0, "the tiles gave the FMAs' bits everywhere: are they in use?"
+    finally:
+        cpu_linear._set_bf16_amx(None)
         cpu_attention._set_solo_work(2048)
