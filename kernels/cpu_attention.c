@@ -286,6 +286,7 @@ typedef struct {
     uint16_t *qb;    /* [RT + 16][D] bf16 q rows for the AMX q.K, zero rows past RT */
     float *sp2;      /* AMX: a second sp, and ... */
     uint32_t *vis2;  /* ... vis: the next chunk's scores while this one's finish (run_item) */
+    int tile_rows;   /* AMX: rows of the q and score tiles, min(16, the item's rows per kv head) */
     float *ksc, *vsc;     /* [16] int8 caches: K scale * scl and V scale of the chunk's
                            * positions for the current head (0 past the chunk's end) */
 } pa_ws_t;
@@ -741,7 +742,7 @@ static void qk_bf16w(const uint32_t *kt, int D, const void *const *q, float *s, 
 }
 
 static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s, int R);
-static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R);
+static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R, int TR);
 
 /* vdpbf16ps's products as two FMAs (pg_bf16_fma): qk_dp_rows' chains and order, each pair's
  * odd product added before its even one, each rounded once, as the instruction does (products of
@@ -924,7 +925,7 @@ static PA_ONE_BODY void bf16_qk(const pa_job_t *J, pa_ws_t *w, int r0, int RH, i
     const int D = J->D;
     transpose_chunk(krow, hoff, n, D / 2, (uint32_t *)w->kt, pf);
     if (J->amx)
-        qk_amx((const uint32_t *)w->kt, D, w->qb + (size_t)r0 * D, w->sp + (size_t)r0 * 16, RH);
+        qk_amx((const uint32_t *)w->kt, D, w->qb + (size_t)r0 * D, w->sp + (size_t)r0 * 16, RH, w->tile_rows);
     else if (J->fma)
         qk_bf16dpfma((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
     else if (J->dp)
@@ -1104,10 +1105,11 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 /* kt's bf16 pairs, [D / 2][16] 32-bit words, are tdpbf16ps' B operand as they stand: word c of
  * row t is the pair (K[t][2c], K[t][2c + 1]), so kt's rows 16 j .. 16 j + 15 are one B tile for
  * head_dim [32 j, 32 j + 32).  q rows in bf16 (qb, D elements a row) are the A tiles, and one
- * fp32 tile C of 16 rows x 16 positions is the rows' scores as softmax_chunk reads them:
+ * fp32 tile C of TR rows x 16 positions is the rows' scores as softmax_chunk reads them (TR: the
+ * item's rows per kv head, at most 16; a tile issues faster with fewer rows):
  *
- *     for each 16 rows r:  C = 0;  for j < D / 32:  C += qb[r:r+16, 32 j:32 j+32] . B_j
- *                          sp[r:r+16] = C          (rows past the call's: scratch, see ws_get)
+ *     for each TR rows r:  C = 0;  for j < D / 32:  C += qb[r:r+TR, 32 j:32 j+32] . B_j
+ *                          sp[r:r+TR] = C          (rows past the call's: scratch, see ws_get)
  *
  * A row's sums do not depend on the other rows of its tile, and every path (decode rows, tree
  * nodes alone, prefill chunks) runs these tiles in this order: batch invariance holds, with the
@@ -1123,16 +1125,18 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) pa_tilecfg_t;
 
-/* Every tile 16 rows x 64 bytes: C 0-1, A 2-3, B 4-7 (head_dim <= 128).  Set once per work item
+/* Every tile 64 bytes wide; C 0-1 and A 2-3 `rows` high (the item's rows per kv head, at most
+ * 16: tree_chunk's lone tokens take as many, the extra rows being scratch), B 4-7 16 (head_dim
+ * <= 128).  Set once per work item
  * and released at its end (~80 ns a pair here: once per chunk would cost a decode step more than
  * its products); other code on the thread (oneDNN, cpu_gemv_amx.c's tasks) sets its own. */
-static void amx_begin(void)
+static void amx_begin(int rows)
 {
     pa_tilecfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
+        c.rows[t] = t < 4 ? rows : 16;
         c.colsb[t] = 64;
     }
     /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: without this, the stores
@@ -1143,7 +1147,7 @@ static void amx_begin(void)
 
 static void amx_end(void) { _tile_release(); }
 
-static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R)
+static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R, int TR)
 {
     const int nk = D / 32;
     const long qs = (long)D * 2;  /* bytes per q row */
@@ -1156,7 +1160,7 @@ static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int 
         _tile_loadd(6, kt + 512, 64);
     if (nk > 3)
         _tile_loadd(7, kt + 768, 64);
-    for (int r = 0; r < R; r += 16) {
+    for (int r = 0; r < R; r += TR) {
         const char *a = (const char *)(qb + (size_t)r * D);
         _tile_zero(0);
         _tile_loadd(2, a, qs);
@@ -1186,11 +1190,11 @@ static int pa_amx_on(void) { return pg_bf16_amx() && pg_amx_granted(); }
 
 #else  /* no AMX in this build: pa_amx_on() is 0, so nothing calls these */
 
-static void amx_begin(void) {}
+static void amx_begin(int rows) { (void)rows; }
 static void amx_end(void) {}
-static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R)
+static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int R, int TR)
 {
-    (void)kt, (void)D, (void)qb, (void)s, (void)R;
+    (void)kt, (void)D, (void)qb, (void)s, (void)R, (void)TR;
 }
 static int pa_amx_on(void) { return 0; }
 
@@ -1782,7 +1786,8 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
     if (J->amx) {
         /* a tile of 16 rows from any row of the item reads up to 15 past its last */
         memset(w->qb + (size_t)RT * D, 0, (size_t)16 * D * 2);
-        amx_begin();
+        w->tile_rows = RH < 16 ? RH : 16;
+        amx_begin(w->tile_rows);
     }
     /* The fold of this item's pieces: kept when it writes the output or is its row block's
      * first item; a later item of a split row block writes each piece to its own slot. */
