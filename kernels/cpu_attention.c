@@ -14,8 +14,8 @@
  * unnormalised fp32 accumulator), so no [q, ctx] score matrix exists.  Scores are taken
  * in the base-2 domain (q.k * scale * log2 e, then 2^x), which is the same softmax; m moves
  * only when a score passes it by more than PA_LAZY (so weights stay below 2^8).  For
- * bf16, q.k runs on AMX tiles where the CPU has AMX-BF16 (pa_amx_on: the tile unit's own
- * summation, the same on every path), else uses vdpbf16ps where the CPU has it (bf16 products
+ * bf16, q.k runs on AMX tiles where asked (pa_set_amx) and the CPU has AMX-BF16 (the tile unit's
+ * own summation, the same on every path), else uses vdpbf16ps where the CPU has it (bf16 products
  * are exact in fp32, the sums are fp32; or its two FMAs, the same bits: pg_bf16_fma) and fp32
  * FMAs on the widened values otherwise; P.V is always fp32 (P is never rounded to bf16).  A
  * bf16 output is rounded once, to nearest even.
@@ -152,6 +152,7 @@ enum { PS_EDIMS = 1, PS_ESLOT = 2 };
 /* Below this much work (query rows x context positions, summed over items) the caller runs
  * alone: handing items to the pool costs about a microsecond. */
 static int g_solo_work = 2048;
+static int g_attn_amx = 0;  /* pa_set_amx */
 
 /* ------------------------------------------------------------------------- */
 /* Call arguments and work items                                              */
@@ -194,7 +195,7 @@ typedef struct {
     int perm;                /* accumulators in [even | odd] order per 32 (bf16 K/V, AVX-512) */
     int dp;                  /* bf16 q x bf16 K as vdpbf16ps computes it (tier avx512_bf16)... */
     int fma;                 /* ...by its two FMAs (pg_bf16_fma; fp32 q rows), not the instruction */
-    int amx;                 /* ...or on AMX tiles (pa_amx_on; bf16 q rows in qb): other bits */
+    int amx;                 /* ...or on AMX tiles (pa_set_amx; bf16 q rows in qb): other bits */
     _Atomic int err;         /* set by an item whose scratch allocation failed */
 } pa_job_t;
 
@@ -1099,7 +1100,7 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 #pragma GCC pop_options
 
 /* ------------------------------------------------------------------------- */
-/* AMX q.K (tier avx512_bf16 with AMX-BF16: pa_amx_on)                        */
+/* AMX q.K (tier avx512_bf16 with AMX-BF16, when pa_set_amx asks for it)       */
 /* ------------------------------------------------------------------------- */
 
 /* kt's bf16 pairs, [D / 2][16] 32-bit words, are tdpbf16ps' B operand as they stand: word c of
@@ -1184,8 +1185,8 @@ static void qk_amx(const uint32_t *kt, int D, const uint16_t *qb, float *s, int 
 
 #pragma GCC pop_options
 
-/* The bf16 cache's q.K on tiles: AMX-BF16 granted and pg_bf16_amx's switch on (one switch for
- * bf16 products on tiles, weights and this). */
+/* The tiles can run: AMX-BF16 granted and pg_bf16_amx's switch on (PRESCIENT_BF16_DOT=dp|fma
+ * turns the tiles off for bf16 weights and this alike). */
 static int pa_amx_on(void) { return pg_bf16_amx() && pg_amx_granted(); }
 
 #else  /* no AMX in this build: pa_amx_on() is 0, so nothing calls these */
@@ -2030,6 +2031,17 @@ static inline int pa_err(int code, int64_t index) { return -(int)(code + 8 * ind
 int pa_version(void) { return PA_VERSION; }
 void pa_set_solo_work(int w) { g_solo_work = w < 0 ? 0 : w; }
 
+/* A bf16 cache's q.K on AMX tiles (1) or not (0, the default; -1 leaves it); returns whether it
+ * is in use now (also needs the tier, the CPU, the OS and pg_bf16_amx's switch).  Off by default: it makes an
+ * 8-token verify's attention ~15% cheaper but a batch of decode rows 5-14% dearer, and the load
+ * benchmark's goodput fell with it (docs/CPU_PERFORMANCE.md, sixteenth session). */
+int pa_set_amx(int on)
+{
+    if (on >= 0)
+        g_attn_amx = on != 0;
+    return g_attn_amx && pa_amx_on();
+}
+
 /*
  * out[T, H, D] = tree attention (docs/CONTRACTS.md) of q over the paged K/V of every
  * sequence.  Returns 0, or -(code + 8 * index) with code PA_E* and index the offending
@@ -2076,7 +2088,7 @@ int pa_tree_attention(const pa_args_t *a)
     J.perm = J.isa >= ISA_AVX512 && J.kvdt == DT_BF16;
     J.dp = J.isa >= ISA_AVX512_BF16 && J.kvdt == DT_BF16;
     J.fma = J.dp && pg_bf16_fma();
-    J.amx = J.dp && J.dt == DT_BF16 && D <= 128 && pa_amx_on();
+    J.amx = g_attn_amx && J.dp && J.dt == DT_BF16 && D <= 128 && pa_amx_on();
 
     /* Validate everything the items will index with, before any work starts. */
     if (J.cu[0] != 0 || J.cu[S] != T)

@@ -44,5 +44,8 @@ int pa_tree_attention(const pa_args_t *a);
 /* Quantize k, v rows into an int8 cache and its scales; 0 or -(code + 8 * token). */
 int pa_store_kv_i8(const pa_store_args_t *a);
 int pa_version(void);
+/* A bf16 cache's q.K on AMX tiles (1) or not (0, the default; -1: unchanged); returns whether it
+ * is in use now. */
+int pa_set_amx(int on);
 
 #endif

@@ -10,7 +10,8 @@ int8 caches with their per-(position, kv head) fp32 scales (``k_scale``/``v_scal
 back by itself, so calling it directly when ``available()`` is False raises RuntimeError.
 
 Numerics: fp32 online softmax and fp32 accumulation; bf16 q.k products are exact in fp32
-(vdpbf16ps or widened FMAs), P.V is fp32, a bf16 output is rounded once to nearest even.  An
+(vdpbf16ps or widened FMAs; or AMX tiles, with their own summation, where PRESCIENT_ATTN_AMX=1
+asks for them: off by default, see cpu_attention.c), P.V is fp32, a bf16 output is rounded once to nearest even.  An
 int8 cache is widened exactly; its K scale multiplies the q.k sums, its V scale the softmax
 weights, so the result is the reference's on the dequantized cache up to fp32 rounding.
 Batch invariant (per ISA tier and dtype): a query row's output bits depend on its q, the
@@ -89,6 +90,8 @@ def _bind() -> None:
         return
     lib.pa_set_solo_work.argtypes = [ctypes.c_int]
     lib.pa_set_solo_work.restype = None
+    lib.pa_set_amx.argtypes = [ctypes.c_int]
+    lib.pa_set_amx.restype = ctypes.c_int
     fn = lib.pa_tree_attention
     fn.argtypes = [ctypes.c_char_p]
     fn.restype = ctypes.c_int
@@ -117,6 +120,19 @@ def _set_solo_work(n: int) -> None:
     run on the calling thread only (default 2048)."""
     if available():
         cpu_linear.library().pa_set_solo_work(int(n))
+
+
+def _set_amx(on: bool) -> bool:
+    """A bf16 cache's q.K on AMX tiles (True) or not (False, the default; PRESCIENT_ATTN_AMX=1
+    turns it on at load); returns whether it is in use now (tier avx512_bf16 on a CPU and OS with
+    AMX-BF16, PRESCIENT_BF16_DOT not dp / fma). Other bits than the FMAs'. For tests and
+    benchmarks."""
+    return available() and bool(cpu_linear.library().pa_set_amx(int(bool(on))))
+
+
+def amx_in_use() -> bool:
+    """Whether a bf16 cache's q.K runs on AMX tiles now (PRESCIENT_ATTN_AMX=1 at this tier)."""
+    return available() and bool(cpu_linear.library().pa_set_amx(-1))
 
 
 def _bad(msg: str) -> ValueError:

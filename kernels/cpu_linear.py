@@ -51,8 +51,10 @@ avx512|avx512_vnni|avx512_bf16`` caps the ISA tier (to run a lower tier on a big
 CPU's best tier and it has AVX-VNNI, so a capped AVX-512 CPU runs plain AVX2),
 ``PRESCIENT_BF16_DOT=dp|fma|amx`` how tier avx512_bf16 multiplies bf16 by bf16: vdpbf16ps, or its
 products as two FMAs (the same bits; the default on Intel CPUs, which issue vdpbf16ps at a quarter
-of their FMAs' rate), or on AMX tiles (other bits; the default where the CPU has AMX-BF16): bf16
-weights from a copy in the tiles' layout, within ``PRESCIENT_REGROUP_MB``, and a bf16 KV cache's q.K,
+of their FMAs' rate), or bf16 weights on AMX tiles (other bits; the default where the CPU has
+AMX-BF16: a copy of each bf16 weight in the tiles' layout, within ``PRESCIENT_REGROUP_MB``; a bf16
+KV cache's q.K joins them with ``PRESCIENT_ATTN_AMX=1``: a batch-1 verify ~10% cheaper, decode
+batches dearer, so off by default),
 ``PRESCIENT_GEMV_THREADS=n`` sets the pool size (1 on a shared, oversubscribed machine),
 ``PRESCIENT_GEMV_SPIN_US=spin[,yield]`` the worker's wait policy, ``PRESCIENT_CACHE_DIR`` the
 build cache.
@@ -281,6 +283,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_bf16_fma.restype = ci
     lib.pg_set_bf16_amx.argtypes = [ci]
     lib.pg_set_bf16_amx.restype = ci
+    lib.pa_set_amx.argtypes = [ci]
+    lib.pa_set_amx.restype = ci
     lib.pg_amx_repack_bytes.argtypes = [ci, ci]
     lib.pg_amx_repack_bytes.restype = ctypes.c_size_t
     lib.pg_amx_repack.argtypes = [vp, ci, ci, vp]
@@ -327,8 +331,8 @@ _BF16_DOTS = ("dp", "fma", "amx")
 
 def _env_bf16_dot() -> Optional[str]:
     """PRESCIENT_BF16_DOT=dp|fma|amx (None when unset): how tier avx512_bf16 multiplies bf16 by
-    bf16. dp: vdpbf16ps; fma: its products as two FMAs (the same bits); amx: bf16 weights and
-    the bf16 cache's q.K on AMX tiles (other bits)."""
+    bf16. dp: vdpbf16ps; fma: its products as two FMAs (the same bits); amx: bf16 weights on AMX
+    tiles (other bits; and the bf16 cache's q.K with PRESCIENT_ATTN_AMX=1)."""
     return _env_choice("PRESCIENT_BF16_DOT", _BF16_DOTS)
 
 
@@ -347,6 +351,8 @@ def _apply_env(lib: ctypes.CDLL) -> None:
             log.warning("PRESCIENT_BF16_DOT=amx: this CPU or OS has no AMX-BF16 tiles; bf16 weights run on FMAs")
         if dot != "amx":
             lib.pg_set_bf16_fma(int(dot == "fma"))
+    if _env_choice("PRESCIENT_ATTN_AMX", ("0", "1")) == "1" and not lib.pa_set_amx(1):
+        log.warning("PRESCIENT_ATTN_AMX=1: no AMX-BF16 tiles here (tier, CPU, OS, or PRESCIENT_BF16_DOT=dp|fma); q.K runs on FMAs")
     spin = os.environ.get("PRESCIENT_GEMV_SPIN_US")
     if spin:
         parts = [int(p) for p in spin.split(",")]
@@ -435,9 +441,10 @@ def kernel_info() -> dict:
         # how tier avx512_bf16 computes vdpbf16ps's products ("dp": the instruction, "fma": two
         # FMAs, the same bits); None below it
         info["bf16_dot"] = ("fma" if _lib.pg_bf16_fma() else "dp") if info["isa"] == "avx512_bf16" else None
-        # bf16 weights packed from now on get an AMX copy and run on the tiles (cpu_gemv_amx.c),
-        # and so does a bf16 cache's q.K (cpu_attention.c)
+        # bf16 weights packed from now on get an AMX copy and run on the tiles (cpu_gemv_amx.c)
         info["bf16_amx"] = bool(_lib.pg_bf16_amx())
+        # a bf16 cache's q.K on the tiles too (PRESCIENT_ATTN_AMX=1, cpu_attention.c)
+        info["attn_amx"] = bool(_lib.pa_set_amx(-1))
         info["threads"] = _lib.pg_num_threads()
         st = (ctypes.c_uint64 * 3)()
         _lib.pg_stats(st)
@@ -486,8 +493,8 @@ def _set_bf16_fma(on: bool | None) -> bool:
 def _set_bf16_amx(on: bool | None) -> bool:
     """bf16 products on AMX tiles (True) or not (False), or None: the default (on where the CPU
     has AMX-BF16 and the OS grants it); returns whether they are on now. Weights packed while
-    it is on carry an AMX copy; each linear or attention call (a bf16 cache's q.K) takes the
-    tiles only while it is on. For tests and benchmarks."""
+    it is on carry an AMX copy; each linear call (and attention call, with cpu_attention._set_amx)
+    takes the tiles only while it is on. For tests and benchmarks."""
     return bool(library().pg_set_bf16_amx(-1 if on is None else int(bool(on))))
 
 

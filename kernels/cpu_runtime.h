@@ -81,15 +81,16 @@ int pg_avx_vnni(void);
  * (Emerald Rapids: 1.46 vs 5.82 G/s a core, 47 vs 93 multiply-adds a ns); AMD's issue both at one
  * rate, so the instruction's two products a lane win there. */
 int pg_bf16_fma(void);
-/* 1 where tier avx512_bf16 multiplies bf16 weights that carry an AMX copy (cpu_gemv_amx.c) and a
- * bf16 cache's q.K (cpu_attention.c) on AMX tiles: the CPU and OS have AMX-BF16, pg_set_bf16_amx
- * has not turned it off (on by default) and Linux has not refused this process the tile state. */
+/* 1 where tier avx512_bf16 multiplies bf16 weights that carry an AMX copy (cpu_gemv_amx.c), and a
+ * bf16 cache's q.K where pa_set_amx asks (cpu_attention.c), on AMX tiles: the CPU and OS have
+ * AMX-BF16, pg_set_bf16_amx has not turned it off (on by default) and Linux has not refused this
+ * process the tile state. */
 int pg_bf16_amx(void);
 /* Linux's permission for this process to use the tile data: asked once, by the first AMX copy
- * (pg_amx_repack) or attention call on a bf16 cache, never at load or by kernel_info: a process
- * holding it ran tests/runtime/test_pd_split.py's fp32 split engine (no AMX instruction run)
- * slower, and that file's speculation test failed in 2 of 7 runs (0 of 9 without), so only
- * processes that multiply bf16 ask. */
+ * (pg_amx_repack) or pa_set_amx(1) (PRESCIENT_ATTN_AMX=1), never at load or by kernel_info: a
+ * process holding it ran tests/runtime/test_pd_split.py's fp32 split engine (no AMX instruction
+ * run) slower, and that file's speculation test failed in 2 of 7 runs (0 of 9 without), so only
+ * processes that multiply bf16 on tiles ask. */
 __attribute__((visibility("hidden")))
 int pg_amx_granted(void);
 /* Threads per pool call, the caller included. */

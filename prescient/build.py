@@ -215,7 +215,8 @@ def kernels_line(info: dict, tp: int = 1) -> str:
         how = "one per usable core; PRESCIENT_GEMV_THREADS=n to change"
     n = info["threads"]
     notes = [n for n, on in (("vdpbf16ps as FMAs", info.get("bf16_dot") == "fma"),
-                             ("bf16 weights and q.K on AMX", info.get("bf16_amx"))) if on]
+                             ("bf16 weights on AMX", info.get("bf16_amx")),
+                             ("q.K on AMX", info.get("attn_amx"))) if on]
     isa = info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "") + (f" ({'; '.join(notes)})" if notes else "")
     return f"CPU kernels {isa}, {n} thread{'s' if n != 1 else ''} ({how})"
 

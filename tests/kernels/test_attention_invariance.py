@@ -35,9 +35,11 @@ class Kind:
     name: str
     q_dtype: torch.dtype
     int8: bool
+    amx: bool = False  # q.K on AMX tiles (PRESCIENT_ATTN_AMX=1): tier avx512_bf16 with AMX-BF16 only
 
 
 KINDS = [Kind("f32", torch.float32, False), Kind("bf16", torch.bfloat16, False),
+         Kind("bf16_amx", torch.bfloat16, False, amx=True),
          Kind("i8_f32q", torch.float32, True), Kind("i8_bf16q", torch.bfloat16, True)]
 # (num_heads, num_kv_heads, head_dim): the default model's shape, and GQA 1 at head_dim 128.
 SHAPES = [(9, 3, 64), (4, 4, 128)]
@@ -48,6 +50,7 @@ def _kernel():
     if not cpu_attention.available():
         pytest.skip(f"C attention kernel unavailable: {cpu_attention.why_not()}")
     yield
+    cpu_attention._set_amx(False)
     cpu_linear._set_isa_cap(99)
 
 
@@ -82,6 +85,8 @@ class Cache:
     """One paged K/V cache (scattered blocks) shared by every sequence of a test."""
 
     def __init__(self, kind: Kind, shape, positions: int, seed: int):
+        if kind.amx and not cpu_attention._set_amx(True):  # after the test's tier is set
+            pytest.skip("q.K on AMX tiles needs tier avx512_bf16 on a CPU and OS with AMX-BF16")
         self.kind, (self.H, self.KVH, self.D) = kind, shape
         g = torch.Generator().manual_seed(seed)
         nb = positions // BLOCK + 64

@@ -14,6 +14,7 @@ test_kv_int8.py.
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 
 import pytest
@@ -443,7 +444,7 @@ def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
     _tier_or_skip("avx512_bf16")
     isa_cap("avx512_bf16")
     same_bits = cpu_linear._set_bf16_fma(None)
-    cpu_linear._set_bf16_amx(False)  # the tiles have bits of their own (the test below)
+    cpu_attention._set_amx(False)  # the tiles have bits of their own (the test below)
     rng = random.Random(5)
     try:
         for head_dim in (64, 128):
@@ -466,19 +467,19 @@ def test_bf16_qk_as_fmas_gives_the_instructions_bits(heads, isa_cap):
                         _check(*batch, mask, head_dim ** -0.5)
     finally:
         cpu_linear._set_bf16_fma(None)
-        cpu_linear._set_bf16_amx(None)
         cpu_attention._set_solo_work(2048)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_bf16_qk_on_amx_tiles(heads, isa_cap):
-    """Where the CPU has AMX-BF16 (the default there), a bf16 cache's q.K runs on tiles: close to
-    the reference for decode rows, trees, prefill chunks and several sequences at head_dim 32-128,
-    the same bits alone and pooled, other bits than the FMAs' (the switch takes effect); past
-    head_dim 128 the FMAs' bits."""
+    """Asked for (PRESCIENT_ATTN_AMX=1) where the CPU has AMX-BF16, a bf16 cache's q.K runs on
+    tiles: close to the reference for decode rows, trees, prefill chunks and several sequences at
+    head_dim 32-128, the same bits alone and pooled, other bits than the FMAs' (the switch takes
+    effect); past head_dim 128 the FMAs' bits. Off by default."""
     _tier_or_skip("avx512_bf16")
     isa_cap("avx512_bf16")
-    if not cpu_linear._set_bf16_amx(True):
+    assert not cpu_attention.amx_in_use()
+    if not cpu_attention._set_amx(True):
         pytest.skip("no AMX-BF16 tiles on this CPU or OS")
     rng = random.Random(7)
     differ = 0
@@ -492,7 +493,7 @@ def test_bf16_qk_on_amx_tiles(heads, isa_cap):
                 mask = _random_tree(tree, rng).mask_bits() if tree else None
                 outs = {}
                 for amx in (True, False):
-                    cpu_linear._set_bf16_amx(amx)
+                    cpu_attention._set_amx(amx)
                     for solo in (2048, 0):
                         cpu_attention._set_solo_work(solo)
                         outs[amx, solo] = cpu_attention.tree_attention(*batch, mask, head_dim ** -0.5)
@@ -506,5 +507,23 @@ def test_bf16_qk_on_amx_tiles(heads, isa_cap):
                     differ += int(not torch.equal(outs[True, 2048], outs[False, 2048]))
         assert differ > 0, "the tiles gave the FMAs' bits everywhere: are they in use?"
     finally:
-        cpu_linear._set_bf16_amx(None)
+        cpu_attention._set_amx(False)
         cpu_attention._set_solo_work(2048)
+
+
+def test_attn_amx_env_turns_the_tiles_on_at_load():
+    """PRESCIENT_ATTN_AMX=1 puts a bf16 cache's q.K on the tiles from the library's load, where
+    bf16 weights may use them (the same CPU, OS and tier conditions); the startup line says so."""
+    import subprocess
+    import sys
+
+    code = ("from prescient.kernels import cpu_linear, cpu_attention\n"
+            "from prescient.build import kernels_line\n"
+            "i = cpu_linear.kernel_info()\n"
+            "print(i['attn_amx'], i['bf16_amx'], cpu_attention.amx_in_use(), 'q.K on AMX' in kernels_line(i))")
+    env = {**os.environ, "PRESCIENT_ATTN_AMX": "1"}
+    env.pop("PRESCIENT_BF16_DOT", None)
+    env.pop("PRESCIENT_ISA", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    attn, tiles, in_use, said = out.stdout.split()
+    assert attn == tiles == in_use == said, out.stdout

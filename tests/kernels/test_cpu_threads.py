@@ -139,6 +139,8 @@ def test_the_startup_line_says_the_pool_size_and_where_it_came_from(monkeypatch)
         "CPU kernels avx512_bf16 (vdpbf16ps as FMAs), 2")
     assert kernels_line({"isa": "avx512_bf16", "bf16_dot": "dp", "threads": 2}).startswith("CPU kernels avx512_bf16, 2")
     assert kernels_line({"isa": "avx512_bf16", "bf16_dot": "fma", "bf16_amx": True, "threads": 2}).startswith(
-        "CPU kernels avx512_bf16 (vdpbf16ps as FMAs; bf16 weights and q.K on AMX), 2")
+        "CPU kernels avx512_bf16 (vdpbf16ps as FMAs; bf16 weights on AMX), 2")
+    assert kernels_line({"isa": "avx512_bf16", "bf16_dot": "fma", "bf16_amx": True, "attn_amx": True,
+                         "threads": 2}).startswith("CPU kernels avx512_bf16 (vdpbf16ps as FMAs; bf16 weights on AMX; q.K on AMX), 2")
     monkeypatch.setenv("PRESCIENT_GEMV_THREADS", "1")
     assert kernels_line({"isa": "portable", "threads": 1}) == "CPU kernels portable, 1 thread (PRESCIENT_GEMV_THREADS)"
