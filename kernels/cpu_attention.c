@@ -1119,32 +1119,11 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) pa_tilecfg_t;
-
-/* Every tile 64 bytes wide; C 0-1 and A 2-3 `rows` high (the item's rows per kv head, at most
- * 16: tree_chunk's lone tokens take as many, the extra rows being scratch), B 4-7 16 (head_dim
- * <= 128).  Set once per work item
+/* C 0-1 and A 2-3 `rows` high (the item's rows per kv head, at most 16: tree_chunk's lone tokens
+ * take as many, the extra rows being scratch), B 4-7 16 (head_dim <= 128).  Set once per work item
  * and released at its end (~80 ns a pair here: once per chunk would cost a decode step more than
  * its products); other code on the thread (oneDNN, cpu_gemv_amx.c's tasks) sets its own. */
-static void amx_begin(int rows)
-{
-    pa_tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 4 ? rows : 16;
-        c.colsb[t] = 64;
-    }
-    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: without this, the stores
-     * above can be dropped (the generic build's were) and ldtilecfg faults on the garbage */
-    __asm__ volatile("" : : "m"(c));
-    _tile_loadconfig(&c);
-}
+static void amx_begin(int rows) { pg_amx_config(4, rows); }
 
 static void amx_end(void) { _tile_release(); }
 

@@ -78,22 +78,25 @@ typedef struct {
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-/* Every tile 64 bytes wide; x's and the results' tiles (0-4) `rows` high (M below 16, else
- * 16), the weights' 16.  Loaded at each task's start and released at its end: other code on the
- * thread (oneDNN's AMX GEMMs in torch) sets its own. */
-static void amx_config(int rows)
+void pg_amx_config(int n, int rows)
 {
     amx_cfg_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 5 ? rows : 16;
+        c.rows[t] = t < n ? rows : 16;
         c.colsb[t] = 64;
     }
-    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: the whole config is */
+    /* GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes: without this, the stores
+     * above can be dropped (a generic build's were) and ldtilecfg faults on the garbage */
     __asm__ volatile("" : : "m"(c));
     _tile_loadconfig(&c);
 }
+
+/* x's and the results' tiles (0-4) `rows` high (M below 16, else 16), the weights' 16.  Loaded at
+ * each task's start and released at its end: other code on the thread (oneDNN's AMX GEMMs in
+ * torch) sets its own. */
+static void amx_config(int rows) { pg_amx_config(5, rows); }
 
 /* Rows of one 16 x 16 fp32 result (row group g, column tile t) into y, rows < M, columns < N. */
 static void amx_emit(const amx_job_t *j, const float *c, int g, int t)

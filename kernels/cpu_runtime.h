@@ -93,6 +93,11 @@ int pg_bf16_amx(void);
  * processes that multiply bf16 on tiles ask. */
 __attribute__((visibility("hidden")))
 int pg_amx_granted(void);
+/* Load an AMX tile configuration (palette 1) on this thread: tiles 0 .. n - 1 `rows` high, the
+ * others 16, every one 64 bytes wide (cpu_gemv_amx.c; PG_AMX builds only, called only where
+ * pg_bf16_amx()).  Each caller releases the tiles (_tile_release) when its task ends. */
+__attribute__((visibility("hidden")))
+void pg_amx_config(int n, int rows);
 /* Threads per pool call, the caller included. */
 int pg_num_threads(void);
 

@@ -414,10 +414,13 @@ def _pack_args(q, k, v, bt, ctx, cu, scale, *, out, k_scale=None, v_scale=None):
 
 def test_generic_build_runs_every_path(generic_so):
     """Built without -march=native (per-function targets, run-time ISA choice) the attention
-    kernel is complete too, at every tier this CPU runs, for fp32, bf16 and int8 caches."""
+    kernel is complete too, at every tier this CPU runs, for fp32, bf16 and int8 caches, and with
+    the bf16 q.K on AMX tiles where the CPU has them (that build once dropped the tile config's
+    stores and faulted)."""
     lib = ctypes.CDLL(str(generic_so))
     lib.pa_tree_attention.argtypes = [ctypes.c_char_p]
     lib.pg_set_isa_cap.argtypes = [ctypes.c_int]
+    lib.pa_set_amx.argtypes = [ctypes.c_int]
     for dtype, kv in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.int8)):
         q, k, v, bt, ctx, cu = _batch([1, 5], [300, 40], dtype=dtype, seed=len(str(kv)))
         scales = {}
@@ -429,10 +432,14 @@ def test_generic_build_runs_every_path(generic_so):
         for tier in cpu_linear.machine_tiers():
             index = cpu_linear.ISA_TIERS.index(tier)
             assert lib.pg_set_isa_cap(index) == index
-            out = torch.empty_like(q)
-            assert lib.pa_tree_attention(_pack_args(q, k, v, bt, ctx, cu, 0.125, out=out, **scales)) == 0
-            err = (out.float() - ref).abs()
-            assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5).all()), (dtype, kv, tier)
+            for amx in (0, 1):
+                if amx and not lib.pa_set_amx(1):
+                    continue
+                out = torch.empty_like(q)
+                assert lib.pa_tree_attention(_pack_args(q, k, v, bt, ctx, cu, 0.125, out=out, **scales)) == 0
+                lib.pa_set_amx(0)
+                err = (out.float() - ref).abs()
+                assert bool((err <= 2.0 ** -8 * ref.abs() + 1e-5).all()), (dtype, kv, tier, amx)
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv")
