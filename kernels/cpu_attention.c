@@ -274,7 +274,8 @@ static inline uint32_t visible_bits(const pa_job_t *J, int tok, int li, int pref
 typedef struct {
     float *kt;       /* [D][16] transposed K chunk of one head (bf16 pairs: first D/2 rows) */
     float *vf;       /* [16][D] V chunk of one head widened to fp32 (bf16, many rows) */
-    float *sp;       /* [RT + 16][16] scores, then probabilities (AMX stores 16 rows at a time) */
+    float *sp;       /* [RT + 16][16] scores, then probabilities (an AMX tile stores up to 16
+                      * rows from any of them) */
     float *acc;      /* [RT][D] unnormalised outputs of the current piece */
     float *fa;       /* [RT][D] fold of the item's finished pieces (fm, fl: its max, sum) */
     float *fm, *fl;  /* [RT] */
@@ -1812,9 +1813,11 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         /* AMX without tree gaps: each chunk's q.K is issued before the last chunk's softmax and
          * P.V, which then hide its tile products' latency (sp / vis and sp2 / vis2 alternate;
          * the same arithmetic, in the same order per row, as one chunk at a time). */
+#ifdef PA_X86
         const int ahead = J->amx && !item_gapped;
         int prev_n = 0;
         const char *prev_v[PA_CHUNK];
+#endif
         for (int pos0 = c0; pos0 < c1; pos0 += PA_CHUNK) {
             const int n = chunk_rows(bt, J->BS, kbase, vbase, row_stride, c1 - pos0, &blk, &off,
                                      krow, vrow, slots);
