@@ -82,8 +82,8 @@
  * ISA: per-function target attributes and the run-time ISA of cpu_runtime.c (pg_isa, tiers in
  * cpu_runtime.h), so the same source builds everywhere: ISA_AVX2 runs the AVX2 + FMA step (two
  * ymm of scores per query row, each score a dot product from K's cache row), ISA_AVX512 and up the
- * AVX-512 step, vdpbf16ps (or its FMAs) for bf16 K from ISA_AVX512_BF16; the portable path is
- * plain C.
+ * AVX-512 step, vdpbf16ps (or its FMAs; or AMX tiles, pa_set_amx) for bf16 K from
+ * ISA_AVX512_BF16; the portable path is plain C.
  */
 #define _GNU_SOURCE
 #include <stdint.h>
@@ -1111,7 +1111,11 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
  * item's rows per kv head, at most 16; a tile issues faster with fewer rows):
  *
  *     for each TR rows r:  C = 0;  for j < D / 32:  C += qb[r:r+TR, 32 j:32 j+32] . B_j
- *                          sp[r:r+TR] = C          (rows past the call's: scratch, see ws_get)
+ *                          sp[r:r+TR] = C
+ *
+ * Rows past the call's are written too (ws_get pads qb and sp by 16 rows): they belong to a later
+ * kv head or token of the chunk, whose own q.K rewrites them before its softmax reads them -- the
+ * callers run heads and tokens in ascending order, which this relies on.
  *
  * A row's sums do not depend on the other rows of its tile, and every path (decode rows, tree
  * nodes alone, prefill chunks) runs these tiles in this order: batch invariance holds, with the
@@ -1120,7 +1124,7 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,avx2")
 
-/* C 0-1 and A 2-3 `rows` high (the item's rows per kv head, at most 16: tree_chunk's lone tokens
+/* C 0 and A 2-3 `rows` high (the item's rows per kv head, at most 16: tree_chunk's lone tokens
  * take as many, the extra rows being scratch), B 4-7 16 (head_dim <= 128).  Set once per work item
  * and released at its end (~80 ns a pair here: once per chunk would cost a decode step more than
  * its products); other code on the thread (oneDNN, cpu_gemv_amx.c's tasks) sets its own. */
@@ -1812,7 +1816,9 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
         memset(w->lv, 0, (size_t)RT * 16 * sizeof(float));
         /* AMX without tree gaps: each chunk's q.K is issued before the last chunk's softmax and
          * P.V, which then hide its tile products' latency (sp / vis and sp2 / vis2 alternate;
-         * the same arithmetic, in the same order per row, as one chunk at a time). */
+         * the same arithmetic, in the same order per row, as one chunk at a time).  An item with
+         * a gapped token (a branched tree) runs one chunk at a time, where the tiles are slower
+         * than the FMAs (docs/CPU_PERFORMANCE.md, sixteenth session). */
 #ifdef PA_X86
         const int ahead = J->amx && !item_gapped;
         int prev_n = 0;
@@ -2015,7 +2021,7 @@ void pa_set_solo_work(int w) { g_solo_work = w < 0 ? 0 : w; }
 
 /* A bf16 cache's q.K on AMX tiles (1) or not (0, the default; -1 leaves it); returns whether it
  * is in use now (also needs the tier, the CPU, the OS and pg_bf16_amx's switch).  Off by default: it makes an
- * 8-token verify's attention ~15% cheaper but a batch of decode rows 5-14% dearer, and the load
+ * 8-token verify's attention ~15% cheaper but a batch of decode rows up to ~14% dearer, and the load
  * benchmark's goodput fell with it (docs/CPU_PERFORMANCE.md, sixteenth session). */
 int pa_set_amx(int on)
 {

@@ -131,7 +131,8 @@ def _set_amx(on: bool) -> bool:
 
 
 def amx_in_use() -> bool:
-    """Whether a bf16 cache's q.K runs on AMX tiles now (PRESCIENT_ATTN_AMX=1 at this tier)."""
+    """Whether a bf16 cache's q.K runs on AMX tiles now (PRESCIENT_ATTN_AMX=1 at this tier; for
+    head_dim <= 128 only: wider heads and fp32 / int8 caches keep their FMA paths)."""
     return available() and bool(cpu_linear.library().pa_set_amx(-1))
 
 

@@ -87,7 +87,7 @@ int pg_bf16_fma(void);
  * process the tile state. */
 int pg_bf16_amx(void);
 /* Linux's permission for this process to use the tile data: asked once, by the first AMX copy
- * (pg_amx_repack) or pa_set_amx(1) (PRESCIENT_ATTN_AMX=1), never at load or by kernel_info: a
+ * (pg_amx_repack) or by pa_set_amx(1) (PRESCIENT_ATTN_AMX=1 at load), not otherwise at load: a
  * process holding it ran tests/runtime/test_pd_split.py's fp32 split engine (no AMX instruction
  * run) slower, and that file's speculation test failed in 2 of 7 runs (0 of 9 without), so only
  * processes that multiply bf16 on tiles ask. */

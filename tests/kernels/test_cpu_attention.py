@@ -434,6 +434,7 @@ def test_generic_build_runs_every_path(generic_so):
             assert lib.pg_set_isa_cap(index) == index
             for amx in (0, 1):
                 if amx and not lib.pa_set_amx(1):
+                    lib.pa_set_amx(0)  # below avx512_bf16 or without AMX: the switch stays off
                     continue
                 out = torch.empty_like(q)
                 assert lib.pa_tree_attention(_pack_args(q, k, v, bt, ctx, cu, 0.125, out=out, **scales)) == 0
@@ -485,7 +486,6 @@ def test_bf16_qk_on_amx_tiles(heads, isa_cap):
     effect); past head_dim 128 the FMAs' bits. Off by default."""
     _tier_or_skip("avx512_bf16")
     isa_cap("avx512_bf16")
-    assert not cpu_attention.amx_in_use()
     if not cpu_attention._set_amx(True):
         pytest.skip("no AMX-BF16 tiles on this CPU or OS")
     rng = random.Random(7)
@@ -518,19 +518,23 @@ def test_bf16_qk_on_amx_tiles(heads, isa_cap):
         cpu_attention._set_solo_work(2048)
 
 
-def test_attn_amx_env_turns_the_tiles_on_at_load():
-    """PRESCIENT_ATTN_AMX=1 puts a bf16 cache's q.K on the tiles from the library's load, where
-    bf16 weights may use them (the same CPU, OS and tier conditions); the startup line says so."""
+def test_attn_amx_is_off_by_default_and_the_env_turns_it_on_at_load():
+    """A bf16 cache's q.K stays off the tiles by default; PRESCIENT_ATTN_AMX=1 puts it there from
+    the library's load (where the CPU, OS and tier have them), and the startup line says so."""
     import subprocess
     import sys
 
+    was = cpu_attention.amx_in_use()
+    can = cpu_attention._set_amx(True)
+    cpu_attention._set_amx(was)
+    if not can:
+        pytest.skip("no AMX-BF16 tiles on this CPU or OS")
     code = ("from prescient.kernels import cpu_linear, cpu_attention\n"
             "from prescient.build import kernels_line\n"
             "i = cpu_linear.kernel_info()\n"
-            "print(i['attn_amx'], i['bf16_amx'], cpu_attention.amx_in_use(), 'q.K on AMX' in kernels_line(i))")
-    env = {**os.environ, "PRESCIENT_ATTN_AMX": "1"}
-    env.pop("PRESCIENT_BF16_DOT", None)
-    env.pop("PRESCIENT_ISA", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    attn, tiles, in_use, said = out.stdout.split()
-    assert attn == tiles == in_use == said, out.stdout
+            "print(i['attn_amx'], cpu_attention.amx_in_use(), 'q.K on AMX' in kernels_line(i))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PRESCIENT_BF16_DOT", "PRESCIENT_ISA", "PRESCIENT_ATTN_AMX")}
+    for value, expect in ((None, "False"), ("1", "True")):
+        run_env = env if value is None else {**env, "PRESCIENT_ATTN_AMX": value}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [expect] * 3, (value, out.stdout)
