@@ -103,7 +103,7 @@ void c_vblocks(const pq_job_t *j, const int FMT, const int MR, const int NC, con
                size_t tstride, const uint8_t *xr, size_t ms, int b, __m512 (*acc)[2])
 {
     const size_t cb = (size_t)16 * Q32_L(FMT).bb, kq = cl_kq(j->K), nb16 = cl_nb16(j->K / QK);
-    __m512i dot[2][4][2];  /* [block][input][column tile] */
+    __m512i dot[2][8][2];  /* [block][input][column tile] */
     for (int u = 0; u < NBU; u++)
         for (int m = 0; m < MR; m++)
             for (int c = 0; c < NC; c++)
@@ -134,7 +134,7 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
     const int nb = j->K / QK;
     const size_t cb = (size_t)16 * Q32_L(FMT).bb, tstride = (size_t)nb * cb, ms = h->mstride;
     const uint8_t *cell0 = j->cl + (size_t)t * tstride, *xr = XA_DATA(h) + (size_t)m0 * ms;
-    __m512 acc[4][2];
+    __m512 acc[8][2];
     for (int m = 0; m < MR; m++)
         for (int c = 0; c < NC; c++)
             acc[m][c] = _mm512_setzero_ps();
@@ -158,9 +158,34 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
 
 /* Column tiles 2 at a time (at M = 1 four, two blocks each, read K = 1536 rows 12% slower
  * than two: four weight streams; Xeon, L3-resident weights), each pair for every input row
- * while its cells sit in L1. */
+ * while its cells sit in L1.  Or, where pg_cl_one_tile() (by default on AMD CPUs), one tile
+ * at a time for up to 8 input rows: one weight stream.  On the Zen 4 EPYC that read the copy
+ * 1.3-1.4x faster at M = 1 (two tiles' streams from DRAM ran at 17 GB/s, one at 23-25) and
+ * 1.05-1.15x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  Each column's chain
+ * is the same either way, so are the bits. */
+static inline __attribute__((always_inline)) void c_vrows_one(const pq_job_t *j, int n0, int n1, const int FMT)
+{
+    const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
+    for (int t = t0; t < t1; t++)
+        for (int m0 = 0; m0 < j->M; m0 += 8)
+            switch (j->M - m0 < 8 ? j->M - m0 : 8) {
+            case 1: c_vtile(j, FMT, 1, 1, m0, t, n0, n1); break;
+            case 2: c_vtile(j, FMT, 2, 1, m0, t, n0, n1); break;
+            case 3: c_vtile(j, FMT, 3, 1, m0, t, n0, n1); break;
+            case 4: c_vtile(j, FMT, 4, 1, m0, t, n0, n1); break;
+            case 5: c_vtile(j, FMT, 5, 1, m0, t, n0, n1); break;
+            case 6: c_vtile(j, FMT, 6, 1, m0, t, n0, n1); break;
+            case 7: c_vtile(j, FMT, 7, 1, m0, t, n0, n1); break;
+            default: c_vtile(j, FMT, 8, 1, m0, t, n0, n1); break;
+            }
+}
+
 static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int n0, int n1, const int FMT)
 {
+    if (pg_cl_one_tile()) {
+        c_vrows_one(j, n0, n1, FMT);
+        return;
+    }
     const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
     for (int t = t0; t < t1; t += 2) {
         const int two = t + 1 < t1;

@@ -395,7 +395,7 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype, tier):
     ql.set_mode("auto")
 
 
-CL_ROWS = (1, 2, 3, 4, 5, 8, 17, 64)  # every row tiling of the CL kernels, 1-2 and 4-row passes
+CL_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 17, 64)  # every row tiling of the CL kernels: 1-8-row passes
 
 
 def _assert_cl_rows_agree(qtype: str, seed: int, setups: dict) -> None:
@@ -473,6 +473,41 @@ def test_avx_vnni_rows_run_only_at_tier_avx2_and_by_default_only_where_it_is_the
             assert cpu_linear._set_avx_vnni(False) is False
     finally:
         cpu_linear._set_avx_vnni(None)
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_cl_rows_one_tile_a_pass_have_the_two_tile_rows_bits(tier_cap, qtype):
+    """The VNNI rows walk the column-lane copy one 16-column tile a pass for up to 8 input rows
+    (one weight stream: the default except on Intel) or two tiles a pass for up to 4 (Intel's):
+    each column's chain over its blocks is the same, so are the bits, at every M and row tiling,
+    fp32 and bf16, with a bias."""
+    _require_native(qtype)
+    if "avx512_vnni" not in _tiers():
+        pytest.skip("needs a CPU with AVX-512 VNNI")
+
+    def walk(one: bool):
+        assert cpu_linear._set_cl_one_tile(one) == one
+        assert cpu_linear.kernel_info()["cl_tiles"] == (1 if one else 2)
+
+    try:
+        _assert_cl_rows_agree(qtype, 17, {"two tiles": lambda: walk(False), "one tile": lambda: walk(True)})
+    finally:
+        cpu_linear._set_cl_one_tile(None)
+
+
+def test_cl_rows_walk_one_tile_by_default_except_on_intel(monkeypatch):
+    """One tile a pass by default (measured on Zen 4), two on Intel (measured on the Xeon against
+    four); PRESCIENT_CL_TILES names the choice, and a bad value is refused by name."""
+    if cpu_linear.library() is None:
+        pytest.skip("no C library here")
+    with open("/proc/cpuinfo") as f:
+        intel = "GenuineIntel" in f.read()
+    assert cpu_linear._set_cl_one_tile(None) is (not intel)
+    monkeypatch.setenv("PRESCIENT_CL_TILES", "2")
+    assert cpu_linear._env_cl_tiles() == 2
+    monkeypatch.setenv("PRESCIENT_CL_TILES", "3")
+    with pytest.raises(ValueError, match="PRESCIENT_CL_TILES"):
+        cpu_linear._env_cl_tiles()
 
 
 def test_a_bad_avx_vnni_switch_is_refused_by_name(monkeypatch):
