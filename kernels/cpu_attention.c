@@ -17,8 +17,11 @@
  * bf16, q.k runs on AMX tiles where asked (pa_set_amx) and the CPU has AMX-BF16 (the tile unit's
  * own summation, the same on every path), else uses vdpbf16ps where the CPU has it (bf16 products
  * are exact in fp32, the sums are fp32; or its two FMAs, the same bits: pg_bf16_fma) and fp32
- * FMAs on the widened values otherwise; P.V is always fp32 (P is never rounded to bf16).  A
- * bf16 output is rounded once, to nearest even.
+ * FMAs on the widened values otherwise.  P.V on a bf16 cache at tier avx512_bf16 rounds P to bf16
+ * (as the GPU kernel's P @ V in the cache dtype; the row sums add the rounded P) and adds the
+ * positions in pairs by vdpbf16ps or its two FMAs (bf16_rest): half the multiply-adds' issue
+ * slots of fp32 P, and a weight moves by up to 2^-9 of itself.  Every other P.V is fp32.  A bf16
+ * output is rounded once, to nearest even.
  *
  * Layout of one step (AVX-512 and portable; AVX2 takes q.K from the rows, see its section):
  * 16 consecutive context positions (a "chunk"; they may straddle KV
@@ -192,7 +195,8 @@ typedef struct {
     const pa_item_t *items;
     float *partials;         /* [nparts][part_stride]: acc [rows][D], m [rows], l [rows] */
     size_t part_stride;
-    int perm;                /* accumulators in [even | odd] order per 32 (bf16 K/V, AVX-512) */
+    int perm;                /* accumulators per 32 of head_dim: 1 [even | odd] (bf16 V widened,
+                              * AVX-512), 2 vpunpck{l,h}wd's lanes (pv_chunk_dp), 0 in order */
     int dp;                  /* bf16 q x bf16 K as vdpbf16ps computes it (tier avx512_bf16)... */
     int fma;                 /* ...by its two FMAs (pg_bf16_fma; fp32 q rows), not the instruction */
     int amx;                 /* ...or on AMX tiles (pa_set_amx; bf16 q rows in qb): other bits */
@@ -793,7 +797,11 @@ static void qk_i8(const uint32_t *kw, int D, const void *const *q, float *s, int
  * some visible score exceeds the running max: after the first chunks it rarely does.
  * i8: the scores are scaled per lane by w->ksc (K scale * scl) instead of scl, and the P
  * stored for P.V is multiplied by the V scales w->vsc (l sums the unscaled P). */
-static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
+/* pb (tier avx512_bf16, bf16 V): P is rounded to bf16 (nearest even) for P.V, as the GPU kernel's
+ * P @ V runs in the cache dtype, and the row sums add the rounded values, so the weights a row's
+ * output is divided by are the ones P.V used.  pb 1 stores the rounded P as fp32 (pv_tile),
+ * pb 2 as 16 bf16, a position pair a dword (pv_chunk_dp's vdpbf16ps operand). */
+static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8, int pb)
 {
     const __m512 vscl = i8 ? _mm512_load_ps(w->ksc) : _mm512_set1_ps(scl);
     const __m512 vpsc = i8 ? _mm512_load_ps(w->vsc) : _mm512_set1_ps(1.f);
@@ -814,8 +822,17 @@ static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8)
                 _mm512_store_ps(sp, _mm512_setzero_ps());
                 continue;
             }
-            const __m512 p = _mm512_maskz_mov_ps(vm, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
-            _mm512_store_ps(sp, i8 ? _mm512_mul_ps(p, vpsc) : p);
+            __m512 p = _mm512_maskz_mov_ps(vm, exp2_ps(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+            if (pb) {
+                const __m256i h = bf16x16_rne(p);
+                p = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                if (pb == 2)
+                    _mm256_store_si256((__m256i *)sp, h);
+                else
+                    _mm512_store_ps(sp, p);
+            } else {
+                _mm512_store_ps(sp, i8 ? _mm512_mul_ps(p, vpsc) : p);
+            }
             float *lv = w->lv + (size_t)r * 16;
             _mm512_store_ps(lv, _mm512_fmadd_ps(_mm512_load_ps(lv), _mm512_set1_ps(c), p));
             w->m[r] = mn;
@@ -833,7 +850,7 @@ enum { PA_V_F32 = 0, PA_V_BF16 = 1, PA_V_I8 = 2 };
 static inline __attribute__((always_inline))
 void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, int D,
              const float *corr, const char *const *pfv, int pn, size_t pfoff,
-             const int VM, const int MR, const int NV)
+             const int VM, const int MR, const int NV, const int PB)
 {
     __m512 a[6][4];
     for (int m = 0; m < MR; m++) {
@@ -853,22 +870,24 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
                     _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * (VM == PA_V_BF16 ? 2 : 4),
                                  _MM_HINT_T0);
         }
+        /* PB: the positions of a pair in vdpbf16ps' order, the second's product first (n even) */
+        const int u = PB ? t ^ 1 : t;
         if (VM == PA_V_BF16) {
             for (int v = 0; v < NV; v += 2) {
-                const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)vr[t] + cb + v * 16));
+                const __m512i x = _mm512_loadu_si512((const void *)((const uint16_t *)vr[u] + cb + v * 16));
                 vv[v] = bf16_even(x);
                 vv[v + 1] = bf16_odd(x);
             }
         } else if (VM == PA_V_I8) {
             for (int v = 0; v < NV; v++)
                 vv[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                    _mm_loadu_si128((const __m128i *)((const int8_t *)vr[t] + cb + v * 16))));
+                    _mm_loadu_si128((const __m128i *)((const int8_t *)vr[u] + cb + v * 16))));
         } else {
             for (int v = 0; v < NV; v++)
-                vv[v] = _mm512_loadu_ps((const float *)vr[t] + cb + v * 16);
+                vv[v] = _mm512_loadu_ps((const float *)vr[u] + cb + v * 16);
         }
         for (int m = 0; m < MR; m++) {
-            const __m512 p = _mm512_set1_ps(P[m * 16 + t]);
+            const __m512 p = _mm512_set1_ps(P[m * 16 + u]);
             for (int v = 0; v < NV; v++)
                 a[m][v] = _mm512_fmadd_ps(vv[v], p, a[m][v]);
         }
@@ -878,21 +897,21 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
             _mm512_store_ps(acc + (size_t)m * D + cb + v * 16, a[m][v]);
 }
 
-#define PA_PV_ROWS(VB, NV, mr, ...)                              \
+#define PA_PV_ROWS(VB, NV, PB, mr, ...)                          \
     switch (mr) {                                                \
-    case 1: pv_tile(__VA_ARGS__, VB, 1, NV); break;              \
-    case 2: pv_tile(__VA_ARGS__, VB, 2, NV); break;              \
-    case 3: pv_tile(__VA_ARGS__, VB, 3, NV); break;              \
-    case 4: pv_tile(__VA_ARGS__, VB, 4, NV); break;              \
-    case 5: pv_tile(__VA_ARGS__, VB, 5, NV); break;              \
-    default: pv_tile(__VA_ARGS__, VB, 6, NV); break;             \
+    case 1: pv_tile(__VA_ARGS__, VB, 1, NV, PB); break;          \
+    case 2: pv_tile(__VA_ARGS__, VB, 2, NV, PB); break;          \
+    case 3: pv_tile(__VA_ARGS__, VB, 3, NV, PB); break;          \
+    case 4: pv_tile(__VA_ARGS__, VB, 4, NV, PB); break;          \
+    case 5: pv_tile(__VA_ARGS__, VB, 5, NV, PB); break;          \
+    default: pv_tile(__VA_ARGS__, VB, 6, NV, PB); break;         \
     }
 
 /* Rows in blocks of 6 and head_dim in blocks of 64 (a last block of 32 when D % 64 == 32):
  * at most 24 accumulators + 4 V vectors.  vr: the cache's rows (vm: PA_V_*, prefetching
  * the pf chunk's twins, pfoff into their rows) or, pf NULL, fp32 rows widened in scratch. */
 static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, int D, int vm,
-                     const pa_pf_t *pf, size_t pfoff)
+                     const pa_pf_t *pf, size_t pfoff, int pb)
 {
     for (int cb = 0; cb < D; cb += 64) {
         const int full = D - cb >= 64;
@@ -903,15 +922,21 @@ static void pv_chunk(pa_ws_t *w, int r0, int RH, int n, const void *const *vr, i
             const float *corr = w->corr + r;
             const int pn = pf && r == r0 ? pf->n : 0;
             const char *const *pfv = pf ? pf->v : NULL;
-            if (vm == PA_V_BF16) {
-                if (full) { PA_PV_ROWS(PA_V_BF16, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
-                else { PA_PV_ROWS(PA_V_BF16, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            if (vm == PA_V_BF16 && pb) {
+                if (full) { PA_PV_ROWS(PA_V_BF16, 4, 1, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(PA_V_BF16, 2, 1, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            } else if (vm == PA_V_BF16) {
+                if (full) { PA_PV_ROWS(PA_V_BF16, 4, 0, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(PA_V_BF16, 2, 0, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
             } else if (vm == PA_V_I8) {
-                if (full) { PA_PV_ROWS(PA_V_I8, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
-                else { PA_PV_ROWS(PA_V_I8, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                if (full) { PA_PV_ROWS(PA_V_I8, 4, 0, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(PA_V_I8, 2, 0, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+            } else if (pb) {
+                if (full) { PA_PV_ROWS(0, 4, 1, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(0, 2, 1, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
             } else {
-                if (full) { PA_PV_ROWS(0, 4, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
-                else { PA_PV_ROWS(0, 2, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                if (full) { PA_PV_ROWS(0, 4, 0, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
+                else { PA_PV_ROWS(0, 2, 0, mr, P, n, vr, cb, acc, D, corr, pfv, pn, pfoff) }
             }
         }
     }
@@ -936,12 +961,24 @@ static PA_ONE_BODY void bf16_qk(const pa_job_t *J, pa_ws_t *w, int r0, int RH, i
         qk_bf16w((const uint32_t *)w->kt, D, w->qrow + r0, w->sp + (size_t)r0 * 16, RH);
 }
 
-/* bf16_rest: softmax of the scores in sp, then P.V from the chunk's V rows. */
+static void pv_chunk_dp(pa_ws_t *w, int r0, int RH, int n, const char *const vrow[PA_CHUNK], size_t hoff,
+                        int D, const pa_pf_t *pf);
+
+/* bf16_rest: softmax of the scores in sp, then P.V from the chunk's V rows.  Tier avx512_bf16
+ * rounds P to bf16 and adds each pair of positions as vdpbf16ps does (the second's product, then
+ * the first's): by the instruction (pv_chunk_dp), or by its two FMAs (J->fma, pv_tile's PB: the
+ * same bits).  An odd chunk's last pair repeats its last V row with P = 0 (exact zeros). */
 static PA_ONE_BODY void bf16_rest(const pa_job_t *J, pa_ws_t *w, int r0, int RH, int n,
                                   const char *const vrow[PA_CHUNK], size_t hoff, const pa_pf_t *pf)
 {
     const int D = J->D;
-    const void *vr[PA_CHUNK];
+    if (J->dp && !J->fma) {
+        softmax_chunk(w, r0, RH, J->G, J->scl, 0, 2);
+        pv_chunk_dp(w, r0, RH, n, vrow, hoff, D, pf);
+        return;
+    }
+    const int pb = J->dp;
+    const void *vr[PA_CHUNK + 1];
     const pa_pf_t *vpf = pf;
     if (RH <= 6) {
         /* One row block: widen V in registers as it is used. */
@@ -965,8 +1002,11 @@ static PA_ONE_BODY void bf16_rest(const pa_job_t *J, pa_ws_t *w, int r0, int RH,
             vr[t] = dst;
         }
     }
-    softmax_chunk(w, r0, RH, J->G, J->scl, 0);
-    pv_chunk(w, r0, RH, n, vr, D, RH <= 6 ? PA_V_BF16 : PA_V_F32, vpf, hoff);
+    const int np = pb ? n + (n & 1) : n;
+    if (np > n)
+        vr[n] = vr[n - 1];
+    softmax_chunk(w, r0, RH, J->G, J->scl, 0, pb);
+    pv_chunk(w, r0, RH, np, vr, D, RH <= 6 ? PA_V_BF16 : PA_V_F32, vpf, hoff, pb);
 }
 
 /* One kv head (rows [r0, r0 + RH)) against the n positions of the chunk; pf: the chunk
@@ -1019,8 +1059,8 @@ static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int R
         bf16_rest(J, w, r0, RH, n, vrow, hoff, pf);
         return;
     }
-    softmax_chunk(w, r0, RH, J->G, J->scl, J->kvdt == PA_KV_I8);
-    pv_chunk(w, r0, RH, n, vr, D, vm, vpf, hoff);
+    softmax_chunk(w, r0, RH, J->G, J->scl, J->kvdt == PA_KV_I8, 0);
+    pv_chunk(w, r0, RH, n, vr, D, vm, vpf, hoff, 0);
 }
 
 /* A bf16 q row as fp32, in order (D % 16 == 0): what the FMA paths multiply. */
@@ -1031,20 +1071,26 @@ static void widen_q_avx512(const uint16_t *src, int D, float *dst)
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d))), 16)));
 }
 
-/* out row = acc * inv in the output dtype (D % 32 == 0 here); perm: acc holds each 32-wide
- * block as [even | odd] and is interleaved back. */
+/* out row = acc * inv in the output dtype (D % 32 == 0 here); perm (pa_job_t): the order acc
+ * holds each 32-wide block in, put back. */
 static void store_row_avx512(void *out, const float *acc, float inv, int D, int dt, int perm)
 {
     const __m512 s = _mm512_set1_ps(inv);
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512i ulo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i uhi = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
     for (int d = 0; d < D; d += 32) {
         __m512 x0 = _mm512_mul_ps(_mm512_load_ps(acc + d), s);
         __m512 x1 = _mm512_mul_ps(_mm512_load_ps(acc + d + 16), s);
-        if (perm) {
+        if (perm == 1) {
             const __m512 e = x0;
             x0 = _mm512_permutex2var_ps(e, lo, x1);
             x1 = _mm512_permutex2var_ps(e, hi, x1);
+        } else if (perm == 2) {  /* lanes 4 L + i: dims 8 L + i (x0), 8 L + 4 + i (x1) */
+            const __m512 e = x0;
+            x0 = _mm512_permutex2var_ps(e, ulo, x1);
+            x1 = _mm512_permutex2var_ps(e, uhi, x1);
         }
         if (dt == DT_F32) {
             _mm512_storeu_ps((float *)out + d, x0);
@@ -1096,6 +1142,107 @@ static void qk_bf16dp(const uint32_t *kt, int D, const void *const *q, float *s,
 {
     for (int r = 0; r < R; r += PA_MR)
         PA_ROWS_SWITCH(qk_dp_rows, R - r, kt, D, q + r, s + (size_t)r * 16)
+}
+
+/* P.V by vdpbf16ps: acc[m][cb .. cb + 16 NV) = acc * corr[m] + for each pair p of positions
+ * vdpbf16ps(V[2p], V[2p+1] interleaved, P[m][2p], P[m][2p+1]) for MR rows.  The interleave is
+ * vpunpck{l,h}wd of the two V rows' 32 values, so the accumulators hold each 32 of head_dim in
+ * those lanes (perm 2, put back by store_row_avx512).  SRC 0: V from the rows vr (2 np of them,
+ * interleaved here, prefetching the pf chunk's twins); 1: already interleaved in vi, D / 16
+ * vectors a pair.  P: the rows' bf16 pairs, a dword each (softmax_chunk's pb 2). */
+static inline __attribute__((always_inline))
+void pvdp_tile(const uint32_t *P, int np, const void *const *vr, const __m512i *vi, int cb, float *acc, int D,
+               const float *corr, const char *const *pfv, int pn, size_t pfoff, const int MR, const int NV,
+               const int SRC)
+{
+    __m512 a[6][4];
+    for (int m = 0; m < MR; m++) {
+        const __m512 c = _mm512_set1_ps(corr[m]);
+        for (int v = 0; v < NV; v++)
+            a[m][v] = _mm512_mul_ps(_mm512_load_ps(acc + (size_t)m * D + cb + v * 16), c);
+    }
+    for (int p = 0; p < np; p++) {
+        __m512i vv[4];
+        if (SRC == 0) {
+            for (int t = 2 * p; t < 2 * p + 2; t++)
+                if (t < pn)
+                    for (int v = 0; v < NV; v += 2)
+                        _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * 2, _MM_HINT_T0);
+            for (int v = 0; v < NV; v += 2) {
+                const __m512i x0 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p] + cb + v * 16));
+                const __m512i x1 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p + 1] + cb + v * 16));
+                vv[v] = _mm512_unpacklo_epi16(x0, x1);
+                vv[v + 1] = _mm512_unpackhi_epi16(x0, x1);
+            }
+        } else {
+            for (int v = 0; v < NV; v++)
+                vv[v] = _mm512_load_si512((const void *)(vi + (size_t)p * (D / 16) + cb / 16 + v));
+        }
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < NV; v++)
+                a[m][v] = dp_bcast(a[m][v], (__m512bh)vv[v], P + m * 16 + p);
+    }
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++)
+            _mm512_store_ps(acc + (size_t)m * D + cb + v * 16, a[m][v]);
+}
+
+#define PA_PVDP_ROWS(NV, SRC, mr, ...)                            \
+    switch (mr) {                                                \
+    case 1: pvdp_tile(__VA_ARGS__, 1, NV, SRC); break;           \
+    case 2: pvdp_tile(__VA_ARGS__, 2, NV, SRC); break;           \
+    case 3: pvdp_tile(__VA_ARGS__, 3, NV, SRC); break;           \
+    case 4: pvdp_tile(__VA_ARGS__, 4, NV, SRC); break;           \
+    case 5: pvdp_tile(__VA_ARGS__, 5, NV, SRC); break;           \
+    default: pvdp_tile(__VA_ARGS__, 6, NV, SRC); break;          \
+    }
+
+/* pv_chunk for bf16 V by vdpbf16ps (bf16_rest, tier avx512_bf16 without pg_bf16_fma): rows in
+ * blocks of 6, head_dim in blocks of 64 (a last 32).  One row block interleaves V in registers;
+ * several interleave the chunk once into vf.  An odd n's last pair repeats row n - 1 (P = 0). */
+static void pv_chunk_dp(pa_ws_t *w, int r0, int RH, int n, const char *const vrow[PA_CHUNK], size_t hoff,
+                        int D, const pa_pf_t *pf)
+{
+    const void *vr[PA_CHUNK + 1];
+    for (int t = 0; t < n; t++)
+        vr[t] = vrow[t] + hoff;
+    if (n & 1)
+        vr[n] = vr[n - 1];
+    const int np = (n + 1) / 2, pfn = pf ? pf->n : 0;
+    const char *const *pfv = pf ? pf->v : NULL;
+    const __m512i *vi = NULL;
+    if (RH > 6) {
+        __m512i *dst = (__m512i *)w->vf;
+        for (int p = 0; p < np; p++) {
+            for (int t = 2 * p; t < 2 * p + 2 && t < pfn; t++)
+                for (int d = 0; d < D; d += 32)
+                    _mm_prefetch(pfv[t] + hoff + (size_t)d * 2, _MM_HINT_T0);
+            for (int d = 0; d < D; d += 32) {
+                const __m512i x0 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p] + d));
+                const __m512i x1 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p + 1] + d));
+                _mm512_store_si512((void *)dst++, _mm512_unpacklo_epi16(x0, x1));
+                _mm512_store_si512((void *)dst++, _mm512_unpackhi_epi16(x0, x1));
+            }
+        }
+        vi = (const __m512i *)w->vf;
+    }
+    for (int cb = 0; cb < D; cb += 64) {
+        const int full = D - cb >= 64;
+        for (int r = r0; r < r0 + RH; r += 6) {
+            const int mr = r0 + RH - r;
+            const uint32_t *P = (const uint32_t *)(w->sp + (size_t)r * 16);
+            float *acc = w->acc + (size_t)r * D;
+            const float *corr = w->corr + r;
+            const int pn = !vi && r == r0 ? pfn : 0;
+            if (vi) {
+                if (full) { PA_PVDP_ROWS(4, 1, mr, P, np, vr, vi, cb, acc, D, corr, pfv, pn, hoff) }
+                else { PA_PVDP_ROWS(2, 1, mr, P, np, vr, vi, cb, acc, D, corr, pfv, pn, hoff) }
+            } else {
+                if (full) { PA_PVDP_ROWS(4, 0, mr, P, np, vr, vi, cb, acc, D, corr, pfv, pn, hoff) }
+                else { PA_PVDP_ROWS(2, 0, mr, P, np, vr, vi, cb, acc, D, corr, pfv, pn, hoff) }
+            }
+        }
+    }
 }
 
 #pragma GCC pop_options
@@ -2073,9 +2220,9 @@ int pa_tree_attention(const pa_args_t *a)
     J.isa = pg_isa();
     if (D % 32)
         J.isa = ISA_PORTABLE;  /* the vector paths work in 32-wide blocks of head_dim */
-    J.perm = J.isa >= ISA_AVX512 && J.kvdt == DT_BF16;
     J.dp = J.isa >= ISA_AVX512_BF16 && J.kvdt == DT_BF16;
     J.fma = J.dp && pg_bf16_fma();
+    J.perm = J.dp && !J.fma ? 2 : J.isa >= ISA_AVX512 && J.kvdt == DT_BF16;
     J.amx = g_attn_amx && J.dp && J.dt == DT_BF16 && D <= 128 && pa_amx_on();
 
     /* Validate everything the items will index with, before any work starts. */

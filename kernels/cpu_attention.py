@@ -136,6 +136,15 @@ def amx_in_use() -> bool:
     return available() and bool(cpu_linear.library().pa_set_amx(-1))
 
 
+def p_rounded(kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether P.V rounds the softmax weights P to bf16 now: a bf16 cache at tier avx512_bf16
+    (head_dim a multiple of 32), as the GPU kernel's P @ V runs in the cache dtype.  The output
+    then moves by up to 2^-9 of sum_j P_j |V_j| / l beyond its own rounding (tests bound it)."""
+    if not available() or kv_dtype is not torch.bfloat16 or head_dim % 32:
+        return False
+    return cpu_linear.library().pg_isa() >= cpu_linear.ISA_TIERS.index("avx512_bf16")
+
+
 def _bad(msg: str) -> ValueError:
     return ValueError(f"cpu tree_attention: {msg}")
 
