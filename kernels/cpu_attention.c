@@ -2254,9 +2254,15 @@ int pa_tree_attention(const pa_args_t *a)
     int nh = (int)(PA_ACC_FLOATS / ((int64_t)ntmax * G * D));
     nh = nh < 1 ? 1 : nh > KVH ? (int)KVH : nh;
     int ngrp = (int)((KVH + nh - 1) / nh);
-    int64_t maxq = 0;
-    for (int s = 0; s < S; s++)
-        maxq = J.cu[s + 1] - J.cu[s] > maxq ? J.cu[s + 1] - J.cu[s] : maxq;
+    int64_t maxq = 0, fullp = 0;  /* the longest q, and the fewest full pieces of a sequence with q */
+    for (int s = 0; s < S; s++) {
+        const int64_t qlen = J.cu[s + 1] - J.cu[s];
+        if (qlen == 0)
+            continue;
+        maxq = qlen > maxq ? qlen : maxq;
+        const int64_t fp = (J.cl[s] - qlen + 1) / PA_PIECE;
+        fullp = fullp == 0 || fp < fullp ? fp : fullp;
+    }
     /* Few row blocks (one sequence decoding or verifying a draft tree): more of them, first
      * one per kv head (no extra reads: the heads are independent), then shorter token blocks
      * (each reads the context again), so that every pool thread gets a full-length item; the
@@ -2271,7 +2277,11 @@ int pa_tree_attention(const pa_args_t *a)
         ngrp = (int)KVH;
         nbase = row_blocks(&J, ngrp, ntb);
     }
-    if (nbase < 2 * nth && maxq > 1 && nbase > 0) {
+    /* ... unless the row blocks' full pieces already make an item per thread twice over: then the
+     * pieces spread instead (below), and the context is read once per row block (a verify at 1k
+     * cached tokens: 3 row blocks x 4 pieces, where 6 blocks of half the tokens transposed each K
+     * chunk twice). */
+    if (nbase < 2 * nth && maxq > 1 && nbase > 0 && nbase * fullp < 2 * nth) {
         const int64_t split = (2 * nth + nbase - 1) / nbase;
         const int64_t t = (maxq + split - 1) / split;
         /* at least PA_MIN_TOKENS, at most ntmax (the partial slots are sized for ntmax rows) */
