@@ -473,7 +473,9 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
 
 /* Run the tile kernel `TILE` over rows [n0, n1) for all M.  Each weight chunk is loaded
  * once per tile and used for MR input rows while in a register, with at most 16 accumulators
- * (MR x NR): 4 weight rows x M for M <= 4; with PAIRS, 2 rows x M in one pass for M <= 8;
+ * (MR x NR): where pg_one_stream() one weight row x M for M <= 2 (Zen 4, from DRAM, bf16
+ * 1536 x 576 at M = 1: 21 -> 28-35 GB/s; 1.0x at M = 4, 0.85x at M = 8, so only there);
+ * 4 weight rows x M for M <= 4; with PAIRS, 2 rows x M in one pass for M <= 8;
  * otherwise 4 rows with the inputs in blocks of 4, the later blocks re-reading the tile from
  * L1 (DRAM still sees each weight byte once).  Measured from DRAM on 1 thread: pairs take
  * fp32 M = 8 from 17 to 28 GB/s; vdpbf16ps does better with blocks; pairs in blocks of 8
@@ -485,7 +487,16 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
         const WT *W = (const WT *)j->w;                                                  \
         const XT *X = (const XT *)j->xk;                                                 \
         int n = n0;                                                                      \
-        if (!(PAIRS) || M <= 4 || M > 8) {                                               \
+        if (M <= 2 && pg_one_stream()) {                                                 \
+            /* One weight row at a time: one stream (pg_one_stream; the rows' bits are  \
+             * the same as in the 4-row tiles below, each output one chain). */          \
+            for (; n < n1; n++) {                                                        \
+                if (M == 1)                                                              \
+                    TILE(j, W + (size_t)n * K, X, n, 0, 1, 1, 0, 0);                     \
+                else                                                                     \
+                    TILE(j, W + (size_t)n * K, X, n, 0, 2, 1, 0, 0);                     \
+            }                                                                            \
+        } else if (!(PAIRS) || M <= 4 || M > 8) {                                        \
             const int B = (M + 3) / 4; /* input blocks per tile: prefetch spread */      \
             for (; n + 4 <= n1; n += 4) {                                                \
                 const WT *w = W + (size_t)n * K;                                         \

@@ -273,7 +273,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_rows.restype = ci
     for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni", "pg_bf16_fma", "pg_bf16_amx",
-                 "pg_cl_one_tile"):
+                 "pg_one_stream"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
     lib.pg_set_isa_cap.argtypes = [ci]
@@ -282,8 +282,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_avx_vnni.restype = ci
     lib.pg_set_bf16_fma.argtypes = [ci]
     lib.pg_set_bf16_fma.restype = ci
-    lib.pg_set_cl_one_tile.argtypes = [ci]
-    lib.pg_set_cl_one_tile.restype = ci
+    lib.pg_set_one_stream.argtypes = [ci]
+    lib.pg_set_one_stream.restype = ci
     lib.pg_set_bf16_amx.argtypes = [ci]
     lib.pg_set_bf16_amx.restype = ci
     lib.pa_set_amx.argtypes = [ci]
@@ -329,10 +329,10 @@ def _env_avx_vnni() -> Optional[int]:
     return None if v is None else int(v)
 
 
-def _env_cl_tiles() -> Optional[int]:
-    """PRESCIENT_CL_TILES=1|2 (None when unset): the VNNI rows on the column-lane copy walk one
-    16-column tile a pass (the default except on Intel) or two (Intel's default); the same bits."""
-    v = _env_choice("PRESCIENT_CL_TILES", ("1", "2"))
+def _env_one_stream() -> Optional[int]:
+    """PRESCIENT_ONE_STREAM=1|0 (None when unset): the small-M rows read one weight stream at a
+    time (the default except on Intel) or several (Intel's default); the same bits."""
+    v = _env_choice("PRESCIENT_ONE_STREAM", ("0", "1"))
     return None if v is None else int(v)
 
 
@@ -355,9 +355,9 @@ def _apply_env(lib: ctypes.CDLL) -> None:
     vnni = _env_avx_vnni()
     if vnni is not None:
         lib.pg_set_avx_vnni(vnni)
-    tiles = _env_cl_tiles()
-    if tiles is not None:
-        lib.pg_set_cl_one_tile(int(tiles == 1))
+    one = _env_one_stream()
+    if one is not None:
+        lib.pg_set_one_stream(one)
     dot = _env_bf16_dot()
     if dot is not None:
         if not lib.pg_set_bf16_amx(int(dot == "amx")) and dot == "amx" and lib.pg_isa() >= ISA_TIERS.index("avx512_bf16"):
@@ -380,7 +380,7 @@ def _load_library() -> None:
             return
         _env_isa_cap()  # a bad PRESCIENT_ISA raises here, on every call, before anything loads
         _env_avx_vnni()
-        _env_cl_tiles()
+        _env_one_stream()
         _lib_tried = True
         errors = []
         cc = _compiler()
@@ -452,8 +452,8 @@ def kernel_info() -> dict:
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
         info["avx_vnni"] = bool(_lib.pg_avx_vnni())
-        # column tiles the VNNI rows on the CL copy walk at once (1 or 2; the same bits)
-        info["cl_tiles"] = 1 if _lib.pg_cl_one_tile() else 2
+        # the small-M rows read one weight stream at a time (pg_one_stream; the same bits)
+        info["one_stream"] = bool(_lib.pg_one_stream())
         # how tier avx512_bf16 computes vdpbf16ps's products ("dp": the instruction, "fma": two
         # FMAs, the same bits); None below it
         info["bf16_dot"] = ("fma" if _lib.pg_bf16_fma() else "dp") if info["isa"] == "avx512_bf16" else None
@@ -499,11 +499,10 @@ def _set_avx_vnni(on: bool | None) -> bool:
     return bool(library().pg_set_avx_vnni(-1 if on is None else int(bool(on))))
 
 
-def _set_cl_one_tile(on: bool | None) -> bool:
-    """The VNNI rows on the column-lane copy one tile a pass (True) or two (False), or None: the
-    default (one except on Intel CPUs); returns whether one is in use now. For tests and
-    benchmarks."""
-    return bool(library().pg_set_cl_one_tile(-1 if on is None else int(bool(on))))
+def _set_one_stream(on: bool | None) -> bool:
+    """The small-M rows on one weight stream (True) or several (False), or None: the default (one
+    except on Intel CPUs); returns whether one is in use now. For tests and benchmarks."""
+    return bool(library().pg_set_one_stream(-1 if on is None else int(bool(on))))
 
 
 def _set_bf16_fma(on: bool | None) -> bool:

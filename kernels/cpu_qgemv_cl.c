@@ -158,7 +158,7 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
 
 /* Column tiles 2 at a time (at M = 1 four, two blocks each, read K = 1536 rows 12% slower
  * than two: four weight streams; Xeon, L3-resident weights), each pair for every input row
- * while its cells sit in L1.  Or, where pg_cl_one_tile() (by default on AMD CPUs), one tile
+ * while its cells sit in L1.  Or, where pg_one_stream() (by default but on Intel), one tile
  * at a time for up to 8 input rows: one weight stream.  On the Zen 4 EPYC that read the copy
  * 1.3-1.4x faster at M = 1 (two tiles' streams from DRAM ran at 17 GB/s, one at 23-25) and
  * 1.05-1.15x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  Each column's chain
@@ -182,7 +182,7 @@ static inline __attribute__((always_inline)) void c_vrows_one(const pq_job_t *j,
 
 static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int n0, int n1, const int FMT)
 {
-    if (pg_cl_one_tile()) {
+    if (pg_one_stream()) {
         c_vrows_one(j, n0, n1, FMT);
         return;
     }

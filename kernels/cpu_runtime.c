@@ -67,9 +67,9 @@ static int g_isa = -1;      /* best ISA the CPU + OS support */
 static int g_isa_cap = 99;  /* user cap (tests force lower paths) */
 static int g_has_avx_vnni = -1;  /* the CPU has AVX-VNNI (VEX vpdpbusd) */
 static int g_avx_vnni = -1;      /* pg_set_avx_vnni: 1 on, 0 off, -1 the default (pg_avx_vnni) */
-static int g_intel = 0;          /* the CPU's vendor is Intel (pg_bf16_fma's and pg_cl_one_tile's defaults) */
+static int g_intel = 0;          /* the CPU's vendor is Intel (pg_bf16_fma's and pg_one_stream's defaults) */
 static int g_bf16_fma = -1;      /* pg_set_bf16_fma: 1 FMAs, 0 vdpbf16ps, -1 the default */
-static int g_cl_one = -1;        /* pg_set_cl_one_tile: 1 one column tile a pass, 0 two, -1 the default */
+static int g_one_stream = -1;    /* pg_set_one_stream: 1 one weight stream, 0 several, -1 the default */
 static int g_has_amx = 0;        /* the CPU and OS have AMX-BF16 (detect_amx) */
 static _Atomic int g_amx_grant = -1;  /* Linux's tile-data permission: -1 not asked yet, 0 refused, 1 granted */
 static int g_bf16_amx = -1;      /* pg_set_bf16_amx: 1 on, 0 off, -1 the default (on) */
@@ -392,17 +392,17 @@ int pg_bf16_fma(void)
     return g_bf16_fma >= 0 ? g_bf16_fma : g_intel;
 }
 
-int pg_cl_one_tile(void)
+int pg_one_stream(void)
 {
-    return g_cl_one >= 0 ? g_cl_one : !g_intel;
+    return g_one_stream >= 0 ? g_one_stream : !g_intel;
 }
 
-/* The CL rows one column tile a pass (1) or two (0), or back to the default (-1); returns
- * pg_cl_one_tile().  The same bits either way (tests compare them). */
-int pg_set_cl_one_tile(int on)
+/* The small-M rows on one weight stream (1) or several (0), or back to the default (-1); returns
+ * pg_one_stream().  The same bits either way (tests compare them). */
+int pg_set_one_stream(int on)
 {
-    g_cl_one = on < 0 ? -1 : on != 0;
-    return pg_cl_one_tile();
+    g_one_stream = on < 0 ? -1 : on != 0;
+    return pg_one_stream();
 }
 
 /* Tier avx512_bf16's vdpbf16ps products by two FMAs (1) or by the instruction (0), or back to

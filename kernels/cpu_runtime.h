@@ -81,11 +81,13 @@ int pg_avx_vnni(void);
  * (Emerald Rapids: 1.46 vs 5.82 G/s a core, 47 vs 93 multiply-adds a ns); AMD's issue both at one
  * rate, so the instruction's two products a lane win there. */
 int pg_bf16_fma(void);
-/* 1 where the AVX-512 VNNI rows on the column-lane copy (cpu_qgemv_cl.c) walk one 16-column tile
- * at a time for up to 8 input rows, 0 where two tiles at a time for up to 4: by default one
- * except on Intel CPUs.  Zen 4 read two tiles' weight streams ~1.35x slower than one at M = 1;
- * the Xeon, measured against four tiles only, keeps two.  The same bits either way. */
-int pg_cl_one_tile(void);
+/* 1 where the small-M rows read one weight stream at a time: the AVX-512 VNNI rows on the
+ * column-lane copy (cpu_qgemv_cl.c) one 16-column tile for up to 8 input rows (else two tiles for
+ * up to 4), and the AVX-512 fp32 / bf16 weight rows (cpu_gemv.c) one weight row at M <= 2 (else
+ * four).  By default on every CPU but Intel's: Zen 4 read several streams 1.2-1.5x slower than
+ * one from DRAM at M = 1; the Xeon was measured against more streams only, and keeps its tiles.
+ * The same bits either way (each output's chain is the same). */
+int pg_one_stream(void);
 /* 1 where tier avx512_bf16 multiplies bf16 weights that carry an AMX copy (cpu_gemv_amx.c), and a
  * bf16 cache's q.K where pa_set_amx asks (cpu_attention.c), on AMX tiles: the CPU and OS have
  * AMX-BF16, pg_set_bf16_amx has not turned it off (on by default) and Linux has not refused this

@@ -441,12 +441,10 @@ def bf16_tier():
 def test_bf16_products_as_fmas_give_the_instructions_bits(bf16_tier):
     """Tier avx512_bf16 computes vdpbf16ps's products (bf16 weights x x rounded to bf16) either by
     the instruction or as two FMAs a lane, the odd product then the even one (pg_bf16_fma, the
-    default on Intel, where the SDM's order is checked): the same bits at every M and tile shape,
-    K with and without a tail (of 1, 3, 8, 13 and 31 elements), fp32 and bf16 x, with a bias,
-    pooled (the LM head) or not. Where the instruction is the default (AMD) both are checked
-    against float64 only: its own hardware may round the pair otherwise."""
+    default on Intel; the SDM's order, checked lane by lane on the Xeon and on Zen 4): the same
+    bits at every M and tile shape, K with and without a tail (of 1, 3, 8, 13 and 31 elements),
+    fp32 and bf16 x, with a bias, pooled (the LM head) or not, and close to float64."""
     g = torch.Generator().manual_seed(21)
-    same_bits = cpu_linear._set_bf16_fma(None)  # the FMAs are the default only where checked
     cases = 0
     for N, K, Ms in [(577, 33, range(1, 17)), (130, 577, (1, 5, 8, 9, 31)), (64, 1000, (3, 8, MAX_M)),
                      (31, 8, (1, 7)), (70, 35, (1, 6, 17)), (45, 45, (2, 8)), (33, 63, (1, 9)),
@@ -463,13 +461,43 @@ def test_bf16_products_as_fmas_give_the_instructions_bits(bf16_tier):
                 assert cpu_linear._set_bf16_fma(True) is True
                 assert cpu_linear.kernel_info()["bf16_dot"] == "fma"
                 y_fma = lin(x)
-                if same_bits:
-                    assert torch.equal(y_dp, y_fma), (N, K, M, xdt)
-                else:
+                assert torch.equal(y_dp, y_fma), (N, K, M, xdt)
+                if M < 3:
                     _check(y_dp, x, w, bias=lin.bias, xround=torch.bfloat16)
-                    _check(y_fma, x, w, bias=lin.bias, xround=torch.bfloat16)
                 cases += 1
     assert cases == 2 * (16 + 5 + 3 + 2 + 3 + 2 + 2 + 4 + 2)
+
+
+def test_one_weight_stream_rows_have_the_tile_rows_bits(tier):
+    """At M <= 2 the AVX-512 rows read one weight row at a time where pg_one_stream (the default
+    but on Intel) or 4-row tiles otherwise: each output is one chain over K either way, so the
+    same bits, for fp32 and bf16 weights and x, N not a multiple of 4, K tails, a bias, pooled
+    (the LM head) or not, vdpbf16ps and its FMAs; and a row's bits the same at M = 1, 2 and 5."""
+    if not tier.startswith("avx512"):
+        pytest.skip("the one-stream rows are the AVX-512 tiers'")
+    g = torch.Generator().manual_seed(23)
+    modes = (False, True) if tier == "avx512_bf16" else (None,)
+    try:
+        for wdt in DTYPES:
+            for N, K in [(577, 33), (130, 577), (31, 1000), (49152, 576)]:
+                w = torch.randn(N, K, generator=g).to(wdt)
+                lin = pack_weight(w, torch.randn(N, generator=g) if N % 2 else None)
+                for xdt in DTYPES:
+                    x = torch.randn(5, K, generator=g).to(xdt)
+                    for fma in modes:
+                        if fma is not None:
+                            cpu_linear._set_bf16_fma(fma)
+                        ys = {}
+                        for one in (False, True):
+                            assert cpu_linear._set_one_stream(one) is one
+                            ys[one] = [lin(x[:M]) for M in (1, 2, 5)]
+                        for a, b in zip(ys[False], ys[True]):
+                            assert torch.equal(a, b), (wdt, N, K, xdt, fma)
+                        five = ys[True][2]
+                        assert torch.equal(ys[True][0], five[:1]) and torch.equal(ys[True][1], five[:2])
+    finally:
+        cpu_linear._set_one_stream(None)
+        cpu_linear._set_bf16_fma(None)
 
 
 def test_bf16_fma_switch_only_at_tier_avx512_bf16_and_by_name(bf16_tier, monkeypatch):

@@ -486,28 +486,28 @@ def test_cl_rows_one_tile_a_pass_have_the_two_tile_rows_bits(tier_cap, qtype):
         pytest.skip("needs a CPU with AVX-512 VNNI")
 
     def walk(one: bool):
-        assert cpu_linear._set_cl_one_tile(one) == one
-        assert cpu_linear.kernel_info()["cl_tiles"] == (1 if one else 2)
+        assert cpu_linear._set_one_stream(one) == one
+        assert cpu_linear.kernel_info()["one_stream"] is one
 
     try:
         _assert_cl_rows_agree(qtype, 17, {"two tiles": lambda: walk(False), "one tile": lambda: walk(True)})
     finally:
-        cpu_linear._set_cl_one_tile(None)
+        cpu_linear._set_one_stream(None)
 
 
-def test_cl_rows_walk_one_tile_by_default_except_on_intel(monkeypatch):
-    """One tile a pass by default (measured on Zen 4), two on Intel (measured on the Xeon against
-    four); PRESCIENT_CL_TILES names the choice, and a bad value is refused by name."""
+def test_small_m_rows_read_one_stream_by_default_except_on_intel(monkeypatch):
+    """One weight stream by default (measured on Zen 4), several on Intel (measured on the Xeon
+    against more); PRESCIENT_ONE_STREAM names the choice, and a bad value is refused by name."""
     if cpu_linear.library() is None:
         pytest.skip("no C library here")
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()
-    assert cpu_linear._set_cl_one_tile(None) is (not intel)
-    monkeypatch.setenv("PRESCIENT_CL_TILES", "2")
-    assert cpu_linear._env_cl_tiles() == 2
-    monkeypatch.setenv("PRESCIENT_CL_TILES", "3")
-    with pytest.raises(ValueError, match="PRESCIENT_CL_TILES"):
-        cpu_linear._env_cl_tiles()
+    assert cpu_linear._set_one_stream(None) is (not intel)
+    monkeypatch.setenv("PRESCIENT_ONE_STREAM", "0")
+    assert cpu_linear._env_one_stream() == 0
+    monkeypatch.setenv("PRESCIENT_ONE_STREAM", "2")
+    with pytest.raises(ValueError, match="PRESCIENT_ONE_STREAM"):
+        cpu_linear._env_one_stream()
 
 
 def test_a_bad_avx_vnni_switch_is_refused_by_name(monkeypatch):
