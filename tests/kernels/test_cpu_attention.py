@@ -270,22 +270,27 @@ def test_strided_q_and_scale():
 
 
 def test_results_do_not_depend_on_threads(pooled):
-    """1, 2 or 3 threads give the same bits (the context pieces are fixed positions; threads
-    only schedule them -- test_attention_invariance.py checks this row by row)."""
+    """1, 2 or 3 threads, and both item plans (whole cache rows per item or split by kv head and
+    tokens: pg_one_stream), give the same bits (the context pieces are fixed positions; threads
+    and items only schedule them -- test_attention_invariance.py checks this row by row)."""
     before = cpu_linear.library().pg_num_threads()
     cases = [_batch([1], [4000], dtype=torch.bfloat16, seed=1),
              _batch([16], [916], dtype=torch.float32, seed=2),
+             _batch([8], [1032], dtype=torch.bfloat16, seed=4),
              _batch([1] * 8, [100 * (i + 1) for i in range(8)], dtype=torch.bfloat16, seed=3)]
     try:
         outs = []
         for n in (1, 2, 3):
             cpu_linear.set_num_threads(n)
-            outs.append([cpu_attention.tree_attention(*c, None, 0.125) for c in cases])
+            for one in (False, True):
+                cpu_linear._set_one_stream(one)
+                outs.append([cpu_attention.tree_attention(*c, None, 0.125) for c in cases])
         for other in outs[1:]:
             for a, b in zip(outs[0], other):
                 assert torch.equal(a, b)
     finally:
         cpu_linear.set_num_threads(before)
+        cpu_linear._set_one_stream(None)
 
 
 def test_pool_on_small_calls(pooled):
