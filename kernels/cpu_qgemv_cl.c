@@ -156,6 +156,27 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
                 c_store(j, m0 + m, 16 * (t + c), n0, n1, acc[m][c]);
 }
 
+/* c_vtile with the pass's shape as compile-time constants: mr input rows (<= 8 with one tile, <= 4
+ * with two) x nc column tiles. */
+static inline __attribute__((always_inline))
+void c_vpass(const pq_job_t *j, const int FMT, int mr, int nc, int m0, int t, int n0, int n1)
+{
+    switch (mr * 2 + nc - 1) {
+    case 2: c_vtile(j, FMT, 1, 1, m0, t, n0, n1); break;
+    case 3: c_vtile(j, FMT, 1, 2, m0, t, n0, n1); break;
+    case 4: c_vtile(j, FMT, 2, 1, m0, t, n0, n1); break;
+    case 5: c_vtile(j, FMT, 2, 2, m0, t, n0, n1); break;
+    case 6: c_vtile(j, FMT, 3, 1, m0, t, n0, n1); break;
+    case 7: c_vtile(j, FMT, 3, 2, m0, t, n0, n1); break;
+    case 8: c_vtile(j, FMT, 4, 1, m0, t, n0, n1); break;
+    case 9: c_vtile(j, FMT, 4, 2, m0, t, n0, n1); break;
+    case 10: c_vtile(j, FMT, 5, 1, m0, t, n0, n1); break;
+    case 12: c_vtile(j, FMT, 6, 1, m0, t, n0, n1); break;
+    case 14: c_vtile(j, FMT, 7, 1, m0, t, n0, n1); break;
+    default: c_vtile(j, FMT, 8, 1, m0, t, n0, n1); break;
+    }
+}
+
 /* Column tiles 2 at a time (at M = 1 four, two blocks each, read K = 1536 rows 12% slower
  * than two: four weight streams; Xeon, L3-resident weights), each pair for every input row
  * while its cells sit in L1.  Or, where pg_one_stream() (by default but on Intel), one tile
@@ -163,45 +184,18 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
  * 1.3-1.4x faster at M = 1 (two tiles' streams from DRAM ran at 17 GB/s, one at 23-25) and
  * 1.05-1.15x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  Each column's chain
  * is the same either way, so are the bits. */
-static inline __attribute__((always_inline)) void c_vrows_one(const pq_job_t *j, int n0, int n1, const int FMT)
-{
-    const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
-    for (int t = t0; t < t1; t++)
-        for (int m0 = 0; m0 < j->M; m0 += 8)
-            switch (j->M - m0 < 8 ? j->M - m0 : 8) {
-            case 1: c_vtile(j, FMT, 1, 1, m0, t, n0, n1); break;
-            case 2: c_vtile(j, FMT, 2, 1, m0, t, n0, n1); break;
-            case 3: c_vtile(j, FMT, 3, 1, m0, t, n0, n1); break;
-            case 4: c_vtile(j, FMT, 4, 1, m0, t, n0, n1); break;
-            case 5: c_vtile(j, FMT, 5, 1, m0, t, n0, n1); break;
-            case 6: c_vtile(j, FMT, 6, 1, m0, t, n0, n1); break;
-            case 7: c_vtile(j, FMT, 7, 1, m0, t, n0, n1); break;
-            default: c_vtile(j, FMT, 8, 1, m0, t, n0, n1); break;
-            }
-}
-
 static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int n0, int n1, const int FMT)
 {
+    const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
     if (pg_one_stream()) {
-        c_vrows_one(j, n0, n1, FMT);
+        for (int t = t0; t < t1; t++)
+            for (int m0 = 0; m0 < j->M; m0 += 8)
+                c_vpass(j, FMT, j->M - m0 < 8 ? j->M - m0 : 8, 1, m0, t, n0, n1);
         return;
     }
-    const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
-    for (int t = t0; t < t1; t += 2) {
-        const int two = t + 1 < t1;
-        for (int m0 = 0; m0 < j->M; m0 += 4) {
-            switch ((j->M - m0 < 4 ? j->M - m0 : 4) * 2 + two) {
-            case 2: c_vtile(j, FMT, 1, 1, m0, t, n0, n1); break;
-            case 3: c_vtile(j, FMT, 1, 2, m0, t, n0, n1); break;
-            case 4: c_vtile(j, FMT, 2, 1, m0, t, n0, n1); break;
-            case 5: c_vtile(j, FMT, 2, 2, m0, t, n0, n1); break;
-            case 6: c_vtile(j, FMT, 3, 1, m0, t, n0, n1); break;
-            case 7: c_vtile(j, FMT, 3, 2, m0, t, n0, n1); break;
-            case 8: c_vtile(j, FMT, 4, 1, m0, t, n0, n1); break;
-            default: c_vtile(j, FMT, 4, 2, m0, t, n0, n1); break;
-            }
-        }
-    }
+    for (int t = t0; t < t1; t += 2)
+        for (int m0 = 0; m0 < j->M; m0 += 4)
+            c_vpass(j, FMT, j->M - m0 < 4 ? j->M - m0 : 4, t + 1 < t1 ? 2 : 1, m0, t, n0, n1);
 }
 
 #pragma GCC pop_options
