@@ -20,8 +20,10 @@
  * FMAs on the widened values otherwise.  P.V on a bf16 cache at tier avx512_bf16 rounds P to bf16
  * (as the GPU kernel's P @ V in the cache dtype; the row sums add the rounded P) and adds the
  * positions in pairs by vdpbf16ps or its two FMAs (bf16_rest): half the multiply-adds' issue
- * slots of fp32 P, and a weight moves by up to 2^-9 of itself.  Every other P.V is fp32.  A bf16
- * output is rounded once, to nearest even.
+ * slots of fp32 P.  A weight moves by up to 2^-8 of itself (bf16's 8 significant bits), the output
+ * by up to ~2^-7 of sum_j P_j |V_j| / l with the renormalisation (random data: ~2^-9).  Unlike the
+ * Triton kernel, whose row sums add the unrounded P, the sums here add the rounded weights.  Every
+ * other P.V is fp32.  A bf16 output is rounded once, to nearest even.
  *
  * Layout of one step (AVX-512 and portable; AVX2 takes q.K from the rows, see its section):
  * 16 consecutive context positions (a "chunk"; they may straddle KV
@@ -31,7 +33,8 @@
  * zmm, and P.V reads V rows in place with the accumulators in registers.  A bf16 V row is
  * widened in registers as its even and odd elements (a shift and a mask per 32 values), so
  * the accumulators hold each 32-wide block of head_dim as [even | odd] halves, put back in
- * order once, when the output row is stored.
+ * order once, when the output row is stored; vdpbf16ps' P.V (pv_chunk_dp) holds them in
+ * vpunpck{l,h}wd's lanes instead (pa_job_t's perm).
  *
  * Memory: an item walks all the kv heads of its positions together (heads are adjacent in
  * a cache row), so each 16-position block of the cache streams in as one contiguous piece,
@@ -44,7 +47,8 @@
  * run on cpu_runtime.c's pool (pg_parallel_for; both files build into one .so).  An item is
  * a run of consecutive pieces of one row block; when there are few row blocks (one
  * sequence decoding or verifying a tree) they are first made more (one per kv head, then
- * shorter token blocks, never past a row block's size), then their pieces are spread over
+ * shorter token blocks, never past a row block's size; where pg_one_stream, only when the
+ * pieces alone would leave a thread without two items), then their pieces are spread over
  * several items (flash-decoding) and the caller folds the later items' pieces after the first
  * item's.  That is scheduling only: the pieces and the fold are the same however the items
  * fall.
@@ -197,7 +201,8 @@ typedef struct {
     size_t part_stride;
     int perm;                /* accumulators per 32 of head_dim: 1 [even | odd] (bf16 V widened,
                               * AVX-512), 2 vpunpck{l,h}wd's lanes (pv_chunk_dp), 0 in order */
-    int dp;                  /* bf16 q x bf16 K as vdpbf16ps computes it (tier avx512_bf16)... */
+    int dp;                  /* bf16 q x bf16 K, and P (rounded to bf16) x bf16 V in position pairs,
+                              * as vdpbf16ps computes them (tier avx512_bf16)... */
     int fma;                 /* ...by its two FMAs (pg_bf16_fma; fp32 q rows), not the instruction */
     int amx;                 /* ...or on AMX tiles (pa_set_amx; bf16 q rows in qb): other bits */
     _Atomic int err;         /* set by an item whose scratch allocation failed */
@@ -798,8 +803,8 @@ static void qk_i8(const uint32_t *kw, int D, const void *const *q, float *s, int
  * i8: the scores are scaled per lane by w->ksc (K scale * scl) instead of scl, and the P
  * stored for P.V is multiplied by the V scales w->vsc (l sums the unscaled P). */
 /* pb (tier avx512_bf16, bf16 V): P is rounded to bf16 (nearest even) for P.V, as the GPU kernel's
- * P @ V runs in the cache dtype, and the row sums add the rounded values, so the weights a row's
- * output is divided by are the ones P.V used.  pb 1 stores the rounded P as fp32 (pv_tile),
+ * P @ V runs in the cache dtype, and the row sums add the rounded values (the GPU kernel's add the
+ * unrounded ones), so the weights a row's output is divided by are the ones P.V used.  pb 1 stores the rounded P as fp32 (pv_tile),
  * pb 2 as 16 bf16, a position pair a dword (pv_chunk_dp's vdpbf16ps operand). */
 static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8, int pb)
 {
@@ -977,7 +982,7 @@ static PA_ONE_BODY void bf16_rest(const pa_job_t *J, pa_ws_t *w, int r0, int RH,
         pv_chunk_dp(w, r0, RH, n, vrow, hoff, D, pf);
         return;
     }
-    const int pb = J->dp;
+    const int pb = J->dp;  /* here J->fma: vdpbf16ps' FMAs on the rounded P */
     const void *vr[PA_CHUNK + 1];
     const pa_pf_t *vpf = pf;
     if (RH <= 6) {
@@ -2254,14 +2259,14 @@ int pa_tree_attention(const pa_args_t *a)
     int nh = (int)(PA_ACC_FLOATS / ((int64_t)ntmax * G * D));
     nh = nh < 1 ? 1 : nh > KVH ? (int)KVH : nh;
     int ngrp = (int)((KVH + nh - 1) / nh);
-    int64_t maxq = 0, fullp = 0;  /* the longest q, and the fewest full pieces of a sequence with q */
+    int64_t maxq = 0, fullp = -1;  /* the longest q, and the fewest full pieces of a sequence with q */
     for (int s = 0; s < S; s++) {
         const int64_t qlen = J.cu[s + 1] - J.cu[s];
         if (qlen == 0)
             continue;
         maxq = qlen > maxq ? qlen : maxq;
         const int64_t fp = (J.cl[s] - qlen + 1) / PA_PIECE;
-        fullp = fullp == 0 || fp < fullp ? fp : fullp;
+        fullp = fullp < 0 || fp < fullp ? fp : fullp;
     }
     /* Few row blocks (one sequence decoding or verifying a draft tree): more of them, first
      * one per kv head (no extra reads: the heads are independent), then shorter token blocks

@@ -11,7 +11,8 @@ back by itself, so calling it directly when ``available()`` is False raises Runt
 
 Numerics: fp32 online softmax and fp32 accumulation; bf16 q.k products are exact in fp32
 (vdpbf16ps or widened FMAs; or AMX tiles, with their own summation, where PRESCIENT_ATTN_AMX=1
-asks for them: off by default, see cpu_attention.c), P.V is fp32, a bf16 output is rounded once to nearest even.  An
+asks for them: off by default, see cpu_attention.c), P.V is fp32 but at tier avx512_bf16 on a bf16
+cache, which rounds P to bf16 (``p_rounded``), a bf16 output is rounded once to nearest even.  An
 int8 cache is widened exactly; its K scale multiplies the q.k sums, its V scale the softmax
 weights, so the result is the reference's on the dequantized cache up to fp32 rounding.
 Batch invariant (per ISA tier and dtype): a query row's output bits depend on its q, the
@@ -138,8 +139,9 @@ def amx_in_use() -> bool:
 
 def p_rounded(kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether P.V rounds the softmax weights P to bf16 now: a bf16 cache at tier avx512_bf16
-    (head_dim a multiple of 32), as the GPU kernel's P @ V runs in the cache dtype.  The output
-    then moves by up to 2^-9 of sum_j P_j |V_j| / l beyond its own rounding (tests bound it)."""
+    (head_dim a multiple of 32), as the GPU kernel's P @ V runs in the cache dtype.  Each weight
+    moves by up to 2^-8 of itself, the output by up to ~2^-7 of sum_j P_j |V_j| / l beyond its own
+    rounding (the row sums add the rounded weights; tests bound it)."""
     if not available() or kv_dtype is not torch.bfloat16 or head_dim % 32:
         return False
     return cpu_linear.library().pg_isa() >= cpu_linear.ISA_TIERS.index("avx512_bf16")

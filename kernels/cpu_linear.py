@@ -331,7 +331,8 @@ def _env_avx_vnni() -> Optional[int]:
 
 def _env_one_stream() -> Optional[int]:
     """PRESCIENT_ONE_STREAM=1|0 (None when unset): the small-M rows read one weight stream at a
-    time (the default except on Intel) or several (Intel's default); the same bits."""
+    time, and attention items whole cache rows where the pieces suffice (the default on x86 but
+    Intel), or several streams and split items (Intel's and aarch64's default); the same bits."""
     v = _env_choice("PRESCIENT_ONE_STREAM", ("0", "1"))
     return None if v is None else int(v)
 
@@ -452,7 +453,8 @@ def kernel_info() -> dict:
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
         info["avx_vnni"] = bool(_lib.pg_avx_vnni())
-        # the small-M rows read one weight stream at a time (pg_one_stream; the same bits)
+        # the small-M rows read one weight stream at a time, attention items whole cache rows
+        # (pg_one_stream; the same bits)
         info["one_stream"] = bool(_lib.pg_one_stream())
         # how tier avx512_bf16 computes vdpbf16ps's products ("dp": the instruction, "fma": two
         # FMAs, the same bits); None below it
@@ -500,8 +502,9 @@ def _set_avx_vnni(on: bool | None) -> bool:
 
 
 def _set_one_stream(on: bool | None) -> bool:
-    """The small-M rows on one weight stream (True) or several (False), or None: the default (one
-    except on Intel CPUs); returns whether one is in use now. For tests and benchmarks."""
+    """The small-M rows on one weight stream and attention items on whole cache rows (True) or not
+    (False), or None: the default (on for x86 CPUs but Intel's); returns whether it is on now. For
+    tests and benchmarks."""
     return bool(library().pg_set_one_stream(-1 if on is None else int(bool(on))))
 
 
@@ -755,9 +758,10 @@ def pack_weight(w: torch.Tensor, bias: Optional[torch.Tensor] = None,
 def build_signature() -> str:
     """What a measurement on these kernels depends on: the CPU, the compiled .so (its name is a
     hash of sources, flags and compiler), the ISA tier in use (and tier avx2's AVX-VNNI rows,
-    tier avx512_bf16's bf16 products). Cost tables are keyed by it."""
+    tier avx512_bf16's bf16 products, the one-stream rows). Cost tables are keyed by it."""
     info = kernel_info()
     isa = (f"{info.get('isa')}{'+avxvnni' if info.get('avx_vnni') else ''}"
-           f"{'+bf16fma' if info.get('bf16_dot') == 'fma' else ''}{'+bf16amx' if info.get('bf16_amx') else ''}")
+           f"{'+bf16fma' if info.get('bf16_dot') == 'fma' else ''}{'+bf16amx' if info.get('bf16_amx') else ''}"
+           f"{'+onestream' if info.get('one_stream') else ''}")
     return "|".join(str(x) for x in (_cpu_signature(), info.get("so"), isa, info.get("threads"),
                                       torch.__version__, len(os.sched_getaffinity(0))))

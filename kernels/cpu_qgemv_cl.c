@@ -12,7 +12,8 @@
  * outputs there), no tail groups (a K of 576 = 16 + 2 blocks pays a second, mostly empty group
  * there), and the weight vectors are shared by every input row from L1 with x broadcast from
  * memory, so up to 4 input rows x 2 column tiles (or 1-2 rows x 2 tiles x 2 blocks) keep up to 8
- * independent chains.  Measured in docs/CPU_PERFORMANCE.md (eleventh session).
+ * independent chains; where pg_one_stream, up to 8 rows x 1 tile (or 1-2 rows x 2 blocks).
+ * Measured in docs/CPU_PERFORMANCE.md (eleventh and seventeenth sessions).
  *
  * Tier avx2 reads the same copy 8 columns a vector (vpmaddubsw pair sums, the same exact block
  * sums and epilogue: the same bits), or, on a CPU with AVX-VNNI (pg_avx_vnni), vpdpbusd on ymm
@@ -173,7 +174,8 @@ void c_vpass(const pq_job_t *j, const int FMT, int mr, int nc, int m0, int t, in
     case 10: c_vtile(j, FMT, 5, 1, m0, t, n0, n1); break;
     case 12: c_vtile(j, FMT, 6, 1, m0, t, n0, n1); break;
     case 14: c_vtile(j, FMT, 7, 1, m0, t, n0, n1); break;
-    default: c_vtile(j, FMT, 8, 1, m0, t, n0, n1); break;
+    case 16: c_vtile(j, FMT, 8, 1, m0, t, n0, n1); break;
+    default: __builtin_trap();  /* no caller asks for another shape */
     }
 }
 
@@ -182,12 +184,12 @@ void c_vpass(const pq_job_t *j, const int FMT, int mr, int nc, int m0, int t, in
  * while its cells sit in L1.  Or, where pg_one_stream() (by default but on Intel), one tile
  * at a time for up to 8 input rows: one weight stream.  On the Zen 4 EPYC that read the copy
  * 1.3-1.4x faster at M = 1 (two tiles' streams from DRAM ran at 17 GB/s, one at 23-25) and
- * 1.05-1.15x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  Each column's chain
+ * 1.05-1.25x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  Each column's chain
  * is the same either way, so are the bits. */
 static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int n0, int n1, const int FMT)
 {
     const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
-    if (pg_one_stream()) {
+    if (j->M <= 8 && pg_one_stream()) {  /* measured at M <= 8; prefill's larger M keeps two */
         for (int t = t0; t < t1; t++)
             for (int m0 = 0; m0 < j->M; m0 += 8)
                 c_vpass(j, FMT, j->M - m0 < 8 ? j->M - m0 : 8, 1, m0, t, n0, n1);

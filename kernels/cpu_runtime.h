@@ -82,12 +82,13 @@ int pg_avx_vnni(void);
  * rate, so the instruction's two products a lane win there. */
 int pg_bf16_fma(void);
 /* 1 where the small-M rows read one weight stream at a time: the AVX-512 VNNI rows on the
- * column-lane copy (cpu_qgemv_cl.c) one 16-column tile for up to 8 input rows (else two tiles for
- * up to 4), and the AVX-512 fp32 / bf16 weight rows (cpu_gemv.c) one weight row at M <= 2 (else
+ * column-lane copy (cpu_qgemv_cl.c) one 16-column tile for up to 8 input rows at M <= 8 (else two
+ * tiles for up to 4), and the AVX-512 fp32 / bf16 weight rows (cpu_gemv.c) one weight row at M <= 2 (else
  * four); and where tree attention's items (cpu_attention.c) read whole cache rows instead of one
  * kv head's or a few tokens' when the context's pieces give every thread two items anyway.  By
- * default on every CPU but Intel's: Zen 4 read several streams 1.2-1.5x slower than one from
- * DRAM at M = 1; the Xeon was measured against more streams only, and keeps its tiles and plans.
+ * default on x86 CPUs but Intel's: Zen 4 read several streams 1.2-1.5x slower than one from
+ * DRAM at M = 1; the Xeon was measured against more streams only, and keeps its tiles and plans
+ * (so does aarch64, not measured).
  * The same bits either way (each output's chain is the same; items only schedule). */
 int pg_one_stream(void);
 /* 1 where tier avx512_bf16 multiplies bf16 weights that carry an AMX copy (cpu_gemv_amx.c), and a

@@ -19,7 +19,8 @@ forwards of one model (latency_bench/step_profile.py's A/B modes) is seen at the
 
 The kernels' own variables stay in kernels/, below this layer: PRESCIENT_KERNELS and
 PRESCIENT_CPU_ATTENTION (read per op by kernels/ops.py; kernels/cpu_layer.enabled honours them
-too), PRESCIENT_CPU_GEMV, PRESCIENT_ISA, PRESCIENT_AVX_VNNI, PRESCIENT_BF16_DOT, PRESCIENT_GEMV_THREADS, PRESCIENT_GEMV_SPIN_US and CC
+too), PRESCIENT_CPU_GEMV, PRESCIENT_ISA, PRESCIENT_AVX_VNNI, PRESCIENT_BF16_DOT, PRESCIENT_ATTN_AMX,
+PRESCIENT_ONE_STREAM, PRESCIENT_GEMV_THREADS, PRESCIENT_GEMV_SPIN_US and CC
 (library load, kernels/cpu_linear.py), TRITON_INTERPRET.
 """
 

@@ -6,8 +6,9 @@ is computed in fp32 from the same bf16 inputs (the products of bf16 values are e
 so that is what the kernel computes before its one rounding of the output), and the kernel
 may differ by one bf16 rounding of the output: |out - ref| <= 2^-8 |ref| + 1e-5.  Where the
 kernel rounds the softmax weights P to bf16 for P.V (tier avx512_bf16, a bf16 cache:
-cpu_attention.p_rounded), each weight moves by up to 2^-9 of itself, so the output by up to 2^-9
-of sum_j P_j |V_j| / l (the reference's attention over |V|, `mag`): the bound adds 2^-8 mag.
+cpu_attention.p_rounded), each weight moves by up to 2^-8 of itself, and with the row sums of the
+rounded weights the output by up to ~2^-7 of sum_j P_j |V_j| / l (the reference's attention over
+|V|, `mag`): the bound adds 2^-7 mag (random data stays near 2^-9).
 
 ISA tiers: test_every_isa_tier runs each tier of cpu_linear.ISA_TIERS the CPU can run (capped
 with cpu_linear._set_isa_cap), the other tests the best one.  The int8 cache has its own file,
@@ -94,12 +95,12 @@ def _batch(q_lens, ctx_lens, *, num_heads=9, num_kv_heads=3, head_dim=64, block_
 
 def _bf16_tol(ref, q, k_cache, v_cache, block_tables, ctx, cu, mask_bits, scale, rounded=None):
     """|out - ref| allowed for a bf16 output (the module docstring): 2^-8 |ref| + 1e-5, plus
-    2^-8 mag where P is rounded (rounded: None asks cpu_attention.p_rounded)."""
+    2^-7 mag where P is rounded (rounded: None asks cpu_attention.p_rounded)."""
     tol = 2.0 ** -8 * ref.abs() + 1e-5
     if rounded is None:
         rounded = cpu_attention.p_rounded(v_cache.dtype, q.shape[-1])
     if rounded:
-        tol = tol + 2.0 ** -8 * reference.tree_attention(
+        tol = tol + 2.0 ** -7 * reference.tree_attention(
             q.float(), k_cache.float(), v_cache.float().abs(), block_tables, ctx, cu, mask_bits, scale)
     return tol
 
@@ -481,9 +482,10 @@ def test_bf16_products_as_fmas_give_the_instructions_bits(heads, isa_cap):
     cpu_attention._set_amx(False)  # the tiles have bits of their own (the test below)
     rng = random.Random(5)
     try:
-        for head_dim in (64, 128):
+        for head_dim in (64, 96, 128):
             for q_lens, ctx_lens, tree in [([1], [17], None), ([1, 1, 1], [33, 400, 1000], None),
-                                           ([9], [300], 9), ([16], [1040], 16), ([40], [40], None)]:
+                                           ([9], [300], 9), ([16], [1040], 16), ([40], [40], None),
+                                           ([5], [5], None), ([3], [21], None)]:
                 batch = _batch(q_lens, ctx_lens, num_heads=heads[0], num_kv_heads=heads[1],
                                head_dim=head_dim, dtype=torch.bfloat16, seed=head_dim + ctx_lens[0])
                 mask = _random_tree(tree, rng).mask_bits() if tree else None

@@ -19,8 +19,10 @@ pq_act_block reports 256 when they quantize x (one scale per super-block).
 from __future__ import annotations
 
 import gc
+import platform
 
 import numpy as np
+
 import pytest
 import torch
 
@@ -496,13 +498,23 @@ def test_cl_rows_one_tile_a_pass_have_the_two_tile_rows_bits(tier_cap, qtype):
 
 
 def test_small_m_rows_read_one_stream_by_default_except_on_intel(monkeypatch):
-    """One weight stream by default (measured on Zen 4), several on Intel (measured on the Xeon
-    against more); PRESCIENT_ONE_STREAM names the choice, and a bad value is refused by name."""
+    """One weight stream by default on x86 (measured on Zen 4), several on Intel (measured on the
+    Xeon against more) and aarch64 (not measured); PRESCIENT_ONE_STREAM names the choice, a bad
+    value is refused by name, and cost tables are kept apart by it."""
     if cpu_linear.library() is None:
         pytest.skip("no C library here")
     with open("/proc/cpuinfo") as f:
         intel = "GenuineIntel" in f.read()
-    assert cpu_linear._set_one_stream(None) is (not intel)
+    x86 = platform.machine() in ("x86_64", "AMD64", "i686")
+    assert cpu_linear._set_one_stream(None) is (x86 and not intel)
+    try:
+        signatures = set()
+        for one in (False, True):
+            cpu_linear._set_one_stream(one)
+            signatures.add(cpu_linear.build_signature())
+        assert len(signatures) == 2
+    finally:
+        cpu_linear._set_one_stream(None)
     monkeypatch.setenv("PRESCIENT_ONE_STREAM", "0")
     assert cpu_linear._env_one_stream() == 0
     monkeypatch.setenv("PRESCIENT_ONE_STREAM", "2")
