@@ -849,6 +849,26 @@ static void softmax_chunk(pa_ws_t *w, int r0, int RH, int G, float scl, int i8, 
  * int8 widened in order (sign extension, then an exact conversion). */
 enum { PA_V_F32 = 0, PA_V_BF16 = 1, PA_V_I8 = 2 };
 
+/* A P.V tile's accumulators: acc[m][cb .. cb + 16 NV) of MR rows, rescaled by corr[m] (the
+ * chunk's softmax correction), and stored back. */
+static inline __attribute__((always_inline))
+void pv_acc_load(__m512 (*a)[4], const float *acc, int D, int cb, const float *corr, const int MR, const int NV)
+{
+    for (int m = 0; m < MR; m++) {
+        const __m512 c = _mm512_set1_ps(corr[m]);
+        for (int v = 0; v < NV; v++)
+            a[m][v] = _mm512_mul_ps(_mm512_load_ps(acc + (size_t)m * D + cb + v * 16), c);
+    }
+}
+
+static inline __attribute__((always_inline))
+void pv_acc_store(__m512 (*a)[4], float *acc, int D, int cb, const int MR, const int NV)
+{
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NV; v++)
+            _mm512_store_ps(acc + (size_t)m * D + cb + v * 16, a[m][v]);
+}
+
 /* acc[m][cb .. cb + 16 NV) = acc * corr[m] + sum_t P[m][t] V[t][cb ...] for MR rows; the V
  * vectors of a position are loaded once and used by all MR rows.  VM (PA_V_*): the dtype of
  * the V rows vr (byte addresses of the head's rows in the cache, or fp32 rows in scratch). */
@@ -858,11 +878,7 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
              const int VM, const int MR, const int NV, const int PB)
 {
     __m512 a[6][4];
-    for (int m = 0; m < MR; m++) {
-        const __m512 c = _mm512_set1_ps(corr[m]);
-        for (int v = 0; v < NV; v++)
-            a[m][v] = _mm512_mul_ps(_mm512_load_ps(acc + (size_t)m * D + cb + v * 16), c);
-    }
+    pv_acc_load(a, acc, D, cb, corr, MR, NV);
     for (int t = 0; t < n; t++) {
         __m512 vv[4];
         /* The same lines of the prefetch chunk's V row (first row block only); an int8
@@ -897,9 +913,7 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
                 a[m][v] = _mm512_fmadd_ps(vv[v], p, a[m][v]);
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < NV; v++)
-            _mm512_store_ps(acc + (size_t)m * D + cb + v * 16, a[m][v]);
+    pv_acc_store(a, acc, D, cb, MR, NV);
 }
 
 #define PA_PV_ROWS(VB, NV, PB, mr, ...)                          \
@@ -1161,11 +1175,7 @@ void pvdp_tile(const uint32_t *P, int np, const void *const *vr, const __m512i *
                const int SRC)
 {
     __m512 a[6][4];
-    for (int m = 0; m < MR; m++) {
-        const __m512 c = _mm512_set1_ps(corr[m]);
-        for (int v = 0; v < NV; v++)
-            a[m][v] = _mm512_mul_ps(_mm512_load_ps(acc + (size_t)m * D + cb + v * 16), c);
-    }
+    pv_acc_load(a, acc, D, cb, corr, MR, NV);
     for (int p = 0; p < np; p++) {
         __m512i vv[4];
         if (SRC == 0) {
@@ -1187,9 +1197,7 @@ void pvdp_tile(const uint32_t *P, int np, const void *const *vr, const __m512i *
             for (int v = 0; v < NV; v++)
                 a[m][v] = dp_bcast(a[m][v], (__m512bh)vv[v], P + m * 16 + p);
     }
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < NV; v++)
-            _mm512_store_ps(acc + (size_t)m * D + cb + v * 16, a[m][v]);
+    pv_acc_store(a, acc, D, cb, MR, NV);
 }
 
 #define PA_PVDP_ROWS(NV, SRC, mr, ...)                            \

@@ -162,21 +162,14 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
 static inline __attribute__((always_inline))
 void c_vpass(const pq_job_t *j, const int FMT, int mr, int nc, int m0, int t, int n0, int n1)
 {
+#define CL_PASS(MR, NC)                                                                     \
+    case (MR) * 2 + (NC) - 1: c_vtile(j, FMT, MR, NC, m0, t, n0, n1); break;
     switch (mr * 2 + nc - 1) {
-    case 2: c_vtile(j, FMT, 1, 1, m0, t, n0, n1); break;
-    case 3: c_vtile(j, FMT, 1, 2, m0, t, n0, n1); break;
-    case 4: c_vtile(j, FMT, 2, 1, m0, t, n0, n1); break;
-    case 5: c_vtile(j, FMT, 2, 2, m0, t, n0, n1); break;
-    case 6: c_vtile(j, FMT, 3, 1, m0, t, n0, n1); break;
-    case 7: c_vtile(j, FMT, 3, 2, m0, t, n0, n1); break;
-    case 8: c_vtile(j, FMT, 4, 1, m0, t, n0, n1); break;
-    case 9: c_vtile(j, FMT, 4, 2, m0, t, n0, n1); break;
-    case 10: c_vtile(j, FMT, 5, 1, m0, t, n0, n1); break;
-    case 12: c_vtile(j, FMT, 6, 1, m0, t, n0, n1); break;
-    case 14: c_vtile(j, FMT, 7, 1, m0, t, n0, n1); break;
-    case 16: c_vtile(j, FMT, 8, 1, m0, t, n0, n1); break;
+    CL_PASS(1, 1) CL_PASS(1, 2) CL_PASS(2, 1) CL_PASS(2, 2) CL_PASS(3, 1) CL_PASS(3, 2)
+    CL_PASS(4, 1) CL_PASS(4, 2) CL_PASS(5, 1) CL_PASS(6, 1) CL_PASS(7, 1) CL_PASS(8, 1)
     default: __builtin_trap();  /* no caller asks for another shape */
     }
+#undef CL_PASS
 }
 
 /* Column tiles 2 at a time (at M = 1 four, two blocks each, read K = 1536 rows 12% slower
