@@ -48,7 +48,7 @@
 #include "cpu_runtime.h"
 #include "cpu_attention.h"
 
-#define PL_VERSION 4
+#define PL_VERSION 5
 
 /* Most tokens of one call (a sanity bound: the scratch the caller passes is sized for the T it
  * calls with, pl_scratch_bytes).  The linears run PG_MAX_M rows at a time (the GEMV kernels' M
@@ -878,4 +878,353 @@ int pl_layers(const pl_layer_args *a, int n)
             return rc;
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------- */
+/* The EAGLE head's step (speculative/eagle_head.py, HeadRunner.step_at)      */
+/* ------------------------------------------------------------------------- */
+
+/* Keep in step with _HeadArgs in kernels/cpu_head.py.  One call of the draft head over n rows:
+ *   x = fc([embed | feature]); qkv = x @ Wqkv^T; rope(q, k); K/V rows -> k_buf/v_buf[start..);
+ *   a = attention over rows [0, free) (all) and [free, start + n) (as `attend` marks them);
+ *   h = x + a @ Wo^T; h += down(silu(gate) * up) of rms_norm(h) * mlp_norm;
+ *   logits = lm_head(h[logit_rows]).
+ * fp32 throughout (the head drafts; its numbers need not match anything bit for bit, and the
+ * tests compare it with the torch arithmetic of HeadRunner.step).  The step's T is n, its
+ * dtype fp32, its cos/sin unused (the rows are gathered here from the tables by position). */
+typedef struct {
+    const pl_step_t *step;
+    const pg_weight_t *fc, *qkv, *o, *gate_up, *down, *lm_head;
+    const float *mlp_norm;            /* [hidden] */
+    const float *embeds, *feats;      /* [n, hidden] each */
+    const float *cos_table, *sin_table;  /* [max_pos, head_dim] */
+    const int64_t *positions;         /* [n] */
+    float *k_buf;                     /* [KVH D, cap]: K transposed (a position a column) */
+    float *v_buf;                     /* [cap, KVH D] */
+    int64_t cap, start, free_rows;
+    const uint8_t *attend;            /* [n, start + n - free_rows] or NULL: causal over the
+                                         new rows, every earlier row */
+    const int64_t *logit_rows;        /* [num_logit_rows] rows of h, or NULL: all n */
+    int64_t num_logit_rows, max_pos;
+    float *h;                         /* [n, hidden] out: f^ */
+    float *logits;                    /* [num_logit_rows, draft vocab] out */
+} pl_head_args;
+
+/* Keys per piece of the head's attention: a query block's scores of one piece stay in L1. */
+#define PH_PIECE 256
+/* Query rows (of one kv head) per block: each K^T row loaded once for all of them. */
+#define PH_QB 8
+
+/* Bytes of scratch a head step of up to n rows over up to `rows` K/V rows needs: the layer's
+ * buffers (fp32), the [n, 2 hidden] input, the gathered RoPE rows and a query block's scores. */
+int64_t pl_head_scratch_bytes(const pl_step_t *s, int64_t n, int64_t rows)
+{
+    pl_bufs_t b;
+    return (int64_t)(layout(s, n, NULL, &b) + pad64((size_t)n * 2 * s->hidden * 4) +
+                     2 * pad64((size_t)n * s->head_dim * 4) + pad64((size_t)PH_QB * rows * 4));
+}
+
+/* e^x in fp32 for the head's softmax (x <= 0 there): Cody-Waite reduction and a degree-6
+ * polynomial, ~2 ulp; branch-free so that the loops calling it vectorise.  The head drafts, so
+ * its softmax need not match torch's bits (the tests allow 1e-5). */
+static inline __attribute__((always_inline)) float head_exp(float x)
+{
+    x = x < -87.f ? -87.f : x;
+    /* round to nearest by adding 1.5 * 2^23 (no libm call: the loops stay vectorised) */
+    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
+    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    float p = 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return p * scale;
+}
+
+
+/* Scores of NQ query rows against 16 positions at a time: sc[j, p] = q_j . K^T[:, p], the
+ * 16 positions' sums one vector per query kept in registers over d (NQ a constant, so gcc
+ * unrolls the query loop; each K^T row segment loaded once for the NQ queries). */
+static inline __attribute__((always_inline)) void head_scores(const float *const *q, const float *kt, int64_t cap,
+                                                              int64_t D, int64_t end, float *sc, const int NQ)
+{
+    int64_t p0 = 0;
+    for (; p0 + 16 <= end; p0 += 16) {
+        float acc[PH_QB][16] = {{0}};
+        for (int64_t d = 0; d < D; d++) {
+            const float *k = kt + d * cap + p0;
+            for (int j = 0; j < NQ; j++) {
+                const float qd = q[j][d];
+                for (int l = 0; l < 16; l++)
+                    acc[j][l] += qd * k[l];
+            }
+        }
+        for (int j = 0; j < NQ; j++)
+            memcpy(sc + j * end + p0, acc[j], 64);
+    }
+    for (int j = 0; j < NQ; j++)  /* the last positions, fewer than 16 */
+        for (int64_t p = p0; p < end; p++) {
+            float v = 0.f;
+            for (int64_t d = 0; d < D; d++)
+                v += q[j][d] * kt[d * cap + p];
+            sc[j * end + p] = v;
+        }
+}
+
+/* o_j[0, D) = sum over p of w[j, p] V[p] (NQ queries; V rows `stride` apart), 16 columns at a
+ * time: each V row segment loaded once for the NQ queries. */
+static inline __attribute__((always_inline)) void head_pv(const float *w, const float *v, int64_t stride,
+                                                          int64_t D, int64_t end, float *const *o, const int NQ)
+{
+    int64_t d0 = 0;
+    for (; d0 + 16 <= D; d0 += 16) {
+        float acc[PH_QB][16] = {{0}};
+        for (int64_t p = 0; p < end; p++) {
+            const float *vr = v + p * stride + d0;
+            for (int j = 0; j < NQ; j++) {
+                const float wj = w[j * end + p];
+                for (int l = 0; l < 16; l++)
+                    acc[j][l] += wj * vr[l];
+            }
+        }
+        for (int j = 0; j < NQ; j++)
+            memcpy(o[j] + d0, acc[j], 64);
+    }
+    for (int j = 0; j < NQ; j++)  /* head_dim not a multiple of 16 */
+        for (int64_t d = d0; d < D; d++) {
+            float acc = 0.f;
+            for (int64_t p = 0; p < end; p++)
+                acc += w[j * end + p] * v[p * stride + d];
+            o[j][d] = acc;
+        }
+}
+
+#define PH_NQ_CASES(F) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8)
+
+/* out[t, head] = softmax(q . K^T * scale over the rows row t may see) @ V.  K is kept
+ * transposed (k_buf [KVH D, cap]: a position's keys down a column), so a block of queries'
+ * scores grow 16 positions a vector with one broadcast q element a step and no horizontal
+ * sums; V rows are [cap, KVH D].  The queries of one kv head go PH_QB at a time (its heads'
+ * rows of up to PH_QB / rep tokens).  sc: [PH_QB, end] scores.  The body is compiled once per
+ * tier (the wrappers below), its fixed-size loops vectorised by gcc for that tier's registers. */
+typedef void (*ph_scores_fn)(const float *const *, const float *, int64_t, int64_t, int64_t, float *, const int);
+typedef void (*ph_pv_fn)(const float *, const float *, int64_t, int64_t, int64_t, float *const *, const int);
+
+static inline __attribute__((always_inline)) void head_attention_body(const pl_step_t *s, const pl_head_args *a,
+                                                                      const float *qkv, float *out, float *sc,
+                                                                      ph_scores_fn scores, ph_pv_fn pv)
+{
+    const int64_t n = s->T, D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads, rep = H / KVH;
+    const int64_t kv = KVH * D, row = (H + 2 * KVH) * D, cap = a->cap;
+    const int64_t start = a->start, free = a->free_rows, end = start + n, wid = end - free;
+    const float scale = (float)s->scale;
+    for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t j0 = 0; j0 < n * rep; j0 += PH_QB) {
+            const int nq = n * rep - j0 < PH_QB ? (int)(n * rep - j0) : PH_QB;
+            const float *q[PH_QB];
+            float *o[PH_QB];
+            int64_t tok[PH_QB];
+            for (int j = 0; j < nq; j++) {  /* query j0 + j: token (j0 + j) / rep, head g rep + r */
+                const int64_t head = g * rep + (j0 + j) % rep;
+                tok[j] = (j0 + j) / rep;
+                q[j] = qkv + tok[j] * row + head * D;
+                o[j] = out + tok[j] * H * D + head * D;
+            }
+            const float *kt = a->k_buf + g * D * cap;
+            switch (nq) {
+#define PH_CASE(NQ) case NQ: scores(q, kt, cap, D, end, sc, NQ); break;
+                PH_NQ_CASES(PH_CASE)
+#undef PH_CASE
+            }
+            for (int j = 0; j < nq; j++) {
+                float *sj = sc + j * end;
+                const int64_t t = tok[j];
+                const uint8_t *m = a->attend ? a->attend + t * wid : NULL;
+                for (int64_t p = 0; p < free; p++)
+                    sj[p] *= scale;
+                for (int64_t p = free; p < end; p++) {
+                    const int see = m ? m[p - free] != 0 : (p < start || p <= start + t);
+                    sj[p] = see ? sj[p] * scale : -INFINITY;
+                }
+                float mx = -INFINITY;
+                for (int64_t p = 0; p < end; p++)
+                    mx = sj[p] > mx ? sj[p] : mx;
+                float sum = 0.f;
+                for (int64_t p = 0; p < end; p++) {
+                    const float e = head_exp(sj[p] - mx);
+                    sj[p] = sj[p] == -INFINITY ? 0.f : e;
+                    sum += sj[p];
+                }
+                const float inv = 1.f / sum;
+                for (int64_t p = 0; p < end; p++)
+                    sj[p] *= inv;
+            }
+            const float *v = a->v_buf + g * D;
+            switch (nq) {
+#define PH_CASE(NQ) case NQ: pv(sc, v, kv, D, end, o, NQ); break;
+                PH_NQ_CASES(PH_CASE)
+#undef PH_CASE
+            }
+        }
+    }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+/* head_scores / head_pv in AVX-512 (16 positions or columns a vector) and AVX2 (8), the NQ
+ * accumulators in registers: gcc's own vectorisation of the plain loops spilled them. */
+#define PH_SIMD(NAME, TGT, VT, W, ZERO, LOAD, STORE, SET1, FMA) \
+TGT static inline __attribute__((always_inline)) void NAME##_scores(const float *const *q, const float *kt, \
+        int64_t cap, int64_t D, int64_t end, float *sc, const int NQ) \
+{ \
+    int64_t p0 = 0; \
+    for (; p0 + W <= end; p0 += W) { \
+        VT acc[PH_QB]; \
+        for (int j = 0; j < NQ; j++) \
+            acc[j] = ZERO; \
+        for (int64_t d = 0; d < D; d++) { \
+            const VT k = LOAD(kt + d * cap + p0); \
+            for (int j = 0; j < NQ; j++) \
+                acc[j] = FMA(SET1(q[j][d]), k, acc[j]); \
+        } \
+        for (int j = 0; j < NQ; j++) \
+            STORE(sc + j * end + p0, acc[j]); \
+    } \
+    for (int j = 0; j < NQ; j++) \
+        for (int64_t p = p0; p < end; p++) { \
+            float v = 0.f; \
+            for (int64_t d = 0; d < D; d++) \
+                v += q[j][d] * kt[d * cap + p]; \
+            sc[j * end + p] = v; \
+        } \
+} \
+TGT static inline __attribute__((always_inline)) void NAME##_pv(const float *w, const float *v, int64_t stride, \
+        int64_t D, int64_t end, float *const *o, const int NQ) \
+{ \
+    int64_t d0 = 0; \
+    for (; d0 + W <= D; d0 += W) { \
+        VT acc[PH_QB]; \
+        for (int j = 0; j < NQ; j++) \
+            acc[j] = ZERO; \
+        for (int64_t p = 0; p < end; p++) { \
+            const VT vr = LOAD(v + p * stride + d0); \
+            for (int j = 0; j < NQ; j++) \
+                acc[j] = FMA(SET1(w[j * end + p]), vr, acc[j]); \
+        } \
+        for (int j = 0; j < NQ; j++) \
+            STORE(o[j] + d0, acc[j]); \
+    } \
+    for (int j = 0; j < NQ; j++) \
+        for (int64_t d = d0; d < D; d++) { \
+            float acc = 0.f; \
+            for (int64_t p = 0; p < end; p++) \
+                acc += w[j * end + p] * v[p * stride + d]; \
+            o[j][d] = acc; \
+        } \
+}
+
+PH_SIMD(ph512, __attribute__((target("avx512f,avx512dq,avx2,fma"))), __m512, 16, _mm512_setzero_ps(),
+        _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
+PH_SIMD(ph256, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps(),
+        _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
+#undef PH_SIMD
+
+__attribute__((target("avx512f,avx512dq,avx2,fma"))) static void head_attention_avx512(
+    const pl_step_t *s, const pl_head_args *a, const float *qkv, float *out, float *sc)
+{
+    head_attention_body(s, a, qkv, out, sc, ph512_scores, ph512_pv);
+}
+
+__attribute__((target("avx2,fma"))) static void head_attention_avx2(
+    const pl_step_t *s, const pl_head_args *a, const float *qkv, float *out, float *sc)
+{
+    head_attention_body(s, a, qkv, out, sc, ph256_scores, ph256_pv);
+}
+#endif
+
+static void head_attention(const pl_step_t *s, const pl_head_args *a, const float *qkv, float *out, float *sc)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    if (pg_isa() >= ISA_AVX512) {
+        head_attention_avx512(s, a, qkv, out, sc);
+        return;
+    }
+    if (pg_isa() >= ISA_AVX2) {
+        head_attention_avx2(s, a, qkv, out, sc);
+        return;
+    }
+#endif
+    head_attention_body(s, a, qkv, out, sc, head_scores, head_pv);
+}
+
+/* The head's step (see pl_head_args).  0, PL_EARGS for bad shapes or rows past the buffers, or
+ * a linear's error. */
+int pl_head_step(const pl_head_args *a)
+{
+    const pl_step_t *s = a->step;
+    const int64_t n = s->T, hid = s->hidden, D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads;
+    const int64_t kv = KVH * D, row = (H + 2 * KVH) * D, end = a->start + n;
+    const int64_t nl = a->logit_rows ? a->num_logit_rows : n;
+    if (n < 1 || n > PL_MAX_T || s->dtype != DT_F32 || D % 2 || D > 512 || H % KVH || !s->scratch ||
+        s->sum_lanes < 1 || s->sum_lanes > PL_MAX_LANES || a->free_rows < 0 || a->free_rows > a->start ||
+        end > a->cap || a->fc->N != hid || a->fc->K != 2 * hid || a->qkv->N != row || a->qkv->K != hid ||
+        a->o->N != hid || a->o->K != H * D || a->gate_up->N != 2 * s->inter || a->gate_up->K != hid ||
+        a->down->N != hid || a->down->K != s->inter || a->lm_head->K != hid || nl < 0 || nl > n)
+        return PL_EARGS;
+    for (int64_t i = 0; i < n; i++)
+        if (a->positions[i] < 0 || a->positions[i] >= a->max_pos)
+            return PL_EARGS;
+    for (int64_t i = 0; a->logit_rows && i < nl; i++)
+        if (a->logit_rows[i] < 0 || a->logit_rows[i] >= n)
+            return PL_EARGS;
+    pl_bufs_t b;
+    char *base = (char *)(intptr_t)s->scratch;
+    const size_t used = layout(s, n, base, &b);
+    float *ef = (float *)(base + used);
+    float *cs = (float *)((char *)ef + pad64((size_t)n * 2 * hid * 4));
+    float *sn = (float *)((char *)cs + pad64((size_t)n * D * 4));
+    float *sc = (float *)((char *)sn + pad64((size_t)n * D * 4));
+    pl_step_t st = *s;  /* this step's RoPE rows */
+    st.cos = (int64_t)(intptr_t)cs;
+    st.sin = (int64_t)(intptr_t)sn;
+    for (int64_t i = 0; i < n; i++) {
+        memcpy(ef + i * 2 * hid, a->embeds + i * hid, (size_t)hid * 4);
+        memcpy(ef + i * 2 * hid + hid, a->feats + i * hid, (size_t)hid * 4);
+        memcpy(cs + i * D, a->cos_table + a->positions[i] * D, (size_t)D * 4);
+        memcpy(sn + i * D, a->sin_table + a->positions[i] * D, (size_t)D * 4);
+    }
+    float *h = a->h;
+    int rc;
+    if ((rc = run_linear(a->fc, (const char *)ef, (char *)h, (int)n, DT_F32)) ||
+        (rc = run_linear(a->qkv, (const char *)h, b.qkv, (int)n, DT_F32)))
+        return rc;
+    rope(&st, b.qkv, (int)n, (float *)b.sq);
+    const float *qkv = (const float *)b.qkv;
+    for (int64_t i = 0; i < n; i++) {  /* K down column start + i, V as row start + i */
+        for (int64_t c = 0; c < kv; c++)
+            a->k_buf[c * a->cap + a->start + i] = qkv[i * row + H * D + c];
+        memcpy(a->v_buf + (a->start + i) * kv, qkv + i * row + H * D + kv, (size_t)kv * 4);
+    }
+    head_attention(&st, a, qkv, (float *)b.attn, sc);
+    if ((rc = run_linear(a->o, b.attn, b.y, (int)n, DT_F32)))
+        return rc;
+    add_rows(DT_F32, h, b.y, (int)n, (int)hid, (int)hid);
+    rms_norm(&st, h, a->mlp_norm, b.x, (int)n, (float *)b.sq);
+    if ((rc = run_linear(a->gate_up, b.x, b.gu, (int)n, DT_F32)))
+        return rc;
+    silu_mul(&st, b.gu, b.act, (int)n);
+    if ((rc = run_linear(a->down, b.act, b.y, (int)n, DT_F32)))
+        return rc;
+    add_rows(DT_F32, h, b.y, (int)n, (int)hid, (int)hid);
+    const float *src = h;
+    if (a->logit_rows) {  /* the wanted rows, contiguous */
+        for (int64_t i = 0; i < nl; i++)
+            memcpy((float *)b.x + i * hid, h + a->logit_rows[i] * hid, (size_t)hid * 4);
+        src = (const float *)b.x;
+    }
+    return nl ? run_linear(a->lm_head, (const char *)src, (char *)a->logits, (int)nl, DT_F32) : 0;
 }

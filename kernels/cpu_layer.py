@@ -45,7 +45,7 @@ from prescient.kernels import cpu_attention, cpu_linear
 log = logging.getLogger(__name__)
 
 _OFF = ("0", "false", "off")
-_C_VERSION = 4  # must match PL_VERSION in cpu_layer.c
+_C_VERSION = 5  # must match PL_VERSION in cpu_layer.c
 
 
 def _max_tokens() -> int:

@@ -115,20 +115,43 @@ class DynamicTree:
                 node = self.parents[node]
         return order, attend
 
-    def build(self) -> DraftTree:
+    def build(self, first: Sequence[int] = ()) -> DraftTree:
         """EAGLE-2 reranking: the `budget` highest-valued nodes, as a DraftTree whose children
         are ordered best first (the verifier tries them in index order); depth-first numbering
-        puts the first path at nodes 1, 2, ... (in place in the target's KV: no copy)."""
-        kept = set(sorted(range(1, self.num_nodes), key=self._key)[: self.budget])
-        children: list[list[int]] = [[] for _ in range(self.num_nodes)]
-        for node in sorted(kept, key=self._key):
-            children[self.parents[node]].append(node)
-        tokens, parents = [], []
-        stack = [(0, -1)]  # (node, index of its parent in the output)
+        puts the first path at nodes 1, 2, ... (in place in the target's KV: no copy).
+
+        first: tokens of a chain from another draft (an n-gram copy) placed first; the ranked
+        nodes then fill what is left of the budget, a node the chain already holds costing
+        nothing (the union of both drafts: the verifier accepts along whichever is right)."""
+        kids: list[list[int]] = [[]]  # the union's nodes: children in insertion order
+        tokens, index = [self.tokens[0]], {}  # (union node, token) -> union node
+
+        def add(parent: int, token: int) -> int | None:
+            node = index.get((parent, token))
+            if node is None and len(tokens) <= self.budget:
+                node = index[(parent, token)] = len(tokens)
+                tokens.append(token)
+                kids.append([])
+                kids[parent].append(node)
+            return node
+
+        node = 0
+        for token in first:
+            node = add(node, int(token))
+            if node is None:
+                break
+        mapped = {0: 0}  # a ranked node -> its union node
+        for node in sorted(range(1, self.num_nodes), key=self._key):
+            union = add(mapped[self.parents[node]], self.tokens[node])
+            if union is None:  # the budget is spent; later nodes rank lower
+                break
+            mapped[node] = union
+        out_tokens, out_parents = [], []
+        stack = [(0, -1)]  # (union node, index of its parent in the output)
         while stack:
             node, parent = stack.pop()
-            tokens.append(self.tokens[node])
-            parents.append(parent)
-            here = len(tokens) - 1
-            stack.extend((child, here) for child in reversed(children[node]))
-        return DraftTree(tokens, parents)
+            out_tokens.append(tokens[node])
+            out_parents.append(parent)
+            here = len(out_tokens) - 1
+            stack.extend((child, here) for child in reversed(kids[node]))
+        return DraftTree(out_tokens, out_parents)

@@ -16,8 +16,10 @@ f_t). One `propose` per request:
 
 With an n-gram proposer beside it (`EagleConfig.ngram`), a request whose text the n-gram index
 matches for at least `ngram_min_match` tokens (a copy in progress: tool output, an edited file)
-takes the n-gram tree, any other the head's: copying beats a one-layer head where it applies, and
-the head is what drafts free text.
+takes the n-gram tree: copying beats a one-layer head where it applies. A shorter match's best
+chain (up to `ngram_share` of the budget) and the head's best nodes share one tree
+(`DynamicTree.build(first=...)`), so one verify checks both guesses; with no match the head's
+tree alone.
 
 Features arrive only for tokens the target computed: a cached prefix has none, so the head's rows
 start where features start (the head attends to what it has); a step with no feature for the
@@ -50,7 +52,10 @@ class EagleConfig:
     catch_up: int = 256  # most head rows computed for a context at once (a long prompt's tail)
     max_context: int = 2048  # head rows kept per request (older ones dropped)
     ngram: object | None = None  # an NgramProposer to take copies (None: the head alone)
-    ngram_min_match: int = 4
+    ngram_min_match: int = 4  # a match this long takes the n-gram tree alone
+    # a shorter match's best chain joins the head's tree, up to this share of the budget (the
+    # head's nodes fill the rest; one verify checks both guesses)
+    ngram_share: float = 0.5
 
 
 # heads shipped with the package, named as in the cache folder
@@ -95,13 +100,23 @@ def draft_lm_head(model, ids: torch.Tensor):
     return make_linear(head.weight[ids].contiguous())
 
 
+def _first_path(tree: DraftTree) -> list[int]:
+    """The tokens along a tree's first children from the root (its best guess)."""
+    out, cur = [], 0
+    for i in range(1, tree.num_nodes):  # parents come first: the first child of cur is the next i below it
+        if tree.parents[i] == cur:
+            out.append(tree.tokens[i])
+            cur = i
+    return out
+
+
 @dataclass
 class _State:
     start: int = 0  # position of the first kept feature / head row
     feats: torch.Tensor | None = None  # [cap, hidden] fp32, positions start..start+num_feats-1
     num_feats: int = 0
-    k: torch.Tensor | None = None  # [cap, kv] head rows t = start..start+num_rows-1
-    v: torch.Tensor | None = None
+    k: torch.Tensor | None = None  # [kv, cap] head rows t = start..start+num_rows-1, transposed
+    v: torch.Tensor | None = None  # [cap, kv]
     num_rows: int = 0
     row_tokens: list[int] = field(default_factory=list)  # x_{t+1} of each head row
 
@@ -134,6 +149,8 @@ class EagleProposer:
             raise ValueError(f"the head at {path} was trained for {head.cfg.target}, not this model ({want})")
         self.model = model
         self.runner = HeadRunner(head, draft_lm_head(model, head.draft_ids))
+        # most tree rows one proposal computes: a frontier of top_k (+ the greedy node) a depth
+        self._tree_rows = config.max_depth * (config.top_k + 1)
         self.path = path
         self._states: dict[str, _State] = {}
         self.ngram = config.ngram
@@ -170,7 +187,7 @@ class EagleProposer:
         st.num_feats -= n
         d = min(n, st.num_rows)
         if st.k is not None:
-            st.k, st.v = st.k[d:st.num_rows].clone(), st.v[d:st.num_rows].clone()
+            st.k, st.v = st.k[:, d:st.num_rows].clone(), st.v[d:st.num_rows].clone()
         st.num_rows -= d
         del st.row_tokens[:d]
         st.start += n
@@ -184,26 +201,26 @@ class EagleProposer:
         budget = min(ctx.max_draft_tokens, self.config.max_draft_tokens)
         if budget <= 0:
             return None
+        copy = None  # a short n-gram match's tree: its best chain joins the head's tree
         if self.ngram is not None:
-            tree = self.ngram.propose([ProposalContext(ctx.request_id, ctx.session_id, ctx.token_ids, budget,
+            copy = self.ngram.propose([ProposalContext(ctx.request_id, ctx.session_id, ctx.token_ids, budget,
                                                        ctx.tenant)])[0]
-            if tree is not None and self.ngram.last_match_len(ctx.request_id) >= self.config.ngram_min_match:
+            if copy is not None and self.ngram.last_match_len(ctx.request_id) >= self.config.ngram_min_match:
                 self.num_ngram_trees += 1
-                return tree
+                return copy
         st = self._states.get(ctx.request_id)
         root = len(ctx.token_ids) - 1  # the root's position
         if st is None or st.start + st.num_feats < root or root - 1 < st.start:
-            return None  # no feature for the position before the root
+            return copy  # no feature for the position before the root
         f_root = self._catch_up(st, ctx.token_ids, root)
-        if f_root is None:
-            return None
-        tree = self._expand(st, ctx.token_ids[-1], root, f_root, budget)
+        chain = _first_path(copy)[:int(budget * self.config.ngram_share)] if copy is not None else []
+        tree = self._expand(st, ctx.token_ids[-1], root, f_root, budget, chain)
         self.num_head_trees += tree is not None
         return tree
 
     def _catch_up(self, st: _State, tokens: Sequence[int], root: int):
         """Head rows up to t = root - 1; -> (f^_root [1, hidden], draft logits [1, V]) of the
-        last, or None."""
+        last."""
         r = self.runner
         # rows built from tokens the context no longer has (a rewritten context) go
         lo = st.start + 1
@@ -223,27 +240,23 @@ class EagleProposer:
         feats = st.feats[first - st.start:last - st.start + 1]
         positions = torch.arange(first, last + 1)
         past = st.num_rows
-        attend = torch.ones(n, past + n, dtype=torch.bool)
-        attend[:, past:] = torch.ones(n, n, dtype=torch.bool).tril()
-        kv = r.kv_size
-        st.k, st.v = _grow(st.k, past + n, kv), _grow(st.v, past + n, kv)
-        h, k, v, logits = r.step(self.model.embed_tokens(ids), feats, positions, st.k[:past], st.v[:past], attend,
-                                 logits_rows=[n - 1])
-        st.k[past:past + n], st.v[past:past + n] = k, v
+        # room for this proposal's tree rows too, kept after the committed ones (scratch)
+        self._reserve_rows(st, past + n + self._tree_rows)
+        h, logits = r.step_at(self.model.embed_tokens(ids), feats, positions, st.k, st.v, past, past, None,
+                              logits_rows=[n - 1])
         st.num_rows += n
         st.row_tokens += ids.tolist()
         return h[n - 1:n], logits
 
-    def _expand(self, st: _State, root_token: int, root: int, start, budget: int) -> DraftTree | None:
+    def _expand(self, st: _State, root_token: int, root: int, start, budget: int,
+                chain: Sequence[int] = ()) -> DraftTree | None:
         cfg, r = self.config, self.runner
         f_root, logits = start
         tree = DynamicTree(root_token, budget, cfg.max_depth, cfg.top_k)
         self._add_children(tree, [0], logits)
         out_feat = {0: f_root[0]}  # node -> f^ its children's rows read
-        node_row: dict[int, int] = {}  # node -> its row in the tree K/V
-        tk: list[torch.Tensor] = []
-        tv: list[torch.Tensor] = []
-        past_k, past_v = st.k[:st.num_rows], st.v[:st.num_rows]
+        node_row: dict[int, int] = {}  # node -> its row among the tree's (after the committed rows)
+        past = st.num_rows
         while True:
             frontier = tree.frontier()
             if not frontier:
@@ -252,25 +265,32 @@ class EagleProposer:
             ids = torch.tensor([tree.tokens[x] for x in frontier], dtype=torch.int64)
             feats = torch.stack([out_feat[tree.parents[x]] for x in frontier])
             positions = torch.tensor([root + tree.depths[x] - 1 for x in frontier])
-            attend = torch.zeros(n, st.num_rows + held + n, dtype=torch.bool)
-            attend[:, :st.num_rows] = True
+            marks = [[False] * (held + n) for _ in frontier]  # its ancestors' rows and its own
             for j, x in enumerate(frontier):
                 a = tree.parents[x]
                 while a > 0:
-                    attend[j, st.num_rows + node_row[a]] = True
+                    marks[j][node_row[a]] = True
                     a = tree.parents[a]
-                attend[j, st.num_rows + held + j] = True
-            keys = torch.cat([past_k, *tk]) if tk else past_k
-            vals = torch.cat([past_v, *tv]) if tv else past_v
-            h, k, v, logits = r.step(self.model.embed_tokens(ids), feats, positions, keys, vals, attend)
+                marks[j][held + j] = True
+            self._reserve_rows(st, past + held + n)
+            h, logits = r.step_at(self.model.embed_tokens(ids), feats, positions, st.k, st.v, past + held, past,
+                                  torch.tensor(marks, dtype=torch.bool))
             for j, x in enumerate(frontier):
                 node_row[x] = held + j
                 out_feat[x] = h[j]
-            tk.append(k)
-            tv.append(v)
             self._add_children(tree, frontier, logits)
-        built = tree.build()
+        built = tree.build(chain)
         return built if built.num_nodes > 1 else None
+
+    def _reserve_rows(self, st: _State, rows: int) -> None:
+        """Head K/V buffers of at least `rows` positions (the committed ones kept)."""
+        kv = self.runner.kv_size
+        st.v = _grow(st.v, rows, kv)
+        if st.k is None or st.k.shape[1] < st.v.shape[0]:  # K transposed: positions are columns
+            k = torch.empty(kv, st.v.shape[0], dtype=torch.float32)
+            if st.k is not None:
+                k[:, :st.k.shape[1]] = st.k
+            st.k = k
 
     def _add_children(self, tree: DynamicTree, nodes: list[int], logits: torch.Tensor) -> None:
         """logits: [len(nodes), draft_vocab] -> each node's top-k children (target ids)."""

@@ -2,8 +2,8 @@
 
 The head (speculative/eagle_head.py) learns to predict the target's next feature from its
 current one, so it is trained on the target's own behaviour: the bundled chat prompts
-(speculative/data/head_prompts.jsonl) are run through the target (one greedy and one sampled
-output each), every sequence then goes through one plain forward that keeps the features, and
+(speculative/data/head_prompts.jsonl) are run through the target (one greedy and some sampled
+outputs each), every sequence then goes through one plain forward that keeps the features, and
 the head is fitted to them. The result is a head file (the draft vocab's ids, fc and the
 layer), by default where the runtime looks for the target's head (eagle_head.default_head_path).
 

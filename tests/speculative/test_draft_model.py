@@ -257,6 +257,19 @@ def test_rows_put_the_first_path_in_place():
     assert attend.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
 
 
+def test_build_with_a_chain_first_is_the_union_within_the_budget():
+    """Ranked nodes a(-0.1) > a1(-0.15) > b(-0.2) > b1(-0.3) > a2(-0.4). Without a chain the four
+    best nodes. A chain [b, 7] placed first takes nodes 1, 2; then a, a1 fill the budget of 4, b
+    costing nothing again, b1 not fitting. A chain as long as the budget leaves no room."""
+    tree = DynamicTree(0, 4, 4, 2)
+    f64 = torch.float64
+    tree.expand([0], torch.tensor([[10, 20]]), torch.tensor([[-0.1, -0.2]], dtype=f64))
+    tree.expand([1, 2], torch.tensor([[11, 12], [21, 22]]), torch.tensor([[-0.05, -0.3], [-0.1, -0.4]], dtype=f64))
+    assert tree.build() == DraftTree([0, 10, 11, 20, 21], [-1, 0, 1, 0, 3])
+    assert tree.build(first=[20, 7]) == DraftTree([0, 20, 7, 10, 11], [-1, 0, 1, 0, 3])
+    assert tree.build(first=[20, 21, 5, 6, 8]) == DraftTree([0, 20, 21, 5, 6], [-1, 0, 1, 2, 3])
+
+
 # ---------------------------------------------------------------- (c) KV in step
 
 

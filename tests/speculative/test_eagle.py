@@ -12,13 +12,16 @@ import random
 import pytest
 import torch
 
+from prescient.kernels import cpu_linear
 from prescient.runtime.loader import load_checkpoint
 from prescient.runtime.model import LlamaModel
 from prescient.runtime.sampling_params import SamplingParams
-from prescient.speculative.eagle import EagleConfig, EagleProposer, fingerprint, lm_head_rows
+from prescient.speculative.eagle import EagleConfig, EagleProposer, _first_path, fingerprint, lm_head_rows
 from prescient.speculative.eagle_head import EagleHead, HeadConfig, HeadRunner
 from prescient.speculative.ngram import NgramProposer
+from prescient.speculative.proposer import ProposalContext
 from tests.conftest import make_tiny_checkpoint
+from tests.kernels.kernel_oracles import run_at_tier
 from tests.runtime.test_model_reference import full_forward
 # one torch thread, and the tiny float64 target of the draft-model tests
 from tests.speculative.test_draft_model import engine_with, one_thread, target  # noqa: F401
@@ -66,6 +69,78 @@ def test_drafting_rows_equal_the_training_forward(target):
         ks, vs = torch.cat([ks, k]), torch.cat([vs, v])
         torch.testing.assert_close(h[0], ref[t], atol=1e-4, rtol=1e-4)
     assert logits.shape == (1, head.cfg.draft_vocab)
+
+
+# fp32 in another order (the native softmax's exp, SiLU's, the sums), through random linears that
+# grow each layer's values ~2.4x: as test_drafting_rows_equal_the_training_forward allows
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_rows_kept_in_place_give_steps_rows(target, native):
+    """step_at (K/V written into the caller's buffers, K transposed; the committed rows attended
+    whole, the tree's rows by a mask) computes step's rows, in one native call and in torch ops:
+    a 6-row catch-up over 5 committed rows, then a depth of 3 tree rows over 2 earlier tree rows,
+    each attending to its own ancestors only."""
+    head = random_head(target, seed=3)
+    runner = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32, native=native)
+    assert (runner.native is not None) == native
+    H, kv = target.config.hidden_size, runner.kv_size
+    torch.manual_seed(4)
+    kb, vb = torch.zeros(kv, 300), torch.zeros(300, kv)
+    past = 5
+    kb[:, :past], vb[:past] = torch.randn(kv, past), torch.randn(past, kv)
+    e, f = torch.randn(6, H), torch.randn(6, H)
+    pos = torch.arange(past, past + 6)
+    causal = torch.ones(6, past + 6, dtype=torch.bool)
+    causal[:, past:] = torch.ones(6, 6, dtype=torch.bool).tril()
+    h_ref, k_ref, v_ref, l_ref = runner.step(e, f, pos, kb[:, :past].T.clone(), vb[:past].clone(), causal, [5])
+    h, logits = runner.step_at(e, f, pos, kb, vb, past, past, None, logits_rows=[5])
+    torch.testing.assert_close(h, h_ref, **TOL)
+    torch.testing.assert_close(logits, l_ref, **TOL)
+    torch.testing.assert_close(kb[:, past:past + 6].T, k_ref, **TOL)
+    torch.testing.assert_close(vb[past:past + 6], v_ref, **TOL)
+    committed = past + 6
+    kb[:, committed:committed + 2], vb[committed:committed + 2] = torch.randn(kv, 2), torch.randn(2, kv)
+    marks = torch.tensor([[1, 0, 1, 0, 0], [0, 1, 0, 1, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    e, f = torch.randn(3, H), torch.randn(3, H)
+    pos = torch.tensor([12, 12, 12])
+    attend = torch.cat([torch.ones(3, committed, dtype=torch.bool), marks], dim=1)
+    h_ref, k_ref, v_ref, l_ref = runner.step(e, f, pos, kb[:, :committed + 2].T.clone(),
+                                             vb[:committed + 2].clone(), attend)
+    h, logits = runner.step_at(e, f, pos, kb, vb, committed + 2, committed, marks)
+    torch.testing.assert_close(h, h_ref, **TOL)
+    torch.testing.assert_close(logits, l_ref, **TOL)
+    torch.testing.assert_close(kb[:, committed + 2:committed + 5].T, k_ref, **TOL)
+
+
+@pytest.fixture
+def isa_cap():
+    yield run_at_tier
+    cpu_linear._set_isa_cap(99)
+
+
+@pytest.mark.parametrize("tier", cpu_linear.ISA_TIERS)
+def test_the_native_step_over_a_long_context_equals_torchs(target, isa_cap, tier):
+    """Past a piece of 256 positions and a block of 8 query rows (4 rows x the tiny model's
+    grouped heads), with random masks, at every kernel tier this CPU runs (the attention has a
+    loop per tier): the native call and the torch ops agree."""
+    isa_cap(tier)
+    head = random_head(target, seed=5)
+    native = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32)
+    plain = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32, native=False)
+    assert native.native is not None
+    H, kv = target.config.hidden_size, native.kv_size
+    torch.manual_seed(6)
+    cap, free, held, n = 700, 600, 5, 4
+    kb, vb = torch.randn(kv, cap), torch.randn(cap, kv)
+    e, f = torch.randn(n, H), torch.randn(n, H)
+    pos = torch.tensor([101, 102, 102, 103])  # RoPE positions: within the tiny model's table
+    marks = torch.rand(n, held + n) < 0.5
+    marks[:, held:] = torch.eye(n, dtype=torch.bool)
+    out = [r.step_at(e, f, pos, kb.clone(), vb.clone(), free + held, free, marks) for r in (native, plain)]
+    torch.testing.assert_close(out[0][0], out[1][0], **TOL)
+    torch.testing.assert_close(out[0][1], out[1][1], **TOL)
 
 
 class Recording(EagleProposer):
@@ -124,6 +199,28 @@ def test_greedy_with_the_head_equals_plain(target, head_file, top_k, with_ngram)
     assert not proposer._states  # every request's state went with it
     # only the head engine's own forwards kept hidden states: an engine sharing the model does not
     assert target.keep_hidden is False and target.last_hidden is None
+
+
+def test_a_short_copy_shares_the_tree_with_the_heads_nodes(target, head_file):
+    """The context ends with a 5-token repeat: an n-gram match shorter than ngram_min_match.
+    Its continuation fills the first half of the budget as the tree's first path, the head's
+    best nodes the rest; with ngram_share 0 the tree is the head's alone, as without n-gram."""
+    text = random_tokens(24, 5)
+    tokens = text + text[:5]
+    hidden = torch.randn(len(tokens) - 1, target.config.hidden_size, dtype=target.dtype)
+    def propose(**kw):
+        p = EagleProposer(EagleConfig(target_model=target, head_path=head_file, ngram_min_match=6, **kw))
+        p.on_features("r", 0, hidden)
+        return p, p.propose([ProposalContext("r", None, tokens, 8)])[0]
+
+    p, union = propose(ngram=NgramProposer())
+    assert p.num_head_trees == 1 and p.num_ngram_trees == 0
+    assert _first_path(union)[:4] == text[5:9]
+    assert union.num_draft_tokens == 8
+    _, head_only = propose(ngram=NgramProposer(), ngram_share=0.0)
+    _, alone = propose()
+    assert head_only == alone
+    assert _first_path(alone)[:4] != text[5:9]  # the chain came from the copy, not the head
 
 
 def test_a_head_for_another_target_is_refused(target, tmp_path):

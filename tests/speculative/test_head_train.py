@@ -228,7 +228,7 @@ def test_the_command_end_to_end_on_a_tiny_chat_model(tmp_path):
     config = load_checkpoint(str(path)).config
     out, data = tmp_path / "head.safetensors", tmp_path / "data.pt"
     common = ["--model", str(path), "--dtype", "float32", "--draft-vocab", "64", "--batch-tokens", "256"]
-    assert train_head_main(common + ["--limit", "4", "--max-new-tokens", "6", "--epochs", "1", "--out", str(out),
+    assert train_head_main(common + ["--limit", "4", "--samples", "1", "--max-new-tokens", "6", "--epochs", "1", "--out", str(out),
                              "--save-data", str(data)]) == 0
     head, meta = load_head(str(out), config)
     assert head.cfg.draft_vocab == 64 and head.cfg.hidden_size == config.hidden_size
