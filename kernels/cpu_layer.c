@@ -947,60 +947,33 @@ static inline __attribute__((always_inline)) float head_exp(float x)
 }
 
 
-/* Scores of NQ query rows against 16 positions at a time: sc[j, p] = q_j . K^T[:, p], the
- * 16 positions' sums one vector per query kept in registers over d (NQ a constant, so gcc
- * unrolls the query loop; each K^T row segment loaded once for the NQ queries). */
-static inline __attribute__((always_inline)) void head_scores(const float *const *q, const float *kt, int64_t cap,
-                                                              int64_t D, int64_t end, float *sc, const int NQ)
+/* The head attention's two products in one shape: c_j[x] = sum over k < K of a_j[k] b[k ldb + x]
+ * for NQ rows j and x < X, 16 x at a time, the 16 sums one vector per row over k (NQ a constant,
+ * so gcc unrolls the row loop; each b segment loaded once for the NQ rows). The scores are
+ * a = q, b = K^T (x a position); P.V is a = the weights, b = V (x a column). */
+static inline __attribute__((always_inline)) void head_axb(const float *const *a, const float *b, int64_t ldb,
+                                                           int64_t K, int64_t X, float *const *c, const int NQ)
 {
-    int64_t p0 = 0;
-    for (; p0 + 16 <= end; p0 += 16) {
+    int64_t x0 = 0;
+    for (; x0 + 16 <= X; x0 += 16) {
         float acc[PH_QB][16] = {{0}};
-        for (int64_t d = 0; d < D; d++) {
-            const float *k = kt + d * cap + p0;
+        for (int64_t k = 0; k < K; k++) {
+            const float *br = b + k * ldb + x0;
             for (int j = 0; j < NQ; j++) {
-                const float qd = q[j][d];
+                const float ak = a[j][k];
                 for (int l = 0; l < 16; l++)
-                    acc[j][l] += qd * k[l];
+                    acc[j][l] += ak * br[l];
             }
         }
         for (int j = 0; j < NQ; j++)
-            memcpy(sc + j * end + p0, acc[j], 64);
+            memcpy(c[j] + x0, acc[j], 64);
     }
-    for (int j = 0; j < NQ; j++)  /* the last positions, fewer than 16 */
-        for (int64_t p = p0; p < end; p++) {
+    for (int j = 0; j < NQ; j++)  /* the last x, fewer than 16 */
+        for (int64_t x = x0; x < X; x++) {
             float v = 0.f;
-            for (int64_t d = 0; d < D; d++)
-                v += q[j][d] * kt[d * cap + p];
-            sc[j * end + p] = v;
-        }
-}
-
-/* o_j[0, D) = sum over p of w[j, p] V[p] (NQ queries; V rows `stride` apart), 16 columns at a
- * time: each V row segment loaded once for the NQ queries. */
-static inline __attribute__((always_inline)) void head_pv(const float *w, const float *v, int64_t stride,
-                                                          int64_t D, int64_t end, float *const *o, const int NQ)
-{
-    int64_t d0 = 0;
-    for (; d0 + 16 <= D; d0 += 16) {
-        float acc[PH_QB][16] = {{0}};
-        for (int64_t p = 0; p < end; p++) {
-            const float *vr = v + p * stride + d0;
-            for (int j = 0; j < NQ; j++) {
-                const float wj = w[j * end + p];
-                for (int l = 0; l < 16; l++)
-                    acc[j][l] += wj * vr[l];
-            }
-        }
-        for (int j = 0; j < NQ; j++)
-            memcpy(o[j] + d0, acc[j], 64);
-    }
-    for (int j = 0; j < NQ; j++)  /* head_dim not a multiple of 16 */
-        for (int64_t d = d0; d < D; d++) {
-            float acc = 0.f;
-            for (int64_t p = 0; p < end; p++)
-                acc += w[j * end + p] * v[p * stride + d];
-            o[j][d] = acc;
+            for (int64_t k = 0; k < K; k++)
+                v += a[j][k] * b[k * ldb + x];
+            c[j][x] = v;
         }
 }
 
@@ -1012,12 +985,11 @@ static inline __attribute__((always_inline)) void head_pv(const float *w, const 
  * sums; V rows are [cap, KVH D].  The queries of one kv head go PH_QB at a time (its heads'
  * rows of up to PH_QB / rep tokens).  sc: [PH_QB, end] scores.  The body is compiled once per
  * tier (the wrappers below), its fixed-size loops vectorised by gcc for that tier's registers. */
-typedef void (*ph_scores_fn)(const float *const *, const float *, int64_t, int64_t, int64_t, float *, const int);
-typedef void (*ph_pv_fn)(const float *, const float *, int64_t, int64_t, int64_t, float *const *, const int);
+typedef void (*ph_axb_fn)(const float *const *, const float *, int64_t, int64_t, int64_t, float *const *, const int);
 
 static inline __attribute__((always_inline)) void head_attention_body(const pl_step_t *s, const pl_head_args *a,
                                                                       const float *qkv, float *out, float *sc,
-                                                                      ph_scores_fn scores, ph_pv_fn pv)
+                                                                      ph_axb_fn axb)
 {
     const int64_t n = s->T, D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads, rep = H / KVH;
     const int64_t kv = KVH * D, row = (H + 2 * KVH) * D, cap = a->cap;
@@ -1027,17 +999,18 @@ static inline __attribute__((always_inline)) void head_attention_body(const pl_s
         for (int64_t j0 = 0; j0 < n * rep; j0 += PH_QB) {
             const int nq = n * rep - j0 < PH_QB ? (int)(n * rep - j0) : PH_QB;
             const float *q[PH_QB];
-            float *o[PH_QB];
+            float *o[PH_QB], *srow[PH_QB];
             int64_t tok[PH_QB];
             for (int j = 0; j < nq; j++) {  /* query j0 + j: token (j0 + j) / rep, head g rep + r */
                 const int64_t head = g * rep + (j0 + j) % rep;
                 tok[j] = (j0 + j) / rep;
                 q[j] = qkv + tok[j] * row + head * D;
                 o[j] = out + tok[j] * H * D + head * D;
+                srow[j] = sc + j * end;
             }
             const float *kt = a->k_buf + g * D * cap;
-            switch (nq) {
-#define PH_CASE(NQ) case NQ: scores(q, kt, cap, D, end, sc, NQ); break;
+            switch (nq) {  /* scores: q [nq, D] @ K^T [D, end] */
+#define PH_CASE(NQ) case NQ: axb(q, kt, cap, D, end, srow, NQ); break;
                 PH_NQ_CASES(PH_CASE)
 #undef PH_CASE
             }
@@ -1065,8 +1038,8 @@ static inline __attribute__((always_inline)) void head_attention_body(const pl_s
                     sj[p] *= inv;
             }
             const float *v = a->v_buf + g * D;
-            switch (nq) {
-#define PH_CASE(NQ) case NQ: pv(sc, v, kv, D, end, o, NQ); break;
+            switch (nq) {  /* weights [nq, end] @ V [end, D] */
+#define PH_CASE(NQ) case NQ: axb((const float *const *)srow, v, kv, end, D, o, NQ); break;
                 PH_NQ_CASES(PH_CASE)
 #undef PH_CASE
             }
@@ -1075,74 +1048,50 @@ static inline __attribute__((always_inline)) void head_attention_body(const pl_s
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-/* head_scores / head_pv in AVX-512 (16 positions or columns a vector) and AVX2 (8), the NQ
- * accumulators in registers: gcc's own vectorisation of the plain loops spilled them. */
+/* head_axb in AVX-512 (16 x a vector) and AVX2 (8), the NQ accumulators in registers: gcc's own
+ * vectorisation of the plain loops spilled them to the stack. */
 #define PH_SIMD(NAME, TGT, VT, W, ZERO, LOAD, STORE, SET1, FMA) \
-TGT static inline __attribute__((always_inline)) void NAME##_scores(const float *const *q, const float *kt, \
-        int64_t cap, int64_t D, int64_t end, float *sc, const int NQ) \
+TGT static inline __attribute__((always_inline)) void NAME(const float *const *a, const float *b, int64_t ldb, \
+        int64_t K, int64_t X, float *const *c, const int NQ) \
 { \
-    int64_t p0 = 0; \
-    for (; p0 + W <= end; p0 += W) { \
+    int64_t x0 = 0; \
+    for (; x0 + W <= X; x0 += W) { \
         VT acc[PH_QB]; \
         for (int j = 0; j < NQ; j++) \
             acc[j] = ZERO; \
-        for (int64_t d = 0; d < D; d++) { \
-            const VT k = LOAD(kt + d * cap + p0); \
+        for (int64_t k = 0; k < K; k++) { \
+            const VT br = LOAD(b + k * ldb + x0); \
             for (int j = 0; j < NQ; j++) \
-                acc[j] = FMA(SET1(q[j][d]), k, acc[j]); \
+                acc[j] = FMA(SET1(a[j][k]), br, acc[j]); \
         } \
         for (int j = 0; j < NQ; j++) \
-            STORE(sc + j * end + p0, acc[j]); \
+            STORE(c[j] + x0, acc[j]); \
     } \
     for (int j = 0; j < NQ; j++) \
-        for (int64_t p = p0; p < end; p++) { \
+        for (int64_t x = x0; x < X; x++) { \
             float v = 0.f; \
-            for (int64_t d = 0; d < D; d++) \
-                v += q[j][d] * kt[d * cap + p]; \
-            sc[j * end + p] = v; \
-        } \
-} \
-TGT static inline __attribute__((always_inline)) void NAME##_pv(const float *w, const float *v, int64_t stride, \
-        int64_t D, int64_t end, float *const *o, const int NQ) \
-{ \
-    int64_t d0 = 0; \
-    for (; d0 + W <= D; d0 += W) { \
-        VT acc[PH_QB]; \
-        for (int j = 0; j < NQ; j++) \
-            acc[j] = ZERO; \
-        for (int64_t p = 0; p < end; p++) { \
-            const VT vr = LOAD(v + p * stride + d0); \
-            for (int j = 0; j < NQ; j++) \
-                acc[j] = FMA(SET1(w[j * end + p]), vr, acc[j]); \
-        } \
-        for (int j = 0; j < NQ; j++) \
-            STORE(o[j] + d0, acc[j]); \
-    } \
-    for (int j = 0; j < NQ; j++) \
-        for (int64_t d = d0; d < D; d++) { \
-            float acc = 0.f; \
-            for (int64_t p = 0; p < end; p++) \
-                acc += w[j * end + p] * v[p * stride + d]; \
-            o[j][d] = acc; \
+            for (int64_t k = 0; k < K; k++) \
+                v += a[j][k] * b[k * ldb + x]; \
+            c[j][x] = v; \
         } \
 }
 
-PH_SIMD(ph512, __attribute__((target("avx512f,avx512dq,avx2,fma"))), __m512, 16, _mm512_setzero_ps(),
+PH_SIMD(ph512_axb, __attribute__((target("avx512f,avx512dq,avx2,fma"))), __m512, 16, _mm512_setzero_ps(),
         _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_fmadd_ps)
-PH_SIMD(ph256, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps(),
+PH_SIMD(ph256_axb, __attribute__((target("avx2,fma"))), __m256, 8, _mm256_setzero_ps(),
         _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_fmadd_ps)
 #undef PH_SIMD
 
 __attribute__((target("avx512f,avx512dq,avx2,fma"))) static void head_attention_avx512(
     const pl_step_t *s, const pl_head_args *a, const float *qkv, float *out, float *sc)
 {
-    head_attention_body(s, a, qkv, out, sc, ph512_scores, ph512_pv);
+    head_attention_body(s, a, qkv, out, sc, ph512_axb);
 }
 
 __attribute__((target("avx2,fma"))) static void head_attention_avx2(
     const pl_step_t *s, const pl_head_args *a, const float *qkv, float *out, float *sc)
 {
-    head_attention_body(s, a, qkv, out, sc, ph256_scores, ph256_pv);
+    head_attention_body(s, a, qkv, out, sc, ph256_axb);
 }
 #endif
 
@@ -1158,7 +1107,7 @@ static void head_attention(const pl_step_t *s, const pl_head_args *a, const floa
         return;
     }
 #endif
-    head_attention_body(s, a, qkv, out, sc, head_scores, head_pv);
+    head_attention_body(s, a, qkv, out, sc, head_axb);
 }
 
 /* The head's step (see pl_head_args).  0, PL_EARGS for bad shapes or rows past the buffers, or
