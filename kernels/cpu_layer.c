@@ -933,13 +933,10 @@ static inline __attribute__((always_inline)) float head_exp(float x)
     /* round to nearest by adding 1.5 * 2^23 (no libm call: the loops stay vectorised) */
     const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+    static const float c[6] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};  /* Horner from 1/6! */
     float p = 1.f / 720.f;
-    p = p * r + 1.f / 120.f;
-    p = p * r + 1.f / 24.f;
-    p = p * r + 1.f / 6.f;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    for (int i = 0; i < 6; i++)
+        p = p * r + c[i];
     const int32_t e = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &e, 4);
