@@ -71,6 +71,9 @@ class HeadStep:
         self._hidden, self._vocab, self._kv = c.hidden_size, c.draft_vocab, runner.kv_size
         self._ptrs = {what: _desc(getattr(runner, what), what)
                       for what in ("fc", "qkv", "o", "gate_up", "down", "lm_head")}
+        rows = getattr(runner.lm_head, "out_features", None)
+        if rows is not None and rows != c.draft_vocab:  # the logits buffer is sized by the vocab
+            raise ValueError(f"the draft LM head has {rows} rows, the head's draft vocab {c.draft_vocab}")
         self._norm = runner.mlp_norm.float().contiguous()
         self._cos = runner.rope.cos.float().contiguous()  # [max_pos, head_dim]
         self._sin = runner.rope.sin.float().contiguous()
@@ -112,6 +115,11 @@ class HeadStep:
         n = embeds.shape[0]
         embeds, feats = embeds.float().contiguous(), feats.float().contiguous()
         positions = positions.to(torch.int64).contiguous()
+        if feats.shape != embeds.shape or embeds.shape[1:] != (self._hidden,) or positions.shape != (n,):
+            raise ValueError(f"embeds and feats must be [n, {self._hidden}] and positions [n], got "
+                             f"{tuple(embeds.shape)}, {tuple(feats.shape)}, {tuple(positions.shape)}")
+        if attend is not None and tuple(attend.shape) != (n, start + n - free):
+            raise ValueError(f"attend must be [{n}, {start + n - free}], got {tuple(attend.shape)}")
         cap = v_buf.shape[0]
         for t, shape in ((k_buf, (self._kv, cap)), (v_buf, (cap, self._kv))):
             if t.dtype is not torch.float32 or not t.is_contiguous() or tuple(t.shape) != shape:
@@ -128,7 +136,7 @@ class HeadStep:
         a.k_buf, a.v_buf, a.cap, a.start, a.free_rows = k_buf.data_ptr(), v_buf.data_ptr(), cap, start, free
         a.attend = None if mask is None else mask.data_ptr()
         a.logit_rows = None if rows is None else rows.data_ptr()
-        a.num_logit_rows = 0 if rows is None else len(rows)
+        a.num_logit_rows = -1 if rows is None else len(rows)  # -1: every row
         a.h, a.logits = h.data_ptr(), logits.data_ptr()
         rc = _fn(self._args_ptr)
         if rc:

@@ -904,14 +904,12 @@ typedef struct {
     int64_t cap, start, free_rows;
     const uint8_t *attend;            /* [n, start + n - free_rows] or NULL: causal over the
                                          new rows, every earlier row */
-    const int64_t *logit_rows;        /* [num_logit_rows] rows of h, or NULL: all n */
-    int64_t num_logit_rows, max_pos;
+    const int64_t *logit_rows;        /* [num_logit_rows] rows of h in [0, n) */
+    int64_t num_logit_rows, max_pos;  /* num_logit_rows < 0: every row, in order */
     float *h;                         /* [n, hidden] out: f^ */
     float *logits;                    /* [num_logit_rows, draft vocab] out */
 } pl_head_args;
 
-/* Keys per piece of the head's attention: a query block's scores of one piece stay in L1. */
-#define PH_PIECE 256
 /* Query rows (of one kv head) per block: each K^T row loaded once for all of them. */
 #define PH_QB 8
 
@@ -1114,8 +1112,9 @@ int pl_head_step(const pl_head_args *a)
     const pl_step_t *s = a->step;
     const int64_t n = s->T, hid = s->hidden, D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads;
     const int64_t kv = KVH * D, row = (H + 2 * KVH) * D, end = a->start + n;
-    const int64_t nl = a->logit_rows ? a->num_logit_rows : n;
-    if (n < 1 || n > PL_MAX_T || s->dtype != DT_F32 || D % 2 || D > 512 || H % KVH || !s->scratch ||
+    const int rows_given = a->num_logit_rows >= 0;
+    const int64_t nl = rows_given ? a->num_logit_rows : n;
+    if (n < 1 || n > PL_MAX_T || s->dtype != DT_F32 || D % 2 || D > 512 || KVH < 1 || H % KVH || !s->scratch ||
         s->sum_lanes < 1 || s->sum_lanes > PL_MAX_LANES || a->free_rows < 0 || a->free_rows > a->start ||
         end > a->cap || a->fc->N != hid || a->fc->K != 2 * hid || a->qkv->N != row || a->qkv->K != hid ||
         a->o->N != hid || a->o->K != H * D || a->gate_up->N != 2 * s->inter || a->gate_up->K != hid ||
@@ -1124,7 +1123,7 @@ int pl_head_step(const pl_head_args *a)
     for (int64_t i = 0; i < n; i++)
         if (a->positions[i] < 0 || a->positions[i] >= a->max_pos)
             return PL_EARGS;
-    for (int64_t i = 0; a->logit_rows && i < nl; i++)
+    for (int64_t i = 0; rows_given && i < nl; i++)
         if (a->logit_rows[i] < 0 || a->logit_rows[i] >= n)
             return PL_EARGS;
     pl_bufs_t b;
@@ -1167,7 +1166,7 @@ int pl_head_step(const pl_head_args *a)
         return rc;
     add_rows(DT_F32, h, b.y, (int)n, (int)hid, (int)hid);
     const float *src = h;
-    if (a->logit_rows) {  /* the wanted rows, contiguous */
+    if (rows_given) {  /* the wanted rows, contiguous */
         for (int64_t i = 0; i < nl; i++)
             memcpy((float *)b.x + i * hid, h + a->logit_rows[i] * hid, (size_t)hid * 4);
         src = (const float *)b.x;

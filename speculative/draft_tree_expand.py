@@ -143,7 +143,7 @@ class DynamicTree:
         mapped = {0: 0}  # a ranked node -> its union node
         for node in sorted(range(1, self.num_nodes), key=self._key):
             union = add(mapped[self.parents[node]], self.tokens[node])
-            if union is None:  # the budget is spent; later nodes rank lower
+            if union is None:  # the budget is spent (a later node the chain holds would be free: rare, left out)
                 break
             mapped[node] = union
         out_tokens, out_parents = [], []

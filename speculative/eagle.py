@@ -23,7 +23,8 @@ tree alone.
 
 Features arrive only for tokens the target computed: a cached prefix has none, so the head's rows
 start where features start (the head attends to what it has); a step with no feature for the
-position before the root (the first step after a handoff) gets no draft.
+position before the root (the first step after a handoff) gets the n-gram tree if any, else no
+draft.
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ class EagleProposer:
         st = self._states.get(ctx.request_id)
         root = len(ctx.token_ids) - 1  # the root's position
         if st is None or st.start + st.num_feats < root or root - 1 < st.start:
+            self.num_ngram_trees += copy is not None
             return copy  # no feature for the position before the root
         f_root = self._catch_up(st, ctx.token_ids, root)
         chain = _first_path(copy)[:int(budget * self.config.ngram_share)] if copy is not None else []

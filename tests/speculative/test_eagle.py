@@ -112,6 +112,7 @@ def test_rows_kept_in_place_give_steps_rows(target, native):
     torch.testing.assert_close(h, h_ref, **TOL)
     torch.testing.assert_close(logits, l_ref, **TOL)
     torch.testing.assert_close(kb[:, committed + 2:committed + 5].T, k_ref, **TOL)
+    torch.testing.assert_close(vb[committed + 2:committed + 5], v_ref, **TOL)
 
 
 @pytest.fixture
@@ -122,9 +123,10 @@ def isa_cap():
 
 @pytest.mark.parametrize("tier", cpu_linear.ISA_TIERS)
 def test_the_native_step_over_a_long_context_equals_torchs(target, isa_cap, tier):
-    """Past a piece of 256 positions and a block of 8 query rows (4 rows x the tiny model's
-    grouped heads), with random masks, at every kernel tier this CPU runs (the attention has a
-    loop per tier): the native call and the torch ops agree."""
+    """600 committed rows (past the 16- and 8-position vectors, with a tail), 5 tree rows held
+    and 5 new ones (10 queries a kv head of the tiny model: a full block of 8 and a partial one),
+    random masks, at every kernel tier this CPU runs (the attention has a loop per tier): the
+    native call and the torch ops give the same rows, K/V and logits."""
     isa_cap(tier)
     head = random_head(target, seed=5)
     native = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32)
@@ -132,15 +134,22 @@ def test_the_native_step_over_a_long_context_equals_torchs(target, isa_cap, tier
     assert native.native is not None
     H, kv = target.config.hidden_size, native.kv_size
     torch.manual_seed(6)
-    cap, free, held, n = 700, 600, 5, 4
+    cap, free, held, n = 700, 600, 5, 5
     kb, vb = torch.randn(kv, cap), torch.randn(cap, kv)
     e, f = torch.randn(n, H), torch.randn(n, H)
-    pos = torch.tensor([101, 102, 102, 103])  # RoPE positions: within the tiny model's table
+    pos = torch.tensor([101, 102, 102, 103, 103])  # RoPE positions: within the tiny model's table
     marks = torch.rand(n, held + n) < 0.5
     marks[:, held:] = torch.eye(n, dtype=torch.bool)
-    out = [r.step_at(e, f, pos, kb.clone(), vb.clone(), free + held, free, marks) for r in (native, plain)]
+    bufs = [(kb.clone(), vb.clone()) for _ in range(2)]
+    out = [r.step_at(e, f, pos, k, v, free + held, free, marks) for r, (k, v) in zip((native, plain), bufs)]
     torch.testing.assert_close(out[0][0], out[1][0], **TOL)
     torch.testing.assert_close(out[0][1], out[1][1], **TOL)
+    for a, b in zip(*bufs):  # the new rows' K and V, written in place
+        torch.testing.assert_close(a, b, **TOL)
+    # no logits wanted: the rows and K/V still computed
+    h, logits = native.step_at(e, f, pos, *bufs[0], free + held, free, marks, logits_rows=[])
+    assert logits.shape == (0, head.cfg.draft_vocab)
+    torch.testing.assert_close(h, out[1][0], **TOL)
 
 
 class Recording(EagleProposer):
