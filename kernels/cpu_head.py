@@ -67,7 +67,6 @@ class HeadStep:
         if not _bind():
             raise ValueError(f"native layers unavailable: {cpu_layer.why_not()}")
         c = runner.cfg
-        self.runner = runner
         self._hidden, self._vocab, self._kv = c.hidden_size, c.draft_vocab, runner.kv_size
         self._ptrs = {what: _desc(getattr(runner, what), what)
                       for what in ("fc", "qkv", "o", "gate_up", "down", "lm_head")}

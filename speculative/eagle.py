@@ -150,8 +150,6 @@ class EagleProposer:
             raise ValueError(f"the head at {path} was trained for {head.cfg.target}, not this model ({want})")
         self.model = model
         self.runner = HeadRunner(head, draft_lm_head(model, head.draft_ids))
-        # most tree rows one proposal computes: a frontier of top_k (+ the greedy node) a depth
-        self._tree_rows = config.max_depth * (config.top_k + 1)
         self.path = path
         self._states: dict[str, _State] = {}
         self.ngram = config.ngram
@@ -242,8 +240,7 @@ class EagleProposer:
         feats = st.feats[first - st.start:last - st.start + 1]
         positions = torch.arange(first, last + 1)
         past = st.num_rows
-        # room for this proposal's tree rows too, kept after the committed ones (scratch)
-        self._reserve_rows(st, past + n + self._tree_rows)
+        self._reserve_rows(st, past + n)  # (the tree's rows go after these: _expand grows as it needs)
         h, logits = r.step_at(self.model.embed_tokens(ids), feats, positions, st.k, st.v, past, past, None,
                               logits_rows=[n - 1])
         st.num_rows += n

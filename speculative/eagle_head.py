@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from prescient.kernels.cpu_head import HeadStep
-from prescient.kernels.cpu_layer import silu_mul
 from prescient.runtime.config import ModelConfig
 from prescient.runtime.linear import make_linear
 from prescient.runtime.rope import Rope
@@ -211,55 +210,28 @@ class HeadRunner:
         h = h + self.down((F.silu(gate) * up).contiguous())  # [n, hidden]
         return h, k, v, self.lm_head(h if logits_rows is None else h[logits_rows].contiguous())
 
-
-    @torch.inference_mode()
     def step_at(self, embeds: torch.Tensor, feats: torch.Tensor, positions: torch.Tensor,
                 k_buf: torch.Tensor, v_buf: torch.Tensor, start: int, free: int, attend: torch.Tensor | None,
                 logits_rows: list[int] | None = None):
         """`step`'s arithmetic over K/V rows kept in place: the n new rows' K/V are written to
         positions start..start+n-1 of k_buf [kv, cap] (K transposed: a position a column, so the
-        native scores need no horizontal sums) and v_buf [cap, kv] (fp32, contiguous); row i attends to
-        rows 0..free-1 (all of them: the committed context) and, of rows free..start+n-1, those
+        native scores need no horizontal sums) and v_buf [cap, kv] (fp32, contiguous); row i attends
+        to rows 0..free-1 (all of them: the committed context) and, of rows free..start+n-1, those
         attend[i] marks (attend [n, start + n - free] bool; None: causal over the new rows, all
-        earlier ones). No copy of the earlier rows per call; on a CPU with the native layers one
-        C call (kernels/cpu_head.py), since a draft depth's cost there is per-op dispatch, not
-        arithmetic. -> (f^ [n, hidden], draft logits [len(rows), V])."""
+        earlier ones). On a CPU with the native layers one C call (kernels/cpu_head.py) with no
+        copy of the earlier rows, since a draft depth's cost there is per-op dispatch, not
+        arithmetic; else `step` over copies of them. -> (f^ [n, hidden], draft logits [len(rows), V])."""
         if self.native is not None:
             return self.native(embeds, feats, positions, k_buf, v_buf, start, free, attend, logits_rows)
-        return self.step_at_torch(embeds, feats, positions, k_buf, v_buf, start, free, attend, logits_rows)
-
-    @torch.inference_mode()
-    def step_at_torch(self, embeds, feats, positions, k_buf, v_buf, start, free, attend, logits_rows=None):
-        """step_at in torch ops (the reference of the native call, and where it is unavailable)."""
-        c = self.cfg
         n = embeds.shape[0]
-        x = self.fc(torch.cat([embeds, feats], dim=-1).float())  # [n, hidden]
-        qkv = self.qkv(x)  # [n, q + 2 kv]
-        cos, sin = self.rope.tables(positions)
-        heads = c.num_heads + c.num_kv_heads
-        qk = Rope.apply(qkv[:, :self.q_size + self.kv_size].view(n, heads, c.head_dim), cos, sin)
-        end = start + n
-        k_buf[:, start:end] = qk[:, c.num_heads:].reshape(n, self.kv_size).T
-        v_buf[start:end] = qkv[:, self.q_size + self.kv_size:]
-        keys = k_buf[:, :end].T.reshape(end, c.num_kv_heads, c.head_dim)  # [end, kvh, d]
-        vals = v_buf[:end].view(end, c.num_kv_heads, c.head_dim)
-        rep = c.num_heads // c.num_kv_heads
-        qh = qk[:, :c.num_heads].reshape(n, c.num_kv_heads, rep, c.head_dim)
-        scores = torch.einsum("ngrd,pgd->ngrp", qh, keys).mul_(self.scale)  # [n, kvh, rep, end]
+        full = torch.ones(n, start + n, dtype=torch.bool)  # the committed rows all seen
         if attend is None:
-            attend = torch.ones(n, end - free, dtype=torch.bool)
-            attend[:, start - free:] = torch.ones(n, n, dtype=torch.bool).tril()
-        scores[..., free:].masked_fill_(~attend[:, None, None, :], float("-inf"))
-        att = torch.einsum("ngrp,pgd->ngrd", scores.softmax(-1), vals).reshape(n, self.q_size)
-        h = x + self.o(att)
-        xm = F.rms_norm(h, self.mlp_norm.shape, self.mlp_norm, c.rms_norm_eps)
-        gu = self.gate_up(xm)
-        act = silu_mul(gu)
-        if act is None:
-            gate, up = gu.chunk(2, dim=-1)
-            act = (F.silu(gate) * up).contiguous()
-        h = h + self.down(act)  # [n, hidden]
-        return h, self.lm_head(h if logits_rows is None else h[logits_rows].contiguous())
+            full[:, start:] = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            full[:, free:] = attend
+        h, k, v, logits = self.step(embeds, feats, positions, k_buf[:, :start].T, v_buf[:start], full, logits_rows)
+        k_buf[:, start:start + n], v_buf[start:start + n] = k.T, v
+        return h, logits
 
 
 def default_head_path(fingerprint: str):

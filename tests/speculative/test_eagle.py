@@ -52,21 +52,21 @@ def random_tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
-def test_drafting_rows_equal_the_training_forward(target):
-    """HeadRunner computing one row at a time over its own K/V gives forward_train's rows."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_drafting_rows_equal_the_training_forward(target, native):
+    """HeadRunner computing one row at a time over its own K/V (step_at: the native call, or
+    step over copies of the rows) gives forward_train's rows."""
     head = random_head(target, seed=1)
-    runner = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32)
+    runner = HeadRunner(head, lm_head_rows(target, head.draft_ids), weights=torch.float32, native=native)
+    assert (runner.native is not None) == native
     T, H = 9, target.config.hidden_size
     torch.manual_seed(2)
     embeds, feats = torch.randn(T, H), torch.randn(T, H)
     with torch.no_grad():
         ref = head.forward_train(embeds[None], feats[None], torch.arange(T))[0]
-    ks = torch.zeros(0, runner.kv_size)
-    vs = torch.zeros(0, runner.kv_size)
+    kb, vb = torch.zeros(runner.kv_size, T), torch.zeros(T, runner.kv_size)
     for t in range(T):
-        h, k, v, logits = runner.step(embeds[t:t + 1], feats[t:t + 1], torch.tensor([t]), ks, vs,
-                                      torch.ones(1, t + 1, dtype=torch.bool))
-        ks, vs = torch.cat([ks, k]), torch.cat([vs, v])
+        h, logits = runner.step_at(embeds[t:t + 1], feats[t:t + 1], torch.tensor([t]), kb, vb, t, t, None)
         torch.testing.assert_close(h[0], ref[t], atol=1e-4, rtol=1e-4)
     assert logits.shape == (1, head.cfg.draft_vocab)
 
