@@ -47,3 +47,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
     if x.shape[0] and _fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()):
         return x.argmax(-1)  # a shape the kernel does not take (a row past 2^31 entries)
     return out
+
+
+def argmax_row(x: torch.Tensor) -> int:  # [1, n] (or any shape of one row) -> the index of its maximum
+    """argmax_rows for one row, as an int: greedy decoding's token without an output tensor (each
+    torch call after a forward, whose weights went through the caches, costs tens of us)."""
+    if x.dim() != 2:
+        x = x.reshape(1, -1)
+    if x.shape[0] != 1:
+        raise ValueError(f"argmax_row takes one row, got {x.shape[0]}")
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0 or x.stride(1) != 1
+            or not available()):
+        return int(argmax_rows(x)[0])
+    out = ctypes.c_int64()
+    if _fn(x.data_ptr(), 1, x.shape[1], x.stride(0), ctypes.addressof(out)):
+        return int(x.argmax())
+    return out.value

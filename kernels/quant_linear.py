@@ -289,12 +289,14 @@ class QuantLinear:
     def dequantize_rows(self, ids: Union[torch.Tensor, Sequence[int]]) -> torch.Tensor:
         """Rows ``ids`` of W as fp32 [len(ids), K]: the lookups of a quantized embedding table."""
         ids = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).contiguous()
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
-            raise IndexError(f"row ids must lie in [0, {self.out_features})")
         out = torch.empty(ids.numel(), self.in_features, dtype=torch.float32)
+        # the C call checks the ids itself: the range is checked here only where it refused (a
+        # decode step's lookup then makes no reductions of its own)
         if (self._deq_native
                 and _qlib.pq_dequantize_ids(self._dptr, ids.data_ptr(), ids.numel(), out.data_ptr()) == 0):
             return out
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.out_features):
+            raise IndexError(f"row ids must lie in [0, {self.out_features})")
         return _ref_dequantize(self.blocks[ids], self.qtype, ids.numel(), self.in_features)
 
     # ---- forward ----------------------------------------------------------------------------

@@ -271,7 +271,7 @@ class LlamaModel:
         if h.dtype == torch.bfloat16 and getattr(self.lm_head, "packed", None) is not None:
             h = h.float()
         logits = self.lm_head(h)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
                           stacked: bool = False) -> list[KVLayer]:
@@ -392,7 +392,7 @@ class CpuForward:
     def _prepare(self, model: LlamaModel, batch: ForwardBatch, kv_caches) -> "cpu_layer.FusedLayers | None":
         """The two decisions of the class for one forward: torch's threads, and the native
         layers to run it on (None: the reference's loop)."""
-        if self.packed:
+        if self.packed and torch.get_num_threads() != 1:
             torch.set_num_threads(1)
         env = runtime_env() if self.env is None else self.env
         if not (0 < batch.num_tokens <= cpu_layer.MAX_T and env.fused_layers):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from prescient.kernels.cpu_argmax import argmax_rows
+from prescient.kernels.cpu_argmax import argmax_row, argmax_rows
 from prescient.runtime.sampling_params import SamplingParams
 
 
@@ -78,7 +78,7 @@ def sample_row(row_logits: torch.Tensor,  # [1, vocab]
     token in all, a fifth of a decode step on a 2-core Xeon; this takes ~0.17 ms). A 1-node
     verify tree (speculative/verify.py) draws through here too: the same token."""
     if params.greedy:
-        return int(argmax_rows(row_logits.reshape(-1, row_logits.shape[-1]))[0])
+        return argmax_row(row_logits)
     probs = target_probs_from_logits(row_logits, params)  # [1, vocab]
     u = float(torch.rand(1, generator=generator, dtype=torch.float64))
     return inverse_cdf(probs[0].cpu(), u)

@@ -19,6 +19,7 @@ class Tokenizer:
             eos.append(hf_tokenizer.eos_token_id)
         self.eos_token_ids = tuple(eos)
         self.vocab_size = len(hf_tokenizer)
+        self._backend_decode = _backend_decode(hf_tokenizer)
 
     @classmethod
     def load(cls, tokenizer_dir: str, gguf_file: str | None = None, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -31,6 +32,8 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -43,6 +46,23 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return self.hf.convert_ids_to_tokens(ids)
+
+
+def _backend_decode(hf_tokenizer: Any):
+    """The `tokenizers` backend's own decode where transformers' decode is only that call (a fast
+    tokenizer without clean_up_tokenization_spaces), else None. The stream decodes twice per
+    emitted token, right after a forward has evicted transformers' Python from the caches, where
+    its argument handling costs more than the decode."""
+    backend = getattr(hf_tokenizer, "_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+    if getattr(hf_tokenizer, "clean_up_tokenization_spaces", True) is not False:
+        return None
+    owner = next((k for k in type(hf_tokenizer).__mro__ if "_decode" in vars(k)), None)
+    if owner is None or owner.__module__ not in ("transformers.tokenization_utils_tokenizers",
+                                                 "transformers.tokenization_utils_fast"):
+        return None  # a tokenizer class with a decode of its own
+    return backend.decode
 
 
 @dataclass

@@ -28,6 +28,8 @@ _tier = run_at_tier  # reset by the autouse fixture
 def _same(x: torch.Tensor) -> None:
     got = cpu_argmax.argmax_rows(x)
     assert got.dtype == torch.int64 and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+    # the one-row entry (greedy sampling's) answers the same for each row
+    assert [cpu_argmax.argmax_row(x[r:r + 1]) for r in range(x.shape[0])] == x.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("tier", cpu_linear.ISA_TIERS)
@@ -96,3 +98,15 @@ def test_greedy_sampling_takes_the_first_maximum():
     assert sample_row(row, greedy, None) == 30000
     probs = target_probs_from_logits(torch.cat([row, -row]), greedy)
     assert probs[0, 30000] == 1 and probs[0].sum() == 1 and probs[1].argmax() == int((-row).argmax())
+
+
+def test_one_row_of_any_layout():
+    """argmax_row takes a row as [1, n] or [n], strided or not, and refuses several rows."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 1000, generator=g)
+    assert cpu_argmax.argmax_row(x[2]) == int(x[2].argmax())
+    col = x[:, 7:8].t()  # [1, 4] with a stride of 1000 between its entries: torch's path
+    assert cpu_argmax.argmax_row(col) == int(col.argmax())
+    assert cpu_argmax.argmax_row(x[1:2].double()) == int(x[1].argmax())
+    with pytest.raises(ValueError, match="one row"):
+        cpu_argmax.argmax_row(x[:2])

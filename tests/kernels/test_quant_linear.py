@@ -630,8 +630,9 @@ def test_native_dequantize_is_exact(tier_cap, qtype):
         assert torch.equal(lin.dequantize_rows(torch.tensor(ids)), ref[ids])
     assert lin.dequantize(torch.bfloat16).dtype == torch.bfloat16
     assert lin.dequantize_rows([]).shape == (0, K)
-    with pytest.raises(IndexError):
-        lin.dequantize_rows([N])
+    for bad in ([N], [0, -1]):  # refused by the C call first, then named here
+        with pytest.raises(IndexError):
+            lin.dequantize_rows(bad)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)

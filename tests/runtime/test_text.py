@@ -64,3 +64,17 @@ def test_partial_stop_is_held_back_then_released(tokenizer):
     assert "".join(deltas[:-1]) == "A B"  # " C D E" could still grow into "C D X": held back
     assert "".join(deltas) == text  # finishing (by length) releases it
     assert req.finish_reason == "length"
+
+
+def test_decode_is_transformers_decode(tokenizer):
+    """The tokenizer decodes through the backend directly (a fast path) with transformers'
+    results: ordinary text, special tokens kept or skipped, partial UTF-8 byte tokens."""
+    import random
+
+    assert tokenizer._backend_decode is not None  # the default model's tokenizer takes the path
+    rng = random.Random(0)
+    seqs = [tokenizer.encode(t) for t in TEXTS] + [[1, 2, 0] + tokenizer.encode("a<|im_end|>b")]
+    seqs += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 12))] for _ in range(300)]
+    for ids in seqs:
+        for skip in (True, False):
+            assert tokenizer.decode(ids, skip_special_tokens=skip) == tokenizer.hf.decode(ids, skip_special_tokens=skip)

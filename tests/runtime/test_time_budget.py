@@ -351,6 +351,33 @@ def test_the_cost_model_learns_this_machine_from_its_own_steps():
     assert model.predict(StepShape(4, 800)) < 4 * before
 
 
+def test_recursive_least_squares_is_the_weighted_least_squares_solution():
+    """After T samples, theta and P are the closed form's: the minimiser of sum_t lambda^(T-t)
+    (y_t - x_t . theta)^2 + lambda^T (theta - prior)' P0^-1 (theta - prior), and the inverse of
+    that form's Hessian / 2."""
+    import numpy as np
+
+    from prescient.runtime.step_cost import RecursiveLeastSquares
+
+    prior, scales, lam = [0.004, 0.001, 0.0002], [1.0, 0.25, 0.01], 0.95
+    rls = RecursiveLeastSquares(prior, prior_scale=scales, forgetting=lam)
+    rng = np.random.default_rng(0)
+    xs = np.column_stack([np.ones(25), rng.integers(1, 9, 25), rng.uniform(0.1, 2.0, 25)])
+    ys = xs @ np.array([0.006, 0.0005, 0.0002]) + rng.normal(0, 1e-4, 25)
+    for x, y in zip(xs, ys):
+        rls.update(x.tolist(), float(y))
+    T = len(ys)
+    w = lam ** np.arange(T - 1, -1, -1)
+    info = lam ** T * np.diag(1 / np.array(scales)) + (xs * w[:, None]).T @ xs
+    theta = np.linalg.solve(info, lam ** T * np.array(prior) / np.array(scales) + (xs * w[:, None]).T @ ys)
+    assert np.allclose(rls.theta, theta, rtol=1e-8, atol=1e-12)
+    assert np.allclose(rls.P, np.linalg.inv(info), rtol=1e-8, atol=1e-12)
+    assert rls.num_samples == T
+    assert abs(rls.predict([1.0, 4.0, 0.8]) - float(np.array([1.0, 4.0, 0.8]) @ theta)) < 1e-12
+    rls.update([1.0, float("inf"), 0.0], 1.0)  # degenerate: skipped, nothing poisoned
+    assert rls.num_samples == T and np.allclose(rls.theta, theta, rtol=1e-8, atol=1e-12)
+
+
 def test_bounds_the_server_cannot_meet_even_alone_are_reported(tiny):
     engine = make_engine(tiny, itl_target_s=0.1)
     # FakeCost: one decode step is 11 ms, a 300-token prompt 300 ms
