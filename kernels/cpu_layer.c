@@ -20,7 +20,9 @@
  * rounded, as the all-reduce of two shards does -- so TP=1 and TP=2 get the same bits.
  * Entry points: pl_layer (one layer: tensor parallelism would all-reduce between calls),
  * pl_layers (every layer in one call), pl_final_norm (the model's last RMSNorm, of the rows
- * whose logits are wanted), pl_profile (section timers for latency_bench/step_profile.py).
+ * whose logits are wanted), pl_forward (token ids to logits: the embedding, RoPE rows, every
+ * layer, the final norm and the LM head in one call), pl_profile (section timers for
+ * latency_bench/step_profile.py).
  *
  * Numerics mirror the torch forward op by op: every torch op's output is rounded to the model
  * dtype (bf16: round to nearest even) at the same point, with the op computed in fp32 as
@@ -48,7 +50,7 @@
 #include "cpu_runtime.h"
 #include "cpu_attention.h"
 
-#define PL_VERSION 5
+#define PL_VERSION 6
 
 /* Most tokens of one call (a sanity bound: the scratch the caller passes is sized for the T it
  * calls with, pl_scratch_bytes).  The linears run PG_MAX_M rows at a time (the GEMV kernels' M
@@ -97,7 +99,7 @@ typedef struct {
 #define PL_PA_VERSION PA_VERSION
 
 /* Errors of this file are positive; the attention kernel's are negative and passed on. */
-enum { PL_EARGS = 1, PL_ESLOT = 2, PL_ELINEAR = 3, PL_ENOMEM = 4 };
+enum { PL_EARGS = 1, PL_ESLOT = 2, PL_ELINEAR = 3, PL_ENOMEM = 4, PL_EIDS = 5 };
 
 /* ------------------------------------------------------------------------- */
 /* Scratch layout                                                             */
@@ -113,6 +115,10 @@ typedef struct {
     char *sq;    /* [hidden] fp32: one row's squares (RMSNorm), or x * cos (fp32 RoPE) */
     char *gx;    /* [T, max(H D, I)] fp32: a split linear's input, its column groups one after the other */
     char *gy;    /* [2, T, hidden] fp32: the split linear's two partial outputs */
+    char *hw;    /* pl_forward's: [T, hidden] model dtype, h */
+    char *cs;    /* [2, T, head_dim] model dtype: the tokens' cos rows, then their sin rows */
+    char *e32;   /* [T, hidden] fp32: a block-format embedding's rows; the LM head's input */
+    char *xn;    /* [T, hidden] model dtype: the final norm of the logits rows */
 } pl_bufs_t;
 
 static size_t pad64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -121,16 +127,18 @@ static size_t layout(const pl_step_t *s, int64_t T, char *base, pl_bufs_t *b)
 {
     const size_t esz = s->dtype == DT_F32 ? 4 : 2;
     const size_t qkv = (size_t)(s->num_heads + 2 * s->num_kv_heads) * s->head_dim;
-    const size_t sizes[9] = {
+    const size_t sizes[13] = {
         (size_t)T * s->hidden * esz, (size_t)T * qkv * esz,
         (size_t)T * s->num_heads * s->head_dim * esz, (size_t)T * s->hidden * esz,
         (size_t)T * 2 * s->inter * esz, (size_t)T * s->inter * esz,
         (size_t)(s->hidden > s->head_dim ? s->hidden : s->head_dim) * 4,
         (size_t)T * (size_t)(s->num_heads * s->head_dim > s->inter ? s->num_heads * s->head_dim : s->inter) * 4,
-        (size_t)2 * T * s->hidden * 4};
-    char **slot[9] = {&b->x, &b->qkv, &b->attn, &b->y, &b->gu, &b->act, &b->sq, &b->gx, &b->gy};
+        (size_t)2 * T * s->hidden * 4, (size_t)T * s->hidden * esz, (size_t)2 * T * s->head_dim * esz,
+        (size_t)T * s->hidden * 4, (size_t)T * s->hidden * esz};
+    char **slot[13] = {&b->x, &b->qkv, &b->attn, &b->y, &b->gu, &b->act, &b->sq, &b->gx, &b->gy,
+                       &b->hw, &b->cs, &b->e32, &b->xn};
     size_t off = 0;
-    for (int i = 0; i < 9; i++) {
+    for (int i = 0; i < 13; i++) {
         *slot[i] = base ? base + off : NULL;
         off += pad64(sizes[i]);
     }
@@ -879,6 +887,104 @@ int pl_layers(const pl_layer_args *a, int n)
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------- */
+/* A whole forward: token ids to logits                                       */
+/* ------------------------------------------------------------------------- */
+
+/* Keep in step with _ForwardArgs in cpu_layer.py.  What runtime/model.CpuForward.forward
+ * composes around pl_layers, in one call:
+ *   h = embed(ids): a block-format table's rows dequantized to fp32 and rounded to the model
+ *       dtype (embed_tokens: dequantize_rows(ids).to(dtype)), or a model-dtype table's rows;
+ *   the step's cos / sin = the RoPE tables' rows at the positions (Rope.tables);
+ *   h = layers(h); x = rms_norm(h[rows]) * norm (pl_final_norm);
+ *   logits = fp32(x) @ W_head^T (LlamaModel._logits: a native head gets fp32 rows).
+ * The same kernels and rounding points as those calls, so the same bits; after the layers
+ * have streamed every weight through the caches, each of the ~40 torch and ctypes calls it
+ * replaces costs several times its warm time (0.3-0.4 ms a decode step in all, Zen 4).  h, the
+ * RoPE rows and the norm's output live in the step's scratch. */
+typedef struct {
+    pl_step_t *step;                    /* the layers' step: T and the attention's metadata set */
+    const pl_layer_args *layers;        /* [num_layers], each with this step */
+    int64_t num_layers;
+    const int64_t *ids, *positions;     /* [T] */
+    const pg_weight_t *embed_q;         /* a block-format embedding table [vocab, hidden], or NULL: */
+    const void *embed;                  /* ... a [vocab, hidden] model-dtype table */
+    int64_t vocab;                      /* the table's rows */
+    const void *cos_table, *sin_table;  /* [max_pos, head_dim] model dtype */
+    int64_t max_pos;
+    const void *norm;                   /* [hidden] model dtype */
+    const int64_t *rows;                /* [num_rows] rows of h whose logits are wanted */
+    int64_t num_rows;
+    const pg_weight_t *head;            /* [N, hidden] */
+    float *logits;                      /* [num_rows, N] */
+} pl_forward_args;
+
+/* 0; PL_EARGS for bad shapes, PL_EIDS for a token id or position outside its table, or the
+ * first error of the layers, the final norm (a row outside [0, T)) or the head's linear. */
+int pl_forward(const pl_forward_args *f)
+{
+    pl_step_t *s = f->step;
+    if (!s || !f->layers || f->num_layers < 1 || !s->scratch || s->T < 1 || s->T > PL_MAX_T ||
+        (s->dtype != DT_F32 && s->dtype != DT_BF16) || f->num_rows < 0 || f->num_rows > s->T || !f->head ||
+        f->head->K != s->hidden || !f->cos_table || !f->sin_table || !f->norm ||
+        (f->embed_q ? f->embed_q->K != s->hidden || f->embed_q->N != f->vocab : !f->embed))
+        return PL_EARGS;
+    for (int64_t i = 0; i < f->num_layers; i++)
+        if (f->layers[i].step != s)
+            return PL_EARGS;
+    const int T = (int)s->T, dt = (int)s->dtype;
+    const int64_t H = s->hidden, D = s->head_dim;
+    const size_t esz = dt == DT_F32 ? 4 : 2, hrow = (size_t)H * esz, drow = (size_t)D * esz;
+    const int prof = g_prof;  /* the head's GEMV and this glue in pl_profile's sections too */
+    int64_t t = prof ? now_ns() : 0;
+    for (int i = 0; i < T; i++)
+        if (f->ids[i] < 0 || f->ids[i] >= f->vocab || f->positions[i] < 0 || f->positions[i] >= f->max_pos)
+            return PL_EIDS;
+    pl_bufs_t b;
+    layout(s, T, (char *)(intptr_t)s->scratch, &b);
+    if (f->embed_q) {
+        float *e = (float *)b.e32;
+        if (pq_dequantize_ids(f->embed_q, f->ids, T, e))
+            return PL_EARGS;
+        if (dt == DT_F32)
+            memcpy(b.hw, e, (size_t)T * H * 4);
+        else
+            for (size_t i = 0; i < (size_t)T * H; i++)
+                ((uint16_t *)b.hw)[i] = f32_to_bf16(e[i]);
+    } else {
+        for (int i = 0; i < T; i++)
+            memcpy(b.hw + i * hrow, (const char *)f->embed + (size_t)f->ids[i] * hrow, hrow);
+    }
+    for (int i = 0; i < T; i++) {
+        memcpy(b.cs + i * drow, (const char *)f->cos_table + (size_t)f->positions[i] * drow, drow);
+        memcpy(b.cs + (T + i) * drow, (const char *)f->sin_table + (size_t)f->positions[i] * drow, drow);
+    }
+    s->h = (int64_t)(intptr_t)b.hw;
+    s->cos = (int64_t)(intptr_t)b.cs;
+    s->sin = (int64_t)(intptr_t)(b.cs + T * drow);
+    PL_LAP(PL_GLUE);
+    int rc = pl_layers(f->layers, (int)f->num_layers);  /* (its own sections) */
+    const int n = (int)f->num_rows;
+    if (rc || n == 0)
+        return rc;
+    if (prof)
+        t = now_ns();
+    if ((rc = pl_final_norm(s, f->norm, f->rows, n, b.xn)))
+        return rc;
+    const char *x = b.xn;
+    if (dt == DT_BF16) {
+        for (size_t i = 0; i < (size_t)n * H; i++)
+            ((float *)b.e32)[i] = bf16_to_f32(((const uint16_t *)b.xn)[i]);
+        x = b.e32;
+    }
+    PL_LAP(PL_GLUE);
+    rc = run_linear(f->head, x, (char *)f->logits, n, DT_F32);
+    PL_LAP(PL_GEMV);
+    return rc;
+}
+
+int64_t pl_forward_args_bytes(void) { return (int64_t)sizeof(pl_forward_args); }
 
 /* ------------------------------------------------------------------------- */
 /* The EAGLE head's step (speculative/eagle_head.py, HeadRunner.step_at)      */

@@ -45,7 +45,7 @@ from prescient.kernels import cpu_attention, cpu_linear
 log = logging.getLogger(__name__)
 
 _OFF = ("0", "false", "off")
-_C_VERSION = 5  # must match PL_VERSION in cpu_layer.c
+_C_VERSION = 6  # must match PL_VERSION in cpu_layer.c
 
 
 def _max_tokens() -> int:
@@ -72,12 +72,14 @@ _layers_fn = None  # pl_layers
 _norm_fn = None  # pl_final_norm
 _scratch_fn = None  # pl_scratch_bytes
 _silu_fn = None  # pl_silu_mul
+_forward_fn = None  # pl_forward
 _tried = False
 _why_not: Optional[str] = None
 
 # C error codes of cpu_layer.c (positive); negative codes are pa_tree_attention's.
 _ERRORS = {1: "bad shapes", 2: "a slot_mapping entry is past the end of the KV cache",
-           3: "a linear rejected its arguments", 4: "out of memory"}
+           3: "a linear rejected its arguments", 4: "out of memory",
+           5: "a token id or position is outside its table"}
 
 
 class _Step(ctypes.Structure):
@@ -98,8 +100,18 @@ class _LayerArgs(ctypes.Structure):
         "attn_norm", "mlp_norm", "qkv_bias", "k_cache", "v_cache", "k_scale", "v_scale")]
 
 
+class _ForwardArgs(ctypes.Structure):
+    """Mirror of pl_forward_args (cpu_layer.c): a whole forward, token ids to logits."""
+    _fields_ = [("step", ctypes.c_void_p), ("layers", ctypes.c_void_p), ("num_layers", ctypes.c_int64),
+                ("ids", ctypes.c_void_p), ("positions", ctypes.c_void_p), ("embed_q", ctypes.c_void_p),
+                ("embed", ctypes.c_void_p), ("vocab", ctypes.c_int64), ("cos_table", ctypes.c_void_p),
+                ("sin_table", ctypes.c_void_p), ("max_pos", ctypes.c_int64), ("norm", ctypes.c_void_p),
+                ("rows", ctypes.c_void_p), ("num_rows", ctypes.c_int64), ("head", ctypes.c_void_p),
+                ("logits", ctypes.c_void_p)]
+
+
 def _bind() -> None:
-    global _layer_fn, _layers_fn, _norm_fn, _scratch_fn, _tried, _why_not
+    global _layer_fn, _layers_fn, _norm_fn, _scratch_fn, _forward_fn, _tried, _why_not
     _tried = True
     lib = cpu_linear.library()
     if lib is None:
@@ -112,11 +124,14 @@ def _bind() -> None:
         fn.restype, fn.argtypes = ctypes.c_int, []
     lib.pl_struct_bytes.argtypes = [ctypes.c_int]
     lib.pl_struct_bytes.restype = ctypes.c_int64
+    lib.pl_forward_args_bytes.argtypes = []
+    lib.pl_forward_args_bytes.restype = ctypes.c_int64
     # the build must be the one this wrapper was written against: (what it has, what is expected, why)
     for got, want, what in (
             (lib.pl_version(), _C_VERSION, "cpu_layer.c version"),
             (lib.pl_pa_version(), lib.pa_version(), "the pa_args_t version cpu_layer.c was built with (cpu_attention.h)"),
-            ((lib.pl_struct_bytes(0), lib.pl_struct_bytes(1)), (ctypes.sizeof(_Step), ctypes.sizeof(_LayerArgs)),
+            ((lib.pl_struct_bytes(0), lib.pl_struct_bytes(1), lib.pl_forward_args_bytes()),
+             (ctypes.sizeof(_Step), ctypes.sizeof(_LayerArgs), ctypes.sizeof(_ForwardArgs)),
              "the sizes of cpu_layer.c's structs (mirrored here)")):
         if got != want:
             _why_not = f"{what} is {got}, expected {want}"
@@ -138,6 +153,9 @@ def _bind() -> None:
     lib.pl_final_norm.restype = ctypes.c_int
     lib.pl_profile.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.pl_profile.restype = None
+    lib.pl_forward.argtypes = [ctypes.c_void_p]
+    lib.pl_forward.restype = ctypes.c_int
+    _forward_fn = lib.pl_forward
     _layer_fn, _layers_fn, _norm_fn, _scratch_fn = lib.pl_layer, lib.pl_layers, lib.pl_final_norm, lib.pl_scratch_bytes
 
 
@@ -270,6 +288,9 @@ class FusedLayers:
         self._scratch, self._capacity = None, 0  # scratch for up to _capacity tokens (_reserve)
         self._step = step
         self._step_ptr = ctypes.addressof(step)
+        # pl_forward's arguments for one model's ends (logits()): bound on first use
+        self._ends, self._ends_model, self._ends_keep, self._head_n, self._ends_ptr = None, None, None, 0, 0
+        self.ends_why_not: Optional[str] = None
 
         def desc(lin, what: str, i: int) -> int:
             packed = getattr(lin, "packed", None)
@@ -383,6 +404,25 @@ class FusedLayers:
         for t in (cos, sin):
             if t.dtype is not dtype or t.numel() != T * D or t.shape[-1] != D or not t.is_contiguous():
                 raise ValueError(f"cos/sin must be contiguous [{T}, 1, {D}] {dtype}, got {t.dtype} {tuple(t.shape)}")
+        s = self._set_batch(T, batch)
+        s.h = h.data_ptr()
+        s.cos = cos.data_ptr()
+        s.sin = sin.data_ptr()
+        if self.per_layer:
+            fn = _layer_fn
+            for p in self._layer_ptrs[start:stop]:
+                rc = fn(p)
+                if rc:
+                    raise _error(rc)
+        else:
+            rc = _layers_fn(self._layer_ptrs[start], stop - start)
+            if rc:
+                raise _error(rc)
+        return h
+
+    def _set_batch(self, T: int, batch) -> "_Step":
+        """The step's T and attention metadata from a ForwardBatch of T tokens (checked: the C
+        trusts them), its scratch grown to T; the step struct."""
         slots, bt, cl, cu, mask = (batch.slot_mapping, batch.block_tables, batch.context_lens,
                                    batch.cu_seqlens_q, batch.mask_bits)
         if (slots.dtype is not _I64 or slots.shape != (T,) or bt.dtype is not _I32 or bt.dim() != 2
@@ -394,9 +434,6 @@ class FusedLayers:
         self._reserve(T)
         s = self._step
         s.T = T
-        s.h = h.data_ptr()
-        s.cos = cos.data_ptr()
-        s.sin = sin.data_ptr()
         s.slot_mapping = slots.data_ptr()
         s.block_tables = bt.data_ptr()
         s.num_seqs, s.max_blocks = bt.shape
@@ -415,17 +452,102 @@ class FusedLayers:
         # to one thread, as CpuForward does): the attention stays on this thread (cpu_attention.py's
         # PA_SOLO rule); the GEMV pool decides for itself
         s.attn_flags = 1 if _torch_threads() > 1 else 0
+        return s
+
+    def logits(self, model, batch) -> Optional[torch.Tensor]:
+        """The forward's logits [len(batch.logits_indices), vocab] fp32 in one native call
+        (pl_forward: the embedding, RoPE rows, every layer, the final norm and the LM head), the
+        bits of CpuForward's composed calls (model.embed_tokens, model.rope.tables, forward,
+        final_norm, model._logits); or None where `model`'s ends cannot go there (a per-layer
+        object, an embedding or LM head without a native descriptor, a head whose bias torch
+        adds: ends_why_not says why), and the caller composes those calls instead.  h stays in
+        the object's scratch: a caller that wants the hidden states composes them too."""
+        args = self._ends if self._ends_model is not None and self._ends_model() is model else self._bind_ends(model)
+        if args is None:
+            return None
+        ids, pos, rows = batch.input_ids, batch.positions, batch.logits_indices
+        T = ids.shape[0]
+        if not 1 <= T <= MAX_T:
+            raise ValueError(f"a forward of 1..{MAX_T} tokens, got {T}")
+        for t, what in ((ids, "input_ids"), (pos, "positions")):
+            if t.dtype is not _I64 or t.shape != (T,) or not t.is_contiguous() or not t.is_cpu:
+                raise ValueError(f"batch.{what} must be contiguous int64 [{T}] on the CPU")
+        if rows.dtype is not _I64 or rows.dim() != 1 or not rows.is_contiguous():
+            raise ValueError("batch.logits_indices must be contiguous int64 [n]")
+        self._set_batch(T, batch)
+        n = rows.shape[0]
+        out = torch.empty(n, self._head_n)
+        args.ids, args.positions = ids.data_ptr(), pos.data_ptr()
+        args.rows, args.num_rows, args.logits = rows.data_ptr(), n, out.data_ptr()
+        rc = _forward_fn(self._ends_ptr)
+        if rc == 5:
+            raise IndexError(f"cpu_layer: {_ERRORS[5]} (vocabulary {args.vocab}, positions {args.max_pos})")
+        if rc == 1:
+            raise ValueError("cpu_layer: pl_forward: bad shapes, or a logits row outside [0, T)")
+        if rc:
+            raise _error(rc)
+        return out
+
+    def _bind_ends(self, model) -> Optional["_ForwardArgs"]:
+        """pl_forward's arguments for `model`'s embedding, RoPE tables, final norm and LM head
+        (built once per model), or None with the reason in ends_why_not."""
+        self._ends, self._ends_model, self._ends_keep = None, weakref.ref(model), None
+        try:
+            self._ends, self._head_n, self._ends_keep = self._ends_args(model)
+            self._ends_ptr = ctypes.addressof(self._ends)
+            self.ends_why_not = None
+        except ValueError as e:
+            self.ends_why_not = str(e)
+            log.debug("prescient cpu_layer: forwards composed around the layers (%s)", e)
+        return self._ends
+
+    def _ends_args(self, model) -> tuple["_ForwardArgs", int, tuple]:
+        dtype, hidden, D = self.dtype, self._hidden, self._head_dim
         if self.per_layer:
-            fn = _layer_fn
-            for p in self._layer_ptrs[start:stop]:
-                rc = fn(p)
-                if rc:
-                    raise _error(rc)
+            raise ValueError("one native call per layer was asked for")
+        if self.num_layers != len(model.layers) or model.layers is not self.model_layers:
+            raise ValueError("not every layer of the model is bound to this KV cache")
+
+        def table(t, what: str, cols: int) -> int:
+            if (not isinstance(t, torch.Tensor) or t.dtype is not dtype or t.dim() != 2 or t.shape[1] != cols
+                    or not t.is_contiguous() or not t.is_cpu):
+                raise ValueError(f"{what}: want a contiguous [rows, {cols}] {dtype} CPU tensor")
+            return t.data_ptr()
+
+        args = _ForwardArgs(step=self._step_ptr, layers=self._args_ptr, num_layers=self.num_layers)
+        embed_q = getattr(model, "_embed_q", None)
+        if embed_q is not None:
+            packed = getattr(embed_q, "packed", None)
+            if getattr(packed, "_dptr", None) is None or not getattr(packed, "_deq_native", False):
+                raise ValueError("the embedding table has no native dequantizer")
+            if packed.in_features != hidden:
+                raise ValueError("the embedding table's width is not the hidden size")
+            args.embed_q, args.vocab = packed._dptr, packed.out_features
         else:
-            rc = _layers_fn(self._layer_ptrs[start], stop - start)
-            if rc:
-                raise _error(rc)
-        return h
+            args.embed, args.vocab = table(model.embed, "the embedding table", hidden), model.embed.shape[0]
+        cos, sin = model.rope.cos, model.rope.sin
+        args.cos_table, args.sin_table = table(cos, "rope.cos", D), table(sin, "rope.sin", D)
+        if sin.shape != cos.shape:
+            raise ValueError("rope.cos and rope.sin differ in shape")
+        args.max_pos = cos.shape[0]
+        norm = model.norm
+        if norm.dtype is not dtype or norm.shape != (hidden,) or not norm.is_contiguous():
+            raise ValueError(f"the final norm: want a contiguous [{hidden}] {dtype} tensor")
+        args.norm = norm.data_ptr()
+        head = model.lm_head
+        packed = getattr(head, "packed", None)
+        dptr = getattr(packed, "_dptr", None)
+        if dptr is None or getattr(packed, "_native", True) is False or not getattr(packed, "native", True):
+            raise ValueError("the LM head has no native kernel")
+        try:
+            if _bias_after(head, dptr, -1) is not None:
+                raise ValueError("the LM head's bias is added by torch")
+        except ValueError as e:
+            raise ValueError(f"the LM head: {e}") from None
+        if getattr(packed, "in_features", hidden) != hidden:
+            raise ValueError("the LM head's input is not the hidden size")
+        args.head = dptr
+        return args, int(packed.out_features), (embed_q, model.embed, cos, sin, norm, head)
 
     def final_norm(self, h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """rms_norm(h[rows]) * weight as the model's _rms_norm computes it, for the h the last

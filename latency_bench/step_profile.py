@@ -22,8 +22,10 @@ layer). Reported per mode and step size:
 
 The split comes from separate instrumented steps (medians; host is each instrumented step's wall
 time less its own kernel time): timers around the ctypes kernel calls (torch mode, and the LM
-head in every mode; they include ~0.3 us of ctypes per call, and their own ~0.2 us lands in
-host) and the native layers' section timers (kernels/cpu_layer.c pl_profile). Then every kernel is timed alone
+head in the fused/layer mode; they include ~0.3 us of ctypes per call, and their own ~0.2 us
+lands in host) and the native layers' section timers (kernels/cpu_layer.c pl_profile; in the
+fused mode one call, pl_forward, runs the embedding, every layer, the final norm and the LM
+head, and its timers count the head as gemv and the rest as other). Then every kernel is timed alone
 at the step's shapes, cold as in a real step: the GEMVs over all the model's weights in step
 order (the weights are ~8x the L3, so each comes from DRAM), the attention layer by layer with a
 64 MiB buffer streamed between calls, and the torch elementwise ops of one layer (what the torch

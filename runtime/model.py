@@ -406,6 +406,12 @@ class CpuForward:
         fused = self._prepare(model, batch, kv_caches)
         if fused is None:
             return LlamaModel.forward(model, batch, kv_caches)
+        if not model.keep_hidden:
+            # one native call, token ids to logits, where the model's ends allow it: the same
+            # bits as the calls below, without their ~40 torch and ctypes calls
+            logits = fused.logits(model, batch)
+            if logits is not None:
+                return logits
         h = model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = model.rope.tables(batch.positions)
         h = fused.forward(h, batch, cos, sin)

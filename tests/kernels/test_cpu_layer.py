@@ -95,12 +95,27 @@ def _run_both(model, kv_torch, kv_fused, batch, monkeypatch):
     monkeypatch.setenv(FUSED_LAYERS, "0")
     ref = model.forward(batch, kv_torch)
     monkeypatch.setenv(FUSED_LAYERS, "1")
-    calls = []
-    real = cpu_layer.FusedLayers.forward
-    monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda self, *a: calls.append(1) or real(self, *a))
+    calls = _record_native_calls(monkeypatch)
     out = model.forward(batch, kv_fused)
     assert calls, "the fused path did not run"
     return ref, out
+
+
+def _record_native_calls(monkeypatch) -> list[int]:
+    """The token counts of the native forwards run from now on: FusedLayers.forward (the layers
+    alone) or FusedLayers.logits (pl_forward: ids to logits, where it takes the model)."""
+    calls: list[int] = []
+    fwd, logits = cpu_layer.FusedLayers.forward, cpu_layer.FusedLayers.logits
+
+    def counted_logits(self, model, batch):
+        out = logits(self, model, batch)
+        if out is not None:
+            calls.append(batch.input_ids.shape[0])
+        return out
+
+    monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda self, h, *a: calls.append(h.shape[0]) or fwd(self, h, *a))
+    monkeypatch.setattr(cpu_layer.FusedLayers, "logits", counted_logits)
+    return calls
 
 
 def _assert_match(ref: torch.Tensor, out: torch.Tensor, what: str, exact: bool):
@@ -270,7 +285,84 @@ def test_hook_conditions(ckpts, monkeypatch):
     rows = [SeqRows([3 + i % 20 for i in range(n)], range(n), 0, list(range(-(-n // BLOCK))), None, [n - 1])]
     batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
     monkeypatch.setattr(cpu_layer.FusedLayers, "forward", lambda *a: pytest.fail(f"fused path on {n} tokens"))
+    monkeypatch.setattr(cpu_layer.FusedLayers, "logits", lambda *a: pytest.fail(f"pl_forward on {n} tokens"))
     model.forward(batch, big_kv)
+
+
+def _composed(model, fl, batch) -> torch.Tensor:
+    """CpuForward's forward as separate calls: the embedding lookup, the RoPE rows, the layers'
+    native call, the final norm, the LM head."""
+    h = model.embed_tokens(batch.input_ids)
+    cos, sin = model.rope.tables(batch.positions)
+    h = fl.forward(h, batch, cos, sin)
+    return model._logits(fl.final_norm(h, batch.logits_indices, model.norm))
+
+
+@pytest.fixture(scope="module")
+def gguf_model_weights(ckpts, tmp_path_factory):
+    """The llama checkpoint as a GGUF of Q4_1 linears and a tied Q8_0 embedding (the default
+    model's formats), loaded with its blocks."""
+    from tests.runtime.test_native_weights import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "llama.Q4_1.gguf", ckpts["llama"], tied=True)
+    return load_checkpoint(str(path), native=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gguf"])
+def test_one_call_forward_is_the_composed_forward(ckpts, gguf_model_weights, name, dtype):
+    """pl_forward (FusedLayers.logits: ids to logits in one call) gives the composed calls' bits,
+    logits and KV cache: decode, a tree, two sequences at once, a prefill chunk whose logits are
+    its last row and one that wants none; float tables and a block-format (Q8_0) embedding
+    shared with the LM head; a model that cannot go there says why."""
+    ck = gguf_model_weights if name == "gguf" else ckpts[name]
+    model = LlamaModel(ck.config, ck.weights, dtype=dtype)
+    assert (model._embed_q is not None) == (name == "gguf")
+    for i, (T, ctx, tree) in enumerate([(1, 300, False), (8, 37, True), (40, 20, False)]):
+        kv1, kv2, batch = _case(model, T, ctx, 20 + i, tree)
+        a = cpu_layer.FusedLayers(model, kv1)
+        b = cpu_layer.FusedLayers(model, kv2)
+        want = _composed(model, b, batch)
+        got = a.logits(model, batch)
+        assert got is not None, a.ends_why_not
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want), (T, ctx)
+        assert all(torch.equal(x, y) for p, q in zip(kv1, kv2) for x, y in zip(p, q))
+        if T == 40:  # the chunk's last row only, then no row (a chunk before the last)
+            for rows in ([T - 1], []):
+                batch.logits_indices = torch.tensor(rows, dtype=torch.int64)
+                got = a.logits(model, batch)
+                assert got.shape == (len(rows), model.config.vocab_size)
+                assert torch.equal(got, _composed(model, b, batch))
+    kv1, kv2, _ = _case(model, 1, 100, 5, False)
+    nb = kv1[0][0].shape[0]
+    rows = [SeqRows([5], [20], 20, [0, 1], None, [0]),
+            SeqRows([6, 7, 8, 9], [33, 34, 34, 35], 33, [2, 3, 4], _tree(4).mask_bits(), [0, 1, 2, 3]),
+            SeqRows([10], [3], 3, [nb - 1], None, [0])]
+    batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
+    assert torch.equal(cpu_layer.FusedLayers(model, kv1).logits(model, batch),
+                       _composed(model, cpu_layer.FusedLayers(model, kv2), batch))
+    per_layer = cpu_layer.FusedLayers(model, kv1, per_layer=True)
+    assert per_layer.logits(model, batch) is None and "per layer" in per_layer.ends_why_not
+
+
+def test_one_call_forward_refuses_ids_outside_its_tables(ckpts):
+    """A token id past the vocabulary or a position past the RoPE tables: IndexError, as the
+    composed calls raise, and the object keeps working."""
+    model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=torch.bfloat16)
+    kv, _, batch = _case(model, 1, 10, 0, False)
+    fl = cpu_layer.FusedLayers(model, kv)
+    good = fl.logits(model, batch)
+    for field, bad in (("input_ids", model.config.vocab_size), ("input_ids", -1),
+                       ("positions", model.rope.cos.shape[0])):
+        value = getattr(batch, field)[0].item()
+        getattr(batch, field)[0] = bad
+        with pytest.raises(IndexError, match="outside its table"):
+            fl.logits(model, batch)
+        getattr(batch, field)[0] = value
+    assert torch.equal(fl.logits(model, batch), good)
+    batch.logits_indices = torch.tensor([1])  # T = 1: row 1 does not exist
+    with pytest.raises(ValueError, match="logits row"):
+        fl.logits(model, batch)
 
 
 def test_bad_arguments_raise(ckpts):
@@ -314,10 +406,7 @@ def test_greedy_generation_identical(ckpts, dtype, speculate, monkeypatch):
 
     ck = ckpts["llama"]
     model = LlamaModel(ck.config, ck.weights, dtype=getattr(torch, dtype))
-    sizes = []
-    real = cpu_layer.FusedLayers.forward
-    monkeypatch.setattr(cpu_layer.FusedLayers, "forward",
-                        lambda self, h, *a: sizes.append(h.shape[0]) or real(self, h, *a))
+    sizes = _record_native_calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
     # repetitive prompts, so that drafts get accepted and the verify steps are long
     prompts = [(torch.randint(3, 97, (n,), generator=g).tolist() * 3)[:40] for n in (7, 11, 5)]

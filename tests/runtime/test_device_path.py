@@ -263,12 +263,14 @@ def test_sync_count_of_a_verify_step_is_at_most_one(tiny):
 
 
 def test_the_cpu_path_would_fail_the_sync_count(tiny):
-    """The counter sees what the issue counted: the CPU path's per-forward copies and per-row reads."""
+    """The counter sees what the issue counted: the CPU path's per-forward copies (its batch's
+    fields, two blocking copies) and per-row reads (a sampled row's draws)."""
     engine = make_engine(tiny, "cpu")
-    for p in prompts(3, 4):
-        engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=3))
+    for i, p in enumerate(prompts(3, 4)):
+        engine.add_request(p, SamplingParams(temperature=0.8, seed=i, max_tokens=3))
     steps = _syncs_per_step(engine)
     assert max(len(s) for s in steps) > 4
+    assert all(sum(where.startswith("runtime/batch.py") for _, where in s) == 2 for s in steps)
 
 
 def test_bucketed_padding_leaves_the_real_rows_and_the_kv_as_they_are(tiny):

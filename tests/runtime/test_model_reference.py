@@ -180,10 +180,9 @@ def _steps(vocab: int) -> list[tuple[str, list[SeqRows]]]:
 def _run_pair(model: LlamaModel, ref_model: LlamaModel, monkeypatch) -> tuple[list, list[int]]:
     """Each step through `model.forward` (prepared) and the reference on its own KV cache ->
     ([(name, num_tokens, prepared logits, reference logits)], the token counts of the native calls)."""
-    sizes: list[int] = []
-    real = cpu_layer.FusedLayers.forward
-    monkeypatch.setattr(cpu_layer.FusedLayers, "forward",
-                        lambda self, h, *a: sizes.append(h.shape[0]) or real(self, h, *a))
+    from tests.kernels.test_cpu_layer import _record_native_calls
+
+    sizes = _record_native_calls(monkeypatch)  # FusedLayers.forward or .logits (pl_forward)
     kv_cpu, kv_ref = model.allocate_kv_cache(16, BLOCK), ref_model.allocate_kv_cache(16, BLOCK)
     out = []
     for name, rows in _steps(model.config.vocab_size):
