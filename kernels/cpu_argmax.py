@@ -49,11 +49,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
     return out
 
 
-def argmax_row(x: torch.Tensor) -> int:  # [1, n] (or any shape of one row) -> the index of its maximum
+def argmax_row(x: torch.Tensor) -> int:  # [1, n] or [n] (one row, leading dims of 1) -> its argmax
     """argmax_rows for one row, as an int: greedy decoding's token without an output tensor (each
     torch call after a forward, whose weights went through the caches, costs tens of us)."""
     if x.dim() != 2:
-        x = x.reshape(1, -1)
+        x = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
     if x.shape[0] != 1:
         raise ValueError(f"argmax_row takes one row, got {x.shape[0]}")
     if (x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0 or x.stride(1) != 1

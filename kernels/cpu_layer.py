@@ -12,6 +12,8 @@ torch ops' roundings between them, so a bf16 model's results are the torch path'
 
     fused = fused_layers(model, kv_caches)   # None: use the torch loop (see why_not())
     h = fused.forward(h, batch, cos, sin)    # h [T, hidden], T <= MAX_T, updated in place
+    logits = fused.logits(model, batch)      # or ids to logits in one call (pl_forward); None:
+                                             # the model's ends are not native (ends_why_not)
 
 The KV cache is of the model dtype or int8 with per-(token, kv head) scales (``--kv-dtype int8``:
 new rows quantized by the same pa_store_kv_i8 as ops.store_kv).
@@ -433,6 +435,7 @@ class FusedLayers:
                              "and cu_seqlens_q int32 [S + 1], all contiguous")
         self._reserve(T)
         s = self._step
+        s.h = 0  # set by the caller (forward) or by pl_forward: final_norm never pairs T with an older h
         s.T = T
         s.slot_mapping = slots.data_ptr()
         s.block_tables = bt.data_ptr()
@@ -476,7 +479,7 @@ class FusedLayers:
             raise ValueError("batch.logits_indices must be contiguous int64 [n]")
         self._set_batch(T, batch)
         n = rows.shape[0]
-        out = torch.empty(n, self._head_n)
+        out = torch.empty(n, self._head_n, dtype=torch.float32)
         args.ids, args.positions = ids.data_ptr(), pos.data_ptr()
         args.rows, args.num_rows, args.logits = rows.data_ptr(), n, out.data_ptr()
         rc = _forward_fn(self._ends_ptr)
@@ -505,6 +508,8 @@ class FusedLayers:
         dtype, hidden, D = self.dtype, self._hidden, self._head_dim
         if self.per_layer:
             raise ValueError("one native call per layer was asked for")
+        if getattr(model, "is_sharded", False):
+            raise ValueError("a tensor-parallel shard (its head gathers the ranks' logits)")
         if self.num_layers != len(model.layers) or model.layers is not self.model_layers:
             raise ValueError("not every layer of the model is bound to this KV cache")
 
@@ -535,6 +540,8 @@ class FusedLayers:
             raise ValueError(f"the final norm: want a contiguous [{hidden}] {dtype} tensor")
         args.norm = norm.data_ptr()
         head = model.lm_head
+        if type(head).__name__ not in ("Linear", "QuantizedLinear"):  # e.g. a vocab-parallel head
+            raise ValueError(f"the LM head is a {type(head).__name__}")
         packed = getattr(head, "packed", None)
         dptr = getattr(packed, "_dptr", None)
         if dptr is None or getattr(packed, "_native", True) is False or not getattr(packed, "native", True):

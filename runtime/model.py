@@ -301,7 +301,7 @@ class LlamaModel:
         """ids: [num_tokens] -> embeddings [num_tokens, hidden] in the compute dtype."""
         if self._embed_q is not None:
             return self._embed_q.lookup(ids, self.dtype)
-        h = self.embed[ids]
+        h = self.embed.index_select(0, ids)  # (a negative id raises, as the block table's lookup)
         return h if h.dtype == self.dtype else h.to(self.dtype)
 
     def _matrices(self) -> list:
@@ -368,6 +368,8 @@ class CpuForward:
       them all, as torch's GEMM once did for prefill (measured only on 2 cores).
     * the native layers: a forward of 1..MAX_T tokens (decode steps, verify trees, prefill
       chunks) runs every layer and the final norm in kernels/cpu_layer.c (no per-op dispatch;
+      with the embedding lookup and the LM head too, in one call, where those are native and
+      no caller keeps the hidden states: FusedLayers.logits;
       for a prefill chunk 1.04-1.27x the torch loop's speed, avx2) when the env allows it
       (RuntimeEnv.fused_layers) and the model can take it (kernels/cpu_layer.fused_layers:
       float32/bfloat16, every linear with a native descriptor, the kernels' own switches);

@@ -1,7 +1,8 @@
 """The device path's host-to-device traffic: one host buffer (pinned on CUDA), one copy per upload.
 
-`pack_forward_batch` builds each ForwardBatch field as its own tensor on the device: seven
-blocking copies from pageable memory per forward, each of which waits for the GPU. Here every
+`pack_forward_batch` builds the ForwardBatch fields as views of two tensors on the device (three
+with a mask): as many blocking copies from pageable memory per forward, each of which waits for
+the GPU. Here every
 field of a forward's metadata is written into one int64 host buffer and moved with one
 non-blocking copy; the fields are then views (int32 ones converted on the device, a kernel, not a
 sync). Pinned memory is what lets the copy run asynchronously: from pageable memory CUDA stages

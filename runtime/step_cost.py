@@ -51,9 +51,13 @@ class RecursiveLeastSquares:
 
     def update(self, x, y: float) -> None:
         x = [float(v) for v in x]
+        if len(x) != len(self.theta):
+            raise ValueError(f"x has {len(x)} features, the fit {len(self.theta)}")
         lam, P, theta = self.forgetting, self.P, self.theta
         Px = [sum(p * v for p, v in zip(row, x)) for row in P]  # P x
         denom = lam + sum(p * v for p, v in zip(Px, x))
+        if not (math.isfinite(denom) and denom > 0):
+            return  # degenerate (x^T P x is >= 0 for a sound P): skipped, as a non-finite update
         err = y - sum(t * v for t, v in zip(theta, x))
         gain = [p / denom for p in Px]
         new_theta = [t + g * err for t, g in zip(theta, gain)]

@@ -32,7 +32,7 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self._backend_decode is not None:
+        if self._backend_decode is not None and type(token_ids) is list:
             return self._backend_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
@@ -58,9 +58,12 @@ def _backend_decode(hf_tokenizer: Any):
         return None
     if getattr(hf_tokenizer, "clean_up_tokenization_spaces", True) is not False:
         return None
-    owner = next((k for k in type(hf_tokenizer).__mro__ if "_decode" in vars(k)), None)
-    if owner is None or owner.__module__ not in ("transformers.tokenization_utils_tokenizers",
-                                                 "transformers.tokenization_utils_fast"):
+    mro = type(hf_tokenizer).__mro__
+    owner = next((k for k in mro if "_decode" in vars(k)), None)
+    public = next((k for k in mro if "decode" in vars(k)), None)
+    if (owner is None or owner.__module__ not in ("transformers.tokenization_utils_tokenizers",
+                                                  "transformers.tokenization_utils_fast")
+            or public is None or public.__module__ != "transformers.tokenization_utils_base"):
         return None  # a tokenizer class with a decode of its own
     return backend.decode
 

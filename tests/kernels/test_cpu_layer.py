@@ -345,6 +345,39 @@ def test_one_call_forward_is_the_composed_forward(ckpts, gguf_model_weights, nam
     assert per_layer.logits(model, batch) is None and "per layer" in per_layer.ends_why_not
 
 
+def test_one_call_forward_only_where_the_model_allows_it(ckpts, monkeypatch):
+    """The forward composes its calls around the layers where pl_forward cannot stand for them:
+    an LM head whose bias torch adds, an embedding table in another dtype, a tensor-parallel
+    shard, and a forward whose caller keeps the hidden states (an EAGLE head's features)."""
+    ck = ckpts["llama"]
+
+    def refused(edit) -> str:
+        model = LlamaModel(ck.config, ck.weights, dtype=torch.bfloat16)
+        edit(model)
+        kv, _, batch = _case(model, 1, 10, 0, False)
+        fl = cpu_layer.FusedLayers(model, kv)
+        assert fl.logits(model, batch) is None
+        return fl.ends_why_not
+
+    vocab = ck.config.vocab_size
+    assert "bias" in refused(lambda m: setattr(m.lm_head, "bias", torch.ones(vocab, dtype=torch.bfloat16)))
+    assert "embedding" in refused(lambda m: setattr(m, "embed", m.embed.float()))
+    assert "tensor-parallel" in refused(lambda m: setattr(m, "is_sharded", True))
+    model = LlamaModel(ck.config, ck.weights, dtype=torch.bfloat16)
+    kv, _, batch = _case(model, 1, 10, 0, False)
+    calls = []
+    real = cpu_layer.FusedLayers.logits
+    monkeypatch.setattr(cpu_layer.FusedLayers, "logits", lambda self, m, b: calls.append(1) or real(self, m, b))
+    want = model.forward(batch, kv)
+    assert calls == [1]
+    model.keep_hidden = True
+    try:
+        assert torch.equal(model.forward(batch, kv), want) and model.last_hidden is not None
+    finally:
+        model.keep_hidden, model.last_hidden = False, None
+    assert calls == [1]  # the second forward composed its calls (it kept h)
+
+
 def test_one_call_forward_refuses_ids_outside_its_tables(ckpts):
     """A token id past the vocabulary or a position past the RoPE tables: IndexError, as the
     composed calls raise, and the object keeps working."""

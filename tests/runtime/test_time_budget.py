@@ -376,6 +376,8 @@ def test_recursive_least_squares_is_the_weighted_least_squares_solution():
     assert abs(rls.predict([1.0, 4.0, 0.8]) - float(np.array([1.0, 4.0, 0.8]) @ theta)) < 1e-12
     rls.update([1.0, float("inf"), 0.0], 1.0)  # degenerate: skipped, nothing poisoned
     assert rls.num_samples == T and np.allclose(rls.theta, theta, rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="features"):
+        rls.update([1.0, 2.0], 1.0)
 
 
 def test_bounds_the_server_cannot_meet_even_alone_are_reported(tiny):
