@@ -368,12 +368,13 @@ class CpuForward:
       them all, as torch's GEMM once did for prefill (measured only on 2 cores).
     * the native layers: a forward of 1..MAX_T tokens (decode steps, verify trees, prefill
       chunks) runs every layer and the final norm in kernels/cpu_layer.c (no per-op dispatch;
-      with the embedding lookup and the LM head too, in one call, where those are native and
-      no caller keeps the hidden states: FusedLayers.logits;
       for a prefill chunk 1.04-1.27x the torch loop's speed, avx2) when the env allows it
       (RuntimeEnv.fused_layers) and the model can take it (kernels/cpu_layer.fused_layers:
       float32/bfloat16, every linear with a native descriptor, the kernels' own switches);
       otherwise the reference forward. `forward_layers` (a chunk split by layers) likewise.
+      Where the embedding and the LM head are native too and no caller keeps the hidden
+      states, that native call takes the forward from token ids to logits
+      (FusedLayers.logits, pl_forward).
 
     A bfloat16 model's results are the reference's bit for bit (the same kernels, the same
     roundings between them; the torch loop uses the native layer's SiLU); so are a float32
