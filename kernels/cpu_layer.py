@@ -547,10 +547,11 @@ class FusedLayers:
         if dptr is None or getattr(packed, "_native", True) is False or not getattr(packed, "native", True):
             raise ValueError("the LM head has no native kernel")
         try:
-            if _bias_after(head, dptr, -1) is not None:
-                raise ValueError("the LM head's bias is added by torch")
-        except ValueError as e:
-            raise ValueError(f"the LM head: {e}") from None
+            torch_bias = _bias_after(head, dptr, -1)
+        except ValueError:
+            raise ValueError("the LM head has a bias the native call cannot place") from None
+        if torch_bias is not None:
+            raise ValueError("the LM head's bias is added by torch")
         if getattr(packed, "in_features", hidden) != hidden:
             raise ValueError("the LM head's input is not the hidden size")
         args.head = dptr

@@ -228,15 +228,19 @@ def test_block_format_weights(ckpts, quantize, dtype, monkeypatch):
         _compare(model, T, ctx, i, tree, monkeypatch)
 
 
+def _three_sequences(num_blocks: int):
+    """A batch of two decoding sequences around a 4-node verify tree, on a cache of num_blocks."""
+    rows = [SeqRows([5], [20], 20, [0, 1], None, [0]),
+            SeqRows([6, 7, 8, 9], [33, 34, 34, 35], 33, [2, 3, 4], _tree(4).mask_bits(), [0, 1, 2, 3]),
+            SeqRows([10], [3], 3, [num_blocks - 1], None, [0])]
+    return pack_forward_batch(rows, BLOCK, torch.device("cpu"))
+
+
 def test_two_sequences_and_skipped_slots(ckpts, monkeypatch):
     """A batch of two decoding sequences and a verify tree, and a slot of -1 (not stored)."""
     model = LlamaModel(ckpts["llama"].config, ckpts["llama"].weights, dtype=torch.bfloat16)
     kv_torch, kv_fused, _ = _case(model, 1, 100, 5, False)  # 9 blocks
-    nb = kv_torch[0][0].shape[0]
-    rows = [SeqRows([5], [20], 20, [0, 1], None, [0]),
-            SeqRows([6, 7, 8, 9], [33, 34, 34, 35], 33, [2, 3, 4], _tree(4).mask_bits(), [0, 1, 2, 3]),
-            SeqRows([10], [3], 3, [nb - 1], None, [0])]
-    batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
+    batch = _three_sequences(kv_torch[0][0].shape[0])
     batch.slot_mapping[1] = -1
     ref, out = _run_both(model, kv_torch, kv_fused, batch, monkeypatch)
     _assert_match(ref, out, "logits", True)
@@ -334,11 +338,7 @@ def test_one_call_forward_is_the_composed_forward(ckpts, gguf_model_weights, nam
                 assert got.shape == (len(rows), model.config.vocab_size)
                 assert torch.equal(got, _composed(model, b, batch))
     kv1, kv2, _ = _case(model, 1, 100, 5, False)
-    nb = kv1[0][0].shape[0]
-    rows = [SeqRows([5], [20], 20, [0, 1], None, [0]),
-            SeqRows([6, 7, 8, 9], [33, 34, 34, 35], 33, [2, 3, 4], _tree(4).mask_bits(), [0, 1, 2, 3]),
-            SeqRows([10], [3], 3, [nb - 1], None, [0])]
-    batch = pack_forward_batch(rows, BLOCK, torch.device("cpu"))
+    batch = _three_sequences(kv1[0][0].shape[0])
     assert torch.equal(cpu_layer.FusedLayers(model, kv1).logits(model, batch),
                        _composed(model, cpu_layer.FusedLayers(model, kv2), batch))
     per_layer = cpu_layer.FusedLayers(model, kv1, per_layer=True)
