@@ -473,13 +473,22 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
 
 /* Run the tile kernel `TILE` over rows [n0, n1) for all M.  Each weight chunk is loaded
  * once per tile and used for MR input rows while in a register, with at most 16 accumulators
- * (MR x NR): where pg_one_stream() one weight row x M for M <= 2 (Zen 4, from DRAM, bf16
- * 1536 x 576 at M = 1: 21 -> 28-35 GB/s; 1.0x at M = 4, 0.85x at M = 8, so only there);
- * 4 weight rows x M for M <= 4; with PAIRS, 2 rows x M in one pass for M <= 8;
+ * (MR x NR): where pg_one_stream() one weight row x M for M <= PG_ONE_ROW_MAX_M (below);
+ * otherwise 4 weight rows x M for M <= 4; with PAIRS, 2 rows x M in one pass for M <= 8;
  * otherwise 4 rows with the inputs in blocks of 4, the later blocks re-reading the tile from
  * L1 (DRAM still sees each weight byte once).  Measured from DRAM on 1 thread: pairs take
  * fp32 M = 8 from 17 to 28 GB/s; vdpbf16ps does better with blocks; pairs in blocks of 8
  * for M > 8 and one-row tiles x 16 inputs were both slower than blocks of 4. */
+/* One weight row x all M inputs in one pass (M accumulators, each weight chunk used M times)
+ * up to this M where pg_one_stream(): Zen 4 reads one stream per thread from DRAM much faster
+ * than a tile's 4 interleaved rows.  SmolLM2's 211 GEMVs (270 MB bf16, 2 threads, the two
+ * drivers alternated, median ms): bf16 x bf16 (vdpbf16ps) M = 3 13.8 -> 9.4, M = 4 15.0 ->
+ * 10.0, M = 5 15.7 -> 12.1, M = 6 16.5 -> 13.6, M = 7 16.6 -> 15.4, M = 8 17.0 -> 17.1; fp32
+ * M = 3 23.0 -> 16.0, M = 6 27.2 -> 22.6, M = 8 27.9 -> 33.7 (bf16 at M = 1: 10.2).  Past 6
+ * a row's one x load per multiply-add makes it load-bound (L2-resident M = 8: 7.4 ms as tiles,
+ * 11.0 as rows), and the tiles' software prefetch pays (it did not for the rows at M <= 6). */
+#define PG_ONE_ROW_MAX_M 6
+
 #define PG_ROWS_DRIVER(NAME, TILE, WT, XT, PAIRS)                                        \
     static void NAME(const job_t *j, int n0, int n1)                                     \
     {                                                                                    \
@@ -487,14 +496,19 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
         const WT *W = (const WT *)j->w;                                                  \
         const XT *X = (const XT *)j->xk;                                                 \
         int n = n0;                                                                      \
-        if (M <= 2 && pg_one_stream()) {                                                 \
+        if (M <= PG_ONE_ROW_MAX_M && pg_one_stream()) {                                  \
             /* One weight row at a time: one stream (pg_one_stream; the rows' bits are  \
              * the same as in the 4-row tiles below, each output one chain). */          \
             for (; n < n1; n++) {                                                        \
-                if (M == 1)                                                              \
-                    TILE(j, W + (size_t)n * K, X, n, 0, 1, 1, 0, 0);                     \
-                else                                                                     \
-                    TILE(j, W + (size_t)n * K, X, n, 0, 2, 1, 0, 0);                     \
+                const WT *w = W + (size_t)n * K;                                         \
+                switch (M) {                                                             \
+                case 1: TILE(j, w, X, n, 0, 1, 1, 0, 0); break;                          \
+                case 2: TILE(j, w, X, n, 0, 2, 1, 0, 0); break;                          \
+                case 3: TILE(j, w, X, n, 0, 3, 1, 0, 0); break;                          \
+                case 4: TILE(j, w, X, n, 0, 4, 1, 0, 0); break;                          \
+                case 5: TILE(j, w, X, n, 0, 5, 1, 0, 0); break;                          \
+                default: TILE(j, w, X, n, 0, 6, 1, 0, 0); break;                         \
+                }                                                                        \
             }                                                                            \
         } else if (!(PAIRS) || M <= 4 || M > 8) {                                        \
             const int B = (M + 3) / 4; /* input blocks per tile: prefetch spread */      \

@@ -469,10 +469,11 @@ def test_bf16_products_as_fmas_give_the_instructions_bits(bf16_tier):
 
 
 def test_one_weight_stream_rows_have_the_tile_rows_bits(tier):
-    """At M <= 2 the AVX-512 rows read one weight row at a time where pg_one_stream (the default
-    but on Intel) or 4-row tiles otherwise: each output is one chain over K either way, so the
-    same bits, for fp32 and bf16 weights and x, N not a multiple of 4, K tails, a bias, pooled
-    (the LM head) or not, vdpbf16ps and its FMAs; and a row's bits the same at M = 1, 2 and 5."""
+    """At M <= 6 the AVX-512 rows read one weight row at a time where pg_one_stream (the default
+    but on Intel) or 4-row tiles (or 2-row pairs) otherwise: each output is one chain over K
+    either way, so the same bits, for fp32 and bf16 weights and x, N not a multiple of 4, K tails,
+    a bias, pooled (the LM head) or not, vdpbf16ps and its FMAs; and a row's bits the same at
+    every M from 1 to 7 (7: the tiles whatever pg_one_stream says)."""
     if not tier.startswith("avx512"):
         pytest.skip("the one-stream rows are the AVX-512 tiers'")
     g = torch.Generator().manual_seed(23)
@@ -483,18 +484,19 @@ def test_one_weight_stream_rows_have_the_tile_rows_bits(tier):
                 w = torch.randn(N, K, generator=g).to(wdt)
                 lin = pack_weight(w, torch.randn(N, generator=g) if N % 2 else None)
                 for xdt in DTYPES:
-                    x = torch.randn(5, K, generator=g).to(xdt)
+                    x = torch.randn(7, K, generator=g).to(xdt)
                     for fma in modes:
                         if fma is not None:
                             cpu_linear._set_bf16_fma(fma)
                         ys = {}
                         for one in (False, True):
                             assert cpu_linear._set_one_stream(one) is one
-                            ys[one] = [lin(x[:M]) for M in (1, 2, 5)]
+                            ys[one] = [lin(x[:M]) for M in range(1, 8)]
                         for a, b in zip(ys[False], ys[True]):
                             assert torch.equal(a, b), (wdt, N, K, xdt, fma)
-                        five = ys[True][2]
-                        assert torch.equal(ys[True][0], five[:1]) and torch.equal(ys[True][1], five[:2])
+                        seven = ys[True][-1]
+                        for M, y in enumerate(ys[True], start=1):
+                            assert torch.equal(y, seven[:M]), (wdt, N, K, xdt, fma, M)
     finally:
         cpu_linear._set_one_stream(None)
         cpu_linear._set_bf16_fma(None)
