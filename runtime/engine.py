@@ -452,11 +452,13 @@ class Engine:
         return [ScheduledSeq(request, 0, 0, logits=row.to(self.model.device)) for request, row in ready]
 
     def _note_handoff_ttft(self, handoffs: list[ScheduledSeq], outputs: list[RequestOutput]) -> None:
-        now = time.perf_counter()
         by_id = {seq.request.request_id: seq.request for seq in handoffs}
         for out in outputs:
             if out.request_id in by_id and out.error is None:
-                timing = self.remote_prefill.first_token_committed(by_id[out.request_id], now)
+                # the split ends at the first token's own stamp (what its TTFT ends at), not at
+                # this bookkeeping after the step
+                end = out.token_times[0] if out.token_times else time.perf_counter()
+                timing = self.remote_prefill.first_token_committed(by_id[out.request_id], end)
                 out.ttft_split = None if timing is None else timing.as_dict()
 
     def _hand_off(self, seqs) -> list[RequestOutput]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -80,16 +81,24 @@ def test_a_compile_killed_at_the_time_limit_is_compiled_again(toy_tokenizer):
 
 
 def test_submit_returns_at_once_and_time_limit_refuses(real_tokenizer):
-    # ~50 ms against the 49k vocabulary on a quiet machine (more under load): 25x the limit
+    # ~50 ms against the 49k vocabulary on a quiet machine (more under load): 25x the limit. The
+    # compile is held until the test lets it go, so that it is still running when the test looks
+    # (a compile of ~50 ms could otherwise end while a loaded host keeps this thread waiting).
     compiler = GrammarCompiler(real_tokenizer, CompilerConfig(time_limit_s=0.002))
     spec = GrammarSpec("regex", "[a-z]{2000,4000}")
+    go = threading.Event()
+    build = compiler.build
+    compiler.build = lambda s: go.wait(30) and build(s)
     start = time.monotonic()
     pending = compiler.submit(spec)
-    assert time.monotonic() - start < 0.05
+    # not done: submit did not wait for the compile (which cannot end before `go`); the bound only
+    # catches a submit that waits on something else, with room for a loaded host
     assert not pending.done()
+    assert time.monotonic() - start < 0.5
     with pytest.raises(GrammarError, match="time limit") as info:
         pending.result()
     assert info.value.feature == "time_limit"
+    go.set()
     # xgrammar cannot cancel: the compile finishes in the background and lands in the cache.
     again = compiler.submit(spec)
     assert compiler.hits == 1

@@ -33,13 +33,16 @@ def slow_render(server, monkeypatch, delay_s: float) -> None:
 
 
 def test_the_time_limit_counts_from_arrival(make_tiny_server, monkeypatch):
+    # 0.8 s of the 1 s limit goes to rendering: a limit counted from after rendering would stop
+    # the request at >= 1.8 s. The upper bound sits between the two (0.6 s of room for the event
+    # loop lagging behind the engine's thread on a busy 2-core host), never below the limit.
     server = make_tiny_server(request_time_limit_s=1.0)
-    slow_render(server, monkeypatch, 0.5)
+    slow_render(server, monkeypatch, 0.8)
     t0 = time.monotonic()
     status, got = request(server, "POST", "/v1/chat/completions", LONG)
     elapsed = time.monotonic() - t0
     assert status == 400 and got["error"]["code"] == "request_time_limit_exceeded", got
-    assert 0.9 < elapsed < 1.35, f"stopped {elapsed:.2f} s after arrival under a 1 s limit (0.5 s of it rendering)"
+    assert 0.9 < elapsed < 1.6, f"stopped {elapsed:.2f} s after arrival under a 1 s limit (0.8 s of it rendering)"
 
     async def ws():
         async with websockets.connect(server.ws_url) as ws:
@@ -51,7 +54,7 @@ def test_the_time_limit_counts_from_arrival(make_tiny_server, monkeypatch):
     events, elapsed = run(ws())
     assert events[-1]["type"] == "response.failed", events[-1]
     assert events[-1]["response"]["error"]["code"] == "request_time_limit_exceeded"
-    assert 0.9 < elapsed < 1.35, f"stopped {elapsed:.2f} s after its frame under a 1 s limit"
+    assert 0.9 < elapsed < 1.6, f"stopped {elapsed:.2f} s after its frame under a 1 s limit (0.8 s rendering)"
     assert server.wait_until(lambda s: s["requests"] == 0)["requests"] == 0
 
 
@@ -64,7 +67,10 @@ def test_a_request_past_its_limit_before_it_starts_is_refused_unsubmitted(make_t
     t0 = time.monotonic()
     status, got = request(server, "POST", "/v1/chat/completions", LONG | {"stream": True})
     assert status == 400 and got["error"]["code"] == "request_time_limit_exceeded", got
-    assert time.monotonic() - t0 < 1.2 and not submitted
+    # never submitted: that is the rule. The time only rules out more work than the one 0.8 s
+    # render (a second one would end at 1.6 s), with room for a busy host
+    assert not submitted
+    assert time.monotonic() - t0 < 1.6
     sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=2)
     with pytest.raises(openai.BadRequestError):  # not retried: one render, not three
         sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

@@ -171,7 +171,9 @@ def test_ttft_split_adds_up_and_an_abort_drops_pages_in_flight(split):
     assert parts is not None and set(parts) == {"queue_s", "prefill_s", "transfer_s", "first_decode_s"}
     assert all(v >= 0 for v in parts.values()) and parts["prefill_s"] > 0
     ttft = firsts[a.request_id].token_times[0] - a.first_scheduled_time  # submit -> first token
-    assert abs(sum(parts.values()) - ttft) < 0.005
+    # the parts run from the same submit stamp to the first token's own stamp: equal up to
+    # float rounding, however long the step's bookkeeping took
+    assert abs(sum(parts.values()) - ttft) < 1e-6
     assert not remote._arrivals and not remote.pending
     blocks = split.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked: b's pages were never placed

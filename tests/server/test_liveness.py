@@ -112,8 +112,12 @@ def test_heavy_grammar_does_not_stall_a_neighbour(make_tiny_server):
         t.join()
     assert neighbour["status"] == constrained["status"] == 200
     assert len(constrained["times"]) == 20
-    gaps = [b - a for a, b in zip(neighbour["times"], neighbour["times"][1:])]
-    worst, median = max(gaps), statistics.median(gaps)
-    # 5x the median (~4 ms here), with 50 ms of room for another process taking the CPU for a
-    # moment on a shared 2-core machine; before the fix the gaps were over a second
-    assert worst < 1.0 and worst < max(5 * median, 0.05), (worst, median)
+    gaps = sorted((b - a for a, b in zip(neighbour["times"], neighbour["times"][1:])), reverse=True)
+    # Before the fix every constrained step (~20 of the neighbour's steps ran beside them) stalled
+    # the batch for over a second: many of the neighbour's gaps were over a second. Normal gaps are
+    # a few ms. One or two gaps of tens of ms are a GC or another process taking the CPU for a
+    # moment on a shared 2-core machine, not the bug, so the bound is on the third-largest gap
+    # (under 0.2 s, ~50x a normal gap: a stall that recurs fails it), and the worst gap only has
+    # to stay under a second (so even a single stall as long as the bug's still fails)
+    assert len(gaps) == 149
+    assert gaps[0] < 1.0 and gaps[2] < 0.2, (gaps[:5], statistics.median(gaps))

@@ -52,19 +52,28 @@ def _read_response(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
+def _open_connections(server) -> float:
+    status, text = request(server, "GET", "/metrics")  # scrapes are answered at the limit too
+    assert status == 200
+    return metric(text.decode(), "prescient_open_connections")
+
+
 def test_half_sent_bodies_get_408_and_free_their_slots(make_tiny_server):
-    server = make_tiny_server(max_connections=2, body_timeout_s=1.0)
+    # 2 s for a body: the checks below must run while both requests still wait for theirs
+    server = make_tiny_server(max_connections=2, body_timeout_s=2.0)
     slow = [_half_body(server) for _ in range(2)]
-    time.sleep(0.3)  # both requests are in the app, holding the two slots
+    deadline = time.monotonic() + 10
+    while _open_connections(server) < 2:  # until both requests are in the app, holding the two slots
+        assert time.monotonic() < deadline, "the half-sent requests never reached the app"
+        time.sleep(0.02)
     assert request(server, "GET", "/v1/models")[0] == 503
     assert request(server, "GET", "/health")[0] == 200
-    status, text = request(server, "GET", "/metrics")  # scrapes are answered at the limit too
-    assert status == 200 and metric(text.decode(), "prescient_open_connections") == 2
+    assert _open_connections(server) == 2
     for sock in slow:
         data, waited = _read_until_closed(sock, timeout=5)
         assert data.startswith(b"HTTP/1.1 408 "), data[:80]
         assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
-        assert waited < 3
+        assert waited < 4  # at the 2 s body deadline (counted from before this read), not never
         sock.close()
     assert request(server, "GET", "/v1/models")[0] == 200  # the slots are free again
 

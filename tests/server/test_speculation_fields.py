@@ -48,8 +48,8 @@ def post(server, body: dict) -> tuple[int, dict]:
 
 
 def ngram_server(model_dir, **config):
-    """A tiny n-gram server whose verify-cost table is fixed (a measured one, on a loaded
-    machine, could switch drafting off and make the draft counts below depend on the load)."""
+    """A tiny n-gram server whose verify-cost table and draft cost are fixed (measured ones, on a
+    loaded machine, could switch drafting off and make the draft counts below depend on the load)."""
     from prescient.build import EngineSpec, build_engine
     from prescient.runtime.config import CacheConfig
     from prescient.runtime.engine import EngineConfig
@@ -59,6 +59,11 @@ def ngram_server(model_dir, **config):
     spec = EngineSpec(model=str(model_dir), dtype="float64", speculate="ngram", calibrate="off", progress=False)
     engine = build_engine(spec, config=EngineConfig(dtype="float64", cache=CacheConfig(num_blocks=512)))
     engine.speculator.adaptive.set_verify_cost({1: 1.0, 8: 1.05, 16: 1.1})
+    # and its draft cost frozen at 0 (an n-gram lookup's price): measured, it is the proposal's
+    # time over a timed forward's, 0 until the first forward is timed and then whatever the load
+    # made of it, so two identical requests could get different draft budgets
+    engine.speculator.adaptive.set_draft_cost(0.0)
+    engine.speculator.adaptive.set_draft_cost = lambda cost: None
     return LiveServer(engine, ServerConfig(model_name="tiny", **config))
 
 

@@ -101,19 +101,30 @@ def test_a_request_during_idle_calibration_waits_for_at_most_one_forward(tiny):
     speculator.calibration = Calibration(model, 8, repeats=50)  # long enough to be mid-way
     engine = Engine(model, None, config, eos_token_ids=(2,), speculator=speculator)
     aengine = AsyncEngine(engine)
+    # When the request reached the engine's inbox, stamped just after it did (a stamp taken on
+    # this thread before `generate` would also count the forwards run while a loaded host kept
+    # this thread from submitting; one taken after can only count fewer, never more)
+    posted: list[float] = []
+    post = aengine._post
+
+    def stamped_post(fn):
+        post(fn)
+        posted.append(time.perf_counter())
+
+    aengine._post = stamped_post
 
     async def one_request():
         while len(model.stamps) < 5:  # the idle loop has started calibrating
             await asyncio.sleep(0.001)
-        submitted = time.perf_counter()
         outs = [o async for o in aengine.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0))]
-        return submitted, outs
+        return outs
 
     try:
-        submitted, outs = asyncio.run(asyncio.wait_for(one_request(), 60))
+        outs = asyncio.run(asyncio.wait_for(one_request(), 60))
         assert sum(len(o.new_token_ids) for o in outs) == 4 and outs[-1].finish_reason == "length"
+        submitted = posted[0]  # (the only post: the request, finished, is not aborted)
         scheduled = outs[0].token_times[0]  # the first token's commit time
-        during = [t for t in model.stamps if submitted < t < scheduled]
+        during = [t for t in model.stamps if submitted < t < scheduled]  # forwards started meanwhile
         # the request's own prefill forward, plus at most the one calibration forward in flight
         assert len(during) <= 2, len(during)
         deadline = time.perf_counter() + 60
