@@ -50,5 +50,8 @@ size_t pq_repack_bytes(const pg_weight_t *d, int layout);
 /* 1 when wdt has kernels in this .so; the activation block of wdt at the tier in use. */
 int pq_supported(int wdt);
 int pq_act_block(int wdt);
+/* The activation prep of a call of >= 4 rows on the pool (1, the default) or on the caller (0);
+ * the same bits either way.  Returns the previous setting. */
+int pq_set_par_prep(int on);
 
 #endif

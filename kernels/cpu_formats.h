@@ -96,6 +96,9 @@ typedef struct {
     /* Fill xa from x [M, K] fp32, once per call, on the calling thread; cl: for rows that read
      * a column-lane copy (cpu_qgemv.h). */
     void (*prep)(const float *x, int M, int K, void *xa, int isa, int cl);
+    /* prep's records of rows [m0, m1) only (and the header where m0 == 0), so that the rows
+     * of one call can be prepared by several threads; NULL: prep alone. */
+    void (*prep_rows)(const float *x, int M, int K, void *xa, int isa, int cl, int m0, int m1);
     pq_rows_fn rows[ISA_COUNT];           /* per tier (NULL: the next lower tier's) */
     /* How tier isa multiplies the activations: 0 as fp32, n > 0 int8 with one scale per (at
      * most) n elements. */

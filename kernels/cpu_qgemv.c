@@ -186,22 +186,29 @@ static void quant_block_scalar(const float *x, int8_t *q, float *dx, int *sum)
     *sum = s;
 }
 
-/* Fill xa (header + records) from x [M, K] fp32 for format wdt on tier isa; cl: column-lane
- * records (cpu_qgemv.h), at the VNNI and AVX2 tiers. */
-static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, int cl)
+/* Fill xa's records of rows [m0, m1) from x [M, K] fp32 for format wdt on tier isa, and its
+ * header where m0 == 0 (the header does not depend on the rows: each row's record is its own,
+ * so row ranges may be filled by different threads); cl: column-lane records (cpu_qgemv.h), at
+ * the VNNI and AVX2 tiers. */
+static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, int cl, int m0, int m1)
 {
-    xa_hdr_t *h = (xa_hdr_t *)xa;
+    (void)M;
+    xa_hdr_t hdr, *h = &hdr;  /* built here, stored by the range that starts at row 0 */
     memset(h, 0, sizeof(*h));
     h->path = path_for(wdt, isa);
     h->wdt = wdt;
     h->nb = K / QK;
+    if (h->path != PATH_FLOAT) {
+        h->V = isa >= ISA_AVX512 ? 16 : 8;
+        h->vnni = isa >= ISA_AVX512_VNNI;
+        h->cl = cl && (h->vnni || isa == ISA_AVX2);  /* the tiers whose rows read a CL copy */
+        h->mstride = h->cl ? cl_mstride(K) : plan_mstride(h->nb, h->V);
+    }
+    if (m0 == 0)
+        memcpy(xa, h, sizeof(*h));
     if (h->path == PATH_FLOAT)
         return;
-    const int V = isa >= ISA_AVX512 ? 16 : 8;
-    h->V = V;
-    h->vnni = isa >= ISA_AVX512_VNNI;
-    h->cl = cl && (h->vnni || isa == ISA_AVX2);  /* the tiers whose rows read a CL copy */
-    h->mstride = h->cl ? cl_mstride(K) : plan_mstride(h->nb, V);
+    const int V = h->V;
     /* Correction C: Q4_0's nibbles are unsigned (q - 8 folded out: -8 * sum q), VNNI's Q8_0
      * weights are made unsigned by w ^ 0x80 (= w + 128: -128 * sum q); Q4_1 gets dx * sum q. */
     const int C = Q32_L(wdt).zero ? Q32_L(wdt).zero : (!Q32_L(wdt).nib && h->vnni) ? 128 : 0;
@@ -213,7 +220,7 @@ static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, in
     uint8_t *out = (uint8_t *)xa + XA_HDR;
     if (h->cl) {
         const size_t kq = cl_kq(K), nb16 = cl_nb16(h->nb);
-        for (int m = 0; m < M; m++) {
+        for (int m = m0; m < m1; m++) {
             uint8_t *rec = out + (size_t)m * h->mstride;
             float *dxp = (float *)(rec + kq);
             int32_t *aux = (int32_t *)(rec + kq + 4 * nb16);
@@ -233,7 +240,7 @@ static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, in
         }
         return;
     }
-    for (int m = 0; m < M; m++) {
+    for (int m = m0; m < m1; m++) {
         const float *xr = x + (size_t)m * K;
         uint8_t *rec = out + (size_t)m * h->mstride;
         for (int g = 0; g < p.ng; g++) {
@@ -351,7 +358,12 @@ static void rows_portable(const pq_job_t *j, int n0, int n1, int wdt)
     }                                                                                    \
     void q32_prep_##name(const float *x, int M, int K, void *xa, int isa, int cl)       \
     {                                                                                    \
-        prep_32(x, M, K, xa, isa, code, cl);                                             \
+        prep_32(x, M, K, xa, isa, code, cl, 0, M);                                       \
+    }                                                                                    \
+    void q32_prep_rows_##name(const float *x, int M, int K, void *xa, int isa, int cl,  \
+                              int m0, int m1)                                            \
+    {                                                                                    \
+        prep_32(x, M, K, xa, isa, code, cl, m0, m1);                                     \
     }                                                                                    \
     int q32_act_block_##name(int isa) { return path_for(code, isa) == PATH_INT8 ? QK : 0; }
 

@@ -73,6 +73,8 @@ static const q32_layout_t q32_layouts[PF_COUNT] = {
     void q32_rows_ref_##name(const pq_job_t *j, int n0, int n1);                         \
     void q32_dequant_ref_##name(const uint8_t *blk, int nblk, float *out);               \
     void q32_prep_##name(const float *x, int M, int K, void *xa, int isa, int cl);      \
+    void q32_prep_rows_##name(const float *x, int M, int K, void *xa, int isa, int cl,  \
+                              int m0, int m1);                                           \
     int q32_act_block_##name(int isa);                                                   \
     void q32_rows_avx2_##name(const pq_job_t *j, int n0, int n1);                        \
     void q32_dequant_avx2_##name(const uint8_t *blk, int nblk, float *out);              \

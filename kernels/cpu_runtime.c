@@ -50,13 +50,17 @@
 #define PG_PF_BYTES 8192
 #endif
 
-/* A pool job: task(task_ctx, n0, n1) over items [0, N) in nchunks chunks of chunk_rows. */
+/* A pool job: task(task_ctx, n0, n1) over items [0, N) in chunks of chunk_rows, after npre
+ * items of pre(task_ctx, i, i + 1): chunks 0 .. npre - 1 are those, then the task's, so
+ * nchunks = npre + ceil(N / chunk_rows) (pg_parallel_for_pre). */
 typedef struct {
     pg_task_fn task;
     const void *task_ctx;
     int N;
     int chunk_rows;     /* items per chunk */
     int nchunks;
+    pg_task_fn pre;     /* NULL: npre = 0 */
+    int npre;
 } job_t;
 
 /* ------------------------------------------------------------------------- */
@@ -240,9 +244,24 @@ static int work_chunks(uint32_t gen, const job_t *j)
                                                    memory_order_acq_rel, memory_order_acquire))
             continue;
         int c = TK_NEXT(t);
-        int n0 = c * j->chunk_rows;
-        int n1 = n0 + j->chunk_rows < j->N ? n0 + j->chunk_rows : j->N;
-        run_chunk(j, n0, n1);
+        if (c < j->npre) {
+            j->pre(j->task_ctx, c, c + 1);
+        } else {
+            /* Every pre item done first.  Chunks are claimed in order, so the pre items were all
+             * claimed before this one, by threads now running them: no task chunk can finish
+             * before they do, so done_chunks reaches npre exactly when they have. */
+            for (unsigned spins = 0;
+                 j->npre && atomic_load_explicit(&g_pool.done_chunks, memory_order_acquire) < j->npre; spins++) {
+                if (spins < 20000)
+                    cpu_relax();
+                else
+                    sched_yield();  /* the thread holding one may share this core */
+            }
+            c -= j->npre;
+            int n0 = c * j->chunk_rows;
+            int n1 = n0 + j->chunk_rows < j->N ? n0 + j->chunk_rows : j->N;
+            run_chunk(j, n0, n1);
+        }
         ran++;
         atomic_fetch_add_explicit(&g_pool.done_chunks, 1, memory_order_release);
         t = atomic_load_explicit(&g_pool.ticket, memory_order_acquire);
@@ -484,6 +503,8 @@ int pg_set_num_threads(int n)
 static void pool_run(job_t *j)
 {
     if (g_nthreads <= 1 || j->nchunks <= 1 || pthread_mutex_trylock(&g_call_lock) != 0) {
+        if (j->npre)
+            j->pre(j->task_ctx, 0, j->npre);
         run_chunk(j, 0, j->N);
         return;
     }
@@ -522,22 +543,35 @@ static void pool_run(job_t *j)
  * when all are done.  ctx must stay valid until then (it may live on the caller's stack).
  */
 __attribute__((visibility("hidden")))
-void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk)
+void pg_parallel_for_pre(pg_task_fn pre, int npre, pg_task_fn task, const void *ctx, int n, int per_chunk)
 {
-    if (n <= 0)
+    if (!pre || npre < 0 || npre > 256)
+        npre = 0;
+    if (n <= 0) {
+        if (npre)
+            pre(ctx, 0, npre);
         return;
+    }
     if (per_chunk < 1)
         per_chunk = 1;
-    if ((n + per_chunk - 1) / per_chunk > 0xffff)
-        per_chunk = (n + 0xfffe) / 0xffff;
+    if ((n + per_chunk - 1) / per_chunk > 0xffff - npre)
+        per_chunk = (n + 0xfffe - npre) / (0xffff - npre);
     job_t j;
     memset(&j, 0, sizeof(j));
     j.task = task;
     j.task_ctx = ctx;
     j.N = n;
     j.chunk_rows = per_chunk;
-    j.nchunks = (n + per_chunk - 1) / per_chunk;
+    j.pre = npre ? pre : NULL;
+    j.npre = npre;
+    j.nchunks = npre + (n + per_chunk - 1) / per_chunk;
     pool_run(&j);
+}
+
+__attribute__((visibility("hidden")))
+void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk)
+{
+    pg_parallel_for_pre(NULL, 0, task, ctx, n, per_chunk);
 }
 
 /* Streaming-read probe (latency_bench/gemv_bench.py): the XOR of the 64-bit words of

@@ -65,10 +65,10 @@ def _lib() -> Optional[ctypes.CDLL]:
                     lib.pq_repack.restype = ci
                     lib.pq_repack_bytes.argtypes = [vp, ci]
                     lib.pq_repack_bytes.restype = ctypes.c_size_t
-                    for name in ("pq_set_mode", "pq_supported", "pq_act_block"):
+                    for name in ("pq_set_mode", "pq_supported", "pq_act_block", "pq_set_par_prep"):
                         getattr(lib, name).argtypes = [ci]
                     for name in ("pq_dequantize_rows", "pq_dequantize_ids", "pq_set_mode",
-                                 "pq_supported", "pq_act_block"):
+                                 "pq_supported", "pq_act_block", "pq_set_par_prep"):
                         getattr(lib, name).restype = ci
                 except AttributeError:  # an older .so without the block-format kernels
                     lib = None
@@ -168,6 +168,15 @@ def set_mode(mode: str) -> str:
         _pqk_mode(1 if mode == "float" else 0)
     old = lib.pq_set_mode(_MODES[mode])
     return {v: k for k, v in _MODES.items()}[old]
+
+
+def set_pooled_prep(on: bool) -> bool:
+    """Whether a native call of >= 4 rows prepares its activations (bf16 widened, int8 blocks) on
+    the kernel pool's threads, as the first phase of its pool call (True, the default), or on the
+    calling thread first. The same bits either way; returns the previous setting. For tests and
+    benchmarks; process-wide."""
+    lib = _lib()
+    return True if lib is None else bool(lib.pq_set_par_prep(int(on)))
 
 
 class QuantLinear:

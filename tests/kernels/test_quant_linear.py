@@ -424,6 +424,39 @@ def _assert_cl_rows_agree(qtype: str, seed: int, setups: dict) -> None:
 
 
 @pytest.mark.parametrize("qtype", qr.BLOCK32)
+def test_activations_prepared_on_the_pool_give_the_callers_bits(tier_cap, qtype):
+    """A call of >= 4 rows prepares its activations (widened from bf16, quantized to int8 blocks)
+    on the pool's threads, each a range of the rows, as its pool call's first phase: the same
+    prepared rows as on the caller, so the same bits, at every tier this CPU runs (the column-lane
+    records, the block-group plan, the portable rows), int8 and fp32 paths, fp32 and bf16 x, M
+    not a multiple of the threads, matrices large enough to be pooled."""
+    _require_native(qtype)
+    g = torch.Generator().manual_seed(31)
+    lins = [QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K, bias=torch.randn(N, generator=g))
+            for N, K in ((1536, 576), (576, 1536))]
+    try:
+        for tier in _tiers():
+            tier_cap(tier)
+            for mode in ("int8", "float"):
+                ql.set_mode(mode)
+                for lin in lins:
+                    for dt in DTYPES:
+                        x, junk = torch.randn(2, 16, lin.in_features, generator=g).to(dt)
+                        for M in (4, 5, 8, 16):
+                            got = {}
+                            for pooled in (False, True):
+                                ql.set_pooled_prep(False)
+                                lin(junk[:M])  # every scratch row now holds another x's: none is left over
+                                ql.set_pooled_prep(pooled)
+                                got[pooled] = lin(x[:M])
+                            assert torch.equal(got[False], got[True]), (tier, mode, lin.out_features, dt, M)
+                            # and a row's bits are its own (M = 1 is always prepared on the caller)
+                            assert torch.equal(got[True][M - 1:], lin(x[M - 1:M])), (tier, mode, dt, M)
+    finally:
+        assert ql.set_pooled_prep(True) is True
+
+
+@pytest.mark.parametrize("qtype", qr.BLOCK32)
 def test_avx2_column_lane_rows_have_the_vnni_rows_bits(tier_cap, qtype):
     """The AVX2 rows (vpmaddubsw: Q4's int16 sums over a block, Q8_0's |q| x sign(x, q) pairs)
     compute each column's block sums exactly, as vpdpbusd does, and run the same fp32 epilogue:
