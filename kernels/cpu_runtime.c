@@ -545,8 +545,12 @@ static void pool_run(job_t *j)
 __attribute__((visibility("hidden")))
 void pg_parallel_for_pre(pg_task_fn pre, int npre, pg_task_fn task, const void *ctx, int n, int per_chunk)
 {
-    if (!pre || npre < 0 || npre > 256)
+    if (!pre || npre < 0)
         npre = 0;
+    if (npre > 256) {  /* more than a pool call takes: done here first, never skipped */
+        pre(ctx, 0, npre);
+        npre = 0;
+    }
     if (n <= 0) {
         if (npre)
             pre(ctx, 0, npre);

@@ -117,7 +117,7 @@ typedef void (*pg_task_fn)(const void *ctx, int i0, int i1);
  * items on its own thread.  ctx must stay valid until return (it may live on the stack). */
 __attribute__((visibility("hidden")))
 void pg_parallel_for(pg_task_fn task, const void *ctx, int n, int per_chunk);
-/* pg_parallel_for after pre(ctx, i, i + 1) for i in [0, npre) (at most 256), on the same pool
+/* pg_parallel_for after pre(ctx, i, i + 1) for i in [0, npre) (more than 256: on the caller first), on the same pool
  * call: the task's first chunk starts once every pre item is done (one hand-off for both
  * phases: the pre items are spread over the threads, then the task's chunks). */
 __attribute__((visibility("hidden")))

@@ -185,21 +185,26 @@ def test_silu_same_bits_every_tier():
 
 
 def test_bf16_silu_is_the_fp32_silu_rounded_for_every_gate_value():
-    """A bf16 gate's SiLU comes from a table of all 65536 bf16 values: it must be exactly the fp32
-    SiLU of the widened gate rounded to bf16, times up, rounded again (what the layer computed
-    before, and what the fp32 path gives), for every bit pattern (zeros, subnormals, infinities,
-    NaNs included), whatever the up value."""
+    """A bf16 gate's SiLU comes from a table of all 65536 bf16 values, built once at whatever tier
+    ran first: it must be exactly the fp32 SiLU of the widened gate rounded to bf16, times up,
+    rounded again (what the layer computed before, and what the fp32 path gives) at every tier, for
+    every bit pattern (zeros, subnormals, infinities, NaNs included), whatever the up value."""
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # every pattern
     g = torch.Generator().manual_seed(9)
     ups = [torch.ones(65536), torch.randn(65536, generator=g) * 3, torch.full((65536,), -0.5)]
-    silu32 = cpu_layer.silu_mul(torch.cat([gate.float(), torch.ones(65536)])[None])[0]  # fp32 SiLU
-    for up in ups:
-        up = up.to(torch.bfloat16)
-        got = cpu_layer.silu_mul(torch.cat([gate, up])[None])[0]
-        want = (silu32.to(torch.bfloat16).float() * up.float()).to(torch.bfloat16)
-        nan = want.isnan()
-        assert torch.equal(got.isnan(), nan)
-        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    try:
+        for isa in cpu_linear.machine_tiers():
+            assert cpu_linear._set_isa_cap(isa) == isa
+            silu32 = cpu_layer.silu_mul(torch.cat([gate.float(), torch.ones(65536)])[None])[0]  # this tier's
+            for up in ups:
+                up = up.to(torch.bfloat16)
+                got = cpu_layer.silu_mul(torch.cat([gate, up])[None])[0]
+                want = (silu32.to(torch.bfloat16).float() * up.float()).to(torch.bfloat16)
+                nan = want.isnan()
+                assert torch.equal(got.isnan(), nan), isa
+                assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16)), isa
+    finally:
+        cpu_linear._set_isa_cap(99)
 
 
 def test_silu_same_bits_in_the_generic_build(generic_so):
