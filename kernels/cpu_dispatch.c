@@ -81,7 +81,8 @@ typedef struct {
     int npre, cl;
 } pq_prep_task_t;
 
-/* Pre item c: rows [c M / npre, (c + 1) M / npre) widened and prepared (the header with row 0). */
+/* Pre item c: rows [c M / npre, (c + 1) M / npre) widened and prepared (the header with row 0);
+ * with npre = 1, all of them, on the caller (a format without prep_rows: only so). */
 static void pq_prep_task(const void *ctx, int c0, int c1)
 {
     const pq_prep_task_t *p = (const pq_prep_task_t *)ctx;
@@ -93,7 +94,11 @@ static void pq_prep_task(const void *ctx, int c0, int c1)
             for (size_t i = (size_t)m0 * j->K; i < (size_t)m1 * j->K; i++)
                 x32[i] = bf16_to_f32(p->xb[i]);
         }
-        if (j->xa)
+        if (!j->xa)
+            continue;
+        if (m0 == 0 && m1 == j->M)
+            p->f->prep(j->x, j->M, j->K, (void *)j->xa, j->isa, p->cl);
+        else
             p->f->prep_rows(j->x, j->M, j->K, (void *)j->xa, j->isa, p->cl, m0, m1);
     }
 }
@@ -131,30 +136,16 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     const int rows = chunk_rows(N, row_bytes);
     /* the activations prepared by the pool's threads, as the call's first phase (below), or here */
     const int par = rows && M >= PQ_PAR_PREP_M && f->prep_rows && g_par_prep;
-    const float *x32 = (const float *)x;
-    const size_t nx = (size_t)M * K;
-    if (xdt == DT_BF16) {
-        float *s = (float *)scratch(0, nx * 4);
-        if (!s)
-            return -2;
-        const uint16_t *xs = (const uint16_t *)x;
-        if (!par)
-            for (size_t i = 0; i < nx; i++)
-                s[i] = bf16_to_f32(xs[i]);
-        x32 = s;
-    }
+    const float *x32 = (const float *)x;  /* a bf16 x is widened into scratch by pq_prep_task */
+    if (xdt == DT_BF16 && !(x32 = (const float *)scratch(0, (size_t)M * K * 4)))
+        return -2;
     void *xa = NULL;
     const size_t xab = f->xa_bytes ? f->xa_bytes(M, K) : 0;
     /* a column-lane copy is read at the VNNI and AVX2 tiers; a block-group copy from AVX-512 up */
     const uint8_t *cl = cl_copy(d, isa);
     const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
-    if (xab) {
-        xa = scratch(1, xab);
-        if (!xa)
-            return -2;
-        if (!par)
-            f->prep(x32, M, K, xa, isa, cl != NULL);
-    }
+    if (xab && !(xa = scratch(1, xab)))
+        return -2;
     pq_task_t t;
     t.rows = pq_rows_at(f, isa);
     t.job.w = (const uint8_t *)d->w;
@@ -170,15 +161,18 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     t.job.N = N;
     t.job.K = K;
     t.job.isa = isa;
+    /* pooled: one row an item, so a thread that wakes late or is descheduled holds up at most a
+     * row (with a half of the rows an item, the caller waited for the other thread's half) */
+    pq_prep_task_t p = {t, f, xdt == DT_BF16 ? (const uint16_t *)x : NULL, par ? M : 1, cl != NULL};
     if (par) {
-        const int nth = pg_num_threads();
-        pq_prep_task_t p = {t, f, xdt == DT_BF16 ? (const uint16_t *)x : NULL, M < nth ? M : nth, cl != NULL};
         pg_parallel_for_pre(pq_prep_task, p.npre, pq_task, &p, N, rows);
-    } else if (!rows) {
-        t.rows(&t.job, 0, N);
-    } else {
-        pg_parallel_for(pq_task, &t, N, rows);
+        return 0;
     }
+    pq_prep_task(&p, 0, 1);
+    if (!rows)
+        t.rows(&t.job, 0, N);
+    else
+        pg_parallel_for(pq_task, &t, N, rows);
     return 0;
 }
 

@@ -471,14 +471,6 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
     emit_tile(j, acc, n, m0, MR, NR);
 }
 
-/* Run the tile kernel `TILE` over rows [n0, n1) for all M.  Each weight chunk is loaded
- * once per tile and used for MR input rows while in a register, with at most 16 accumulators
- * (MR x NR): where pg_one_stream() one weight row x M for M <= PG_ONE_ROW_MAX_M (below);
- * otherwise 4 weight rows x M for M <= 4; with PAIRS, 2 rows x M in one pass for M <= 8;
- * otherwise 4 rows with the inputs in blocks of 4, the later blocks re-reading the tile from
- * L1 (DRAM still sees each weight byte once).  Measured from DRAM on 1 thread: pairs take
- * fp32 M = 8 from 17 to 28 GB/s; vdpbf16ps does better with blocks; pairs in blocks of 8
- * for M > 8 and one-row tiles x 16 inputs were both slower than blocks of 4. */
 /* One weight row x all M inputs in one pass (M accumulators, each weight chunk used M times)
  * up to this M where pg_one_stream(): Zen 4 reads one stream per thread from DRAM much faster
  * than a tile's 4 interleaved rows.  SmolLM2's 211 GEMVs (270 MB bf16, 2 threads, the two
@@ -488,6 +480,15 @@ void tile_bf16w(const job_t *j, const uint16_t *w, const float *x, int n, int m0
  * a row's one x load per multiply-add makes it load-bound (L2-resident M = 8: 7.4 ms as tiles,
  * 11.0 as rows), and the tiles' software prefetch pays (it did not for the rows at M <= 6). */
 #define PG_ONE_ROW_MAX_M 6
+
+/* Run the tile kernel `TILE` over rows [n0, n1) for all M.  Each weight chunk is loaded
+ * once per tile and used for MR input rows while in a register, with at most 16 accumulators
+ * (MR x NR): where pg_one_stream() one weight row x M for M <= PG_ONE_ROW_MAX_M (above);
+ * otherwise 4 weight rows x M for M <= 4; with PAIRS, 2 rows x M in one pass for M <= 8;
+ * otherwise 4 rows with the inputs in blocks of 4, the later blocks re-reading the tile from
+ * L1 (DRAM still sees each weight byte once).  Measured from DRAM on 1 thread: pairs take
+ * fp32 M = 8 from 17 to 28 GB/s; vdpbf16ps does better with blocks; pairs in blocks of 8
+ * for M > 8 and one-row tiles x 16 inputs were both slower than blocks of 4. */
 
 #define PG_ROWS_DRIVER(NAME, TILE, WT, XT, PAIRS)                                        \
     static void NAME(const job_t *j, int n0, int n1)                                     \
