@@ -135,7 +135,10 @@ def scheduled_rows(seqs: list, trees: list) -> list[SeqRows]:
 
 def _mask_bits(rows: list[SeqRows], cu: list[int]) -> torch.Tensor:
     """Per-query packed masks for a batch that mixes causal and masked sequences: one width for
-    all (the widest sequence's), a causal sequence gets its lower triangle."""
+    all (the widest sequence's), a causal sequence gets its lower triangle. A batch of one
+    tree (batch-1 verify, every speculative step of a lone agent) is its tree's bits as they are."""
+    if len(rows) == 1:
+        return rows[0].mask_bits
     num_words = max(max(-(-len(s.input_ids) // 32) for s in rows),
                     max(s.mask_bits.shape[1] for s in rows if s.mask_bits is not None))
     out = torch.zeros((cu[-1], num_words), dtype=torch.int32)

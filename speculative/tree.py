@@ -176,15 +176,22 @@ class DraftTree:
         return [self.tokens[i] for i in self.path_to(node)[1:]]
 
     @cached_property
+    def _ancestor_bits(self) -> tuple[int, ...]:
+        """Per node, the nodes it attends to among the tree's (its ancestors and itself) as the
+        set bits of one Python int: mask_bits and ancestor_mask are built every verify step,
+        right after a forward has streamed the weights through the caches, where a few Python
+        int operations a node cost far less than a torch call a node."""
+        bits = [1]
+        for i in range(1, self.num_nodes):
+            bits.append(bits[self.parents[i]] | (1 << i))  # the parent's row is final: topological order
+        return tuple(bits)
+
+    @cached_property
     def ancestor_mask(self) -> torch.Tensor:  # [num_nodes, num_nodes] bool
         """mask[i, j] = node j is an ancestor of node i or i itself: what node i attends to
         among the tree's nodes (it also sees the whole verified prefix)."""
-        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
-        mask[0, 0] = True
-        for i in range(1, self.num_nodes):
-            mask[i] = mask[self.parents[i]]  # parent's row is final: topological order
-            mask[i, i] = True
-        return mask
+        n = self.num_nodes
+        return torch.tensor([[(a >> j) & 1 for j in range(n)] for a in self._ancestor_bits], dtype=torch.bool)
 
     def mask_bits(self, num_words: int | None = None) -> torch.Tensor:  # [num_nodes, num_words] int32
         """ancestor_mask packed as CONTRACTS.md mask_bits: bit l % 32 of word l // 32 set iff the
@@ -193,12 +200,12 @@ class DraftTree:
         num_words = needed if num_words is None else num_words
         if num_words < needed:
             raise ValueError(f"{self.num_nodes} nodes need {needed} mask words, got {num_words}")
-        bits = torch.zeros(self.num_nodes, num_words * _BITS_PER_WORD, dtype=torch.int64)
-        bits[:, : self.num_nodes] = self.ancestor_mask.long()
-        weights = torch.ones(_BITS_PER_WORD, dtype=torch.int64) << torch.arange(_BITS_PER_WORD)
-        words = (bits.view(self.num_nodes, num_words, _BITS_PER_WORD) * weights).sum(-1)
-        # Reinterpret the low 32 bits as int32: bit 31 set means a negative word.
-        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        low = (1 << _BITS_PER_WORD) - 1
+        # each word's low 32 bits read as int32: bit 31 set means a negative word
+        words = [[w - (1 << _BITS_PER_WORD) if w >> (_BITS_PER_WORD - 1) else w
+                  for w in ((a >> (_BITS_PER_WORD * k)) & low for k in range(num_words))]
+                 for a in self._ancestor_bits]
+        return torch.tensor(words, dtype=torch.int32)
 
 
 def pack_trees(

@@ -124,7 +124,8 @@ def _engine(model, speculator) -> Engine:
 
 
 def _generate(engine: Engine, prompt: list[int], **params):
-    request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, **params))
+    request = engine.add_request(prompt, SamplingParams(**{"temperature": 0, "max_tokens": 48, "ignore_eos": True,
+                                                           **params}))
     while engine.has_unfinished_requests():
         engine.step()
     return request
@@ -175,3 +176,15 @@ def test_the_table_is_measured_again_when_forwards_drift(tiny):
     patient = _speculator(recalibrate=recalibrate, tables=stale, recalibrate_interval_s=3600.0)
     _generate(_engine(tiny, patient), COPYABLE)
     assert patient.calibration is None and len(made) == 1  # at most one measurement an interval
+
+
+def test_only_decode_and_verify_forwards_are_held_against_the_table(tiny):
+    """A prompt's last chunk also samples, but it is a causal prefill with one logits row: the
+    tables price tree verifies with a row each, so it would read as drift."""
+    tables = CostTables({1: 1.0, 8: 1.3, 16: 1.6}, short_base_s=1e-3)
+    spec = _speculator(recalibrate=lambda: FakeCalibration(tables), tables=tables, recalibrate_interval_s=3600.0)
+    engine = _engine(tiny, spec)
+    _generate(engine, list(range(5, 25)), max_tokens=1)  # one forward: the 20-token prefill
+    assert spec.drift.num_samples + len(spec.drift._reference) == 0
+    _generate(engine, list(range(5, 25)), max_tokens=4)  # the prefill, then three decode steps
+    assert 1 <= spec.drift.num_samples + len(spec.drift._reference) <= 3

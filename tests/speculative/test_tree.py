@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import random
 
 import pytest
 import torch
@@ -58,6 +59,23 @@ def test_mask_bits_past_one_word():
     assert bits.shape == (40, 2)
     assert int(bits[39, 0]) == -1 and int(bits[39, 1]) == 0xFF
     assert torch.equal(unpack_bits(bits, 40), torch.ones(40, 40, dtype=torch.bool).tril())
+
+
+def test_masks_of_random_trees_follow_their_paths():
+    """ancestor_mask and mask_bits (built from Python ints) against each node's path, for random
+    trees past two words and padded."""
+    rng = random.Random(7)
+    for _ in range(60):
+        n = rng.randint(1, 70)
+        tree = DraftTree(range(n), [-1] + [rng.randrange(i) for i in range(1, n)])
+        expected = torch.zeros(n, n, dtype=torch.bool)
+        for node in range(n):
+            expected[node, tree.path_to(node)] = True
+        assert torch.equal(tree.ancestor_mask, expected)
+        words = -(-n // 32) + rng.randint(0, 1)
+        bits = tree.mask_bits(words)
+        assert bits.shape == (n, words) and torch.equal(unpack_bits(bits, n), expected)
+        assert not bits[:, -(-n // 32):].any()
 
 
 def test_chain_and_single_node():
