@@ -30,9 +30,10 @@ class KVLayer(tuple):
 
 class StackedKV(list):
     """Every layer's KVLayer as views of one tensor [num_layers, 2, num_blocks, block_size,
-    num_kv_heads, head_dim] (the device path, runtime/step_path.py): the KV moves after a verify
-    step are then one gather and one scatter over all layers (`copy_slots`, the hook the
-    speculator calls, as it does a tensor-parallel cache's) instead of one op pair per layer."""
+    num_kv_heads, head_dim] (both step paths' cache, runtime/step_path.py, unless int8 or a
+    tensor-parallel shard): the KV moves after a verify step are then one gather and one scatter
+    over all layers (`copy_slots`, the hook the speculator calls, as it does a tensor-parallel
+    cache's) instead of one op pair per layer. Each layer's k and v stay contiguous views."""
 
     def __init__(self, stack: torch.Tensor):
         super().__init__(KVLayer(stack[i, 0], stack[i, 1]) for i in range(stack.shape[0]))

@@ -276,8 +276,8 @@ class LlamaModel:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None,
                           stacked: bool = False) -> list[KVLayer]:
         """Per layer a KVLayer; `kv_dtype` None = the model dtype, or torch.int8 (+ fp32 scales).
-        stacked: the layers as views of one tensor (runtime/kv_layer.StackedKV, the device path's:
-        its verify KV moves are one copy for all layers); an int8 cache is never stacked."""
+        stacked: the layers as views of one tensor (runtime/kv_layer.StackedKV, the engine's: its
+        verify KV moves are one copy for all layers); an int8 cache is never stacked."""
         cfg = self.config
         kv_dtype = kv_dtype or self.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)

@@ -38,7 +38,9 @@ class CpuStepPath:
     name = "cpu"
     device_side = False  # sampling and verification draw on the host, per request
     layer_split = True  # a long chunk may run its layers over several steps
-    stacked_kv = False
+    # one KV tensor for all layers: a verify step that accepted a branch moves its KV rows in one
+    # gather and one scatter (~40 us on a 2-core Zen 4) instead of an op pair a layer (~0.5 ms)
+    stacked_kv = True
 
     def plan(self, seqs: list, trees: list) -> list[list[int]]:
         return forward_plan.plan(seqs, trees)
