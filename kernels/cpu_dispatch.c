@@ -385,12 +385,15 @@ int pg_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt)
 }
 
 /* The weight descriptor's entry point: fp32 / bf16 weights to cpu_gemv.c (a bf16 weight with an
- * AMX copy to cpu_gemv_amx.c where the tiles are on), block formats to pq_linear_w. */
+ * AMX copy to cpu_gemv_amx.c where the tiles are on; with a row-pair copy, pg_linear_pairs),
+ * block formats to pq_linear_w. */
 int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
 {
     if (d->wdt >= DT_Q_FIRST)
         return pq_linear_w(d, x, y, M, xdt);
     if (d->wdt == DT_BF16 && d->rp && d->rpl == PG_RP_AMX && pg_bf16_amx())
         return pg_linear_amx((const uint16_t *)d->rp, d->bias, x, xdt, y, M, d->N, d->K);
+    if (d->wdt == DT_BF16 && d->rp && d->rpl == PG_RP_PAIRS)
+        return pg_linear_pairs((const uint16_t *)d->w, (const uint16_t *)d->rp, d->bias, x, xdt, y, M, d->N, d->K);
     return pg_linear(d->w, d->wdt, d->bias, x, xdt, y, M, d->N, d->K);
 }

@@ -30,6 +30,9 @@ int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
 /* A bf16 weight's AMX copy (pg_weight_t.rpl for a float dtype; cpu_gemv_amx.c): per 16-column
  * tile and 32-element block, the 16 columns' element pairs as tdpbf16ps' B operand. */
 #define PG_RP_AMX 2
+/* A bf16 weight's row-pair copy (pg_linear_pairs, cpu_gemv.h): each 32-element block of rows 2p
+ * and 2p + 1 side by side, so the AVX-512 BF16 rows' 2-row tiles read one stream. */
+#define PG_RP_PAIRS 3
 /* The same for a block-format weight (d->wdt >= DT_Q_FIRST). */
 int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
 /* The same for any T >= 1 rows (prefill chunks): the rows in kernel calls of at most PG_MAX_M

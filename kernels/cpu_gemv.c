@@ -56,6 +56,14 @@
 /* Below this many weight bytes the caller runs alone: waking a worker and handing out
  * chunks costs ~1 us, about what 48 KB takes to stream on one core. */
 static int g_solo_bytes = 48 * 1024;
+/* A bf16 weight with a row-pair copy reads the copy (pg_linear_pairs) for g_pairs_min_m to
+ * PG_PAIRS_MAX_M inputs.  SmolLM2's bf16 verify forwards at 256 cached tokens (2026-12-07, Zen 4,
+ * both alternated in one process, ms): M = 4 14.4 as stored / 14.5 from the copy, 5 18.6 / 15.7,
+ * 6 18.2 / 15.3, 7 22.5 / 15.6, 8 23.0 / 16.0, 12 26.1 / 20.9, 16 33.4 / 28.4, 20 36.1 / 33.3,
+ * 24 34.4 / 37.3, 64 77.6 / 85.7: from 24 inputs the 4 x 4 tiles' fewer loads a multiply-add
+ * win back more than the one stream gives. */
+static int g_pairs_min_m = 5;
+#define PG_PAIRS_MAX_M 20
 
 
 /* ------------------------------------------------------------------------- */
@@ -74,6 +82,7 @@ typedef struct {
     int isa;
     int fma;            /* tier avx512_bf16's bf16 products as FMAs (pg_bf16_fma): xk is then
                            the bf16 x widened, each 32-block as 16 even then 16 odd elements */
+    const uint16_t *wi; /* NULL, or a bf16 w's row-pair copy (pg_linear_pairs) */
 } job_t;
 
 /* y[m, n] = v (+ bias[n]), converted to y's dtype. */
@@ -603,6 +612,73 @@ void tile_bf16(const job_t *j, const uint16_t *w, const uint16_t *x, int n, int 
 
 PG_ROWS_DRIVER(rows_avx512_bf16, tile_bf16, uint16_t, uint16_t, 0)
 
+/* Row pairs (pg_linear_pairs): a bf16 w's copy in which each 32-element block of rows 2p and
+ * 2p + 1 sits next to the other, [N / 2][K / 32][2][32], so a 2-row tile reads one stream.  Rows
+ * as stored, the 4-row tiles read four streams 1-3 KB apart, and at 7-8 inputs Zen 4 ran them
+ * at about the multiply-adds' time plus the read's, one after the other; one stream overlaps
+ * them.  SmolLM2's 211 bf16 matrices from DRAM, 2 threads (session microbenchmark, 2026-12-07):
+ * M = 8 17.3-19.7 ms as 4 x 4 tiles, 12.8-14.6 as row pairs x 8 inputs, against an M = 1 pass's
+ * 9.8-11.0 (the range that reads them: g_pairs_min_m below).  Each output is the same one chain as in tile_bf16 (the blocks in order, one
+ * accumulator, the same reduction in emit_tile): the bits of every other path.  K % 32 == 0. */
+static inline __attribute__((always_inline))
+void tile_bf16_pairs(const job_t *j, const uint16_t *c, const uint16_t *x, int n, int m0, const int MR, int pf)
+{
+    const int K = j->K;
+    __m512 acc[8][4];
+    for (int m = 0; m < MR; m++)
+        acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        const uint16_t *b = c + (size_t)k * 2;  /* the pair's block: row 2p's 32, then 2p + 1's */
+        if (pf) {
+            PG_PREFETCH(b);
+            PG_PREFETCH(b + 32);
+        }
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)b);
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(b + 32));
+        PG_KEEP(w0);
+        PG_KEEP(w1);
+        for (int m = 0; m < MR; m++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (size_t)m * K + k));
+            PG_KEEP(xv);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xv);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
+        }
+    }
+    emit_tile(j, acc, n, m0, MR, 2);
+}
+
+/* Rows [n0, n1) from the row pairs, inputs in blocks of 8 (the later blocks re-read the pair's
+ * K * 4 bytes from L1; only the first prefetches); an odd row at either end from w as stored. */
+static void rows_avx512_bf16_pairs(const job_t *j, int n0, int n1)
+{
+    const int K = j->K, M = j->M;
+    const uint16_t *X = (const uint16_t *)j->xk;
+    int n = n0;
+    if (n & 1) {  /* pool chunks are 16-row aligned: only a caller's own odd range lands here */
+        rows_avx512_bf16(j, n, n + 1);
+        n++;
+    }
+    for (; n + 2 <= n1; n += 2) {
+        const uint16_t *c = j->wi + (size_t)n * K;  /* pair n / 2: 2 K elements a pair */
+        for (int m0 = 0; m0 < M; m0 += 8) {
+            const uint16_t *x = X + (size_t)m0 * K;
+            const int pf = m0 == 0;
+            switch (M - m0) {
+            case 1: tile_bf16_pairs(j, c, x, n, m0, 1, pf); break;
+            case 2: tile_bf16_pairs(j, c, x, n, m0, 2, pf); break;
+            case 3: tile_bf16_pairs(j, c, x, n, m0, 3, pf); break;
+            case 4: tile_bf16_pairs(j, c, x, n, m0, 4, pf); break;
+            case 5: tile_bf16_pairs(j, c, x, n, m0, 5, pf); break;
+            case 6: tile_bf16_pairs(j, c, x, n, m0, 6, pf); break;
+            case 7: tile_bf16_pairs(j, c, x, n, m0, 7, pf); break;
+            default: tile_bf16_pairs(j, c, x, n, m0, 8, pf); break;
+            }
+        }
+    }
+    if (n < n1)
+        rows_avx512_bf16(j, n, n1);
+}
+
 /* vdpbf16ps's products as FMAs (pg_bf16_fma): per 32-element step, lane i takes the pair
  * (2i, 2i + 1) of weights and x as the instruction does, and adds the odd product, then the even
  * one, each rounded once: its own order and rounding (products of bf16 values are exact in fp32),
@@ -940,6 +1016,8 @@ static void run_rows(const job_t *j, int n0, int n1)
             rows_avx512_f32(j, n0, n1);
         else if (j->isa == ISA_AVX512_BF16 && j->fma)
             rows_avx512_bf16fma(j, n0, n1);
+        else if (j->isa == ISA_AVX512_BF16 && j->wi && j->M >= g_pairs_min_m && j->M <= PG_PAIRS_MAX_M)
+            rows_avx512_bf16_pairs(j, n0, n1);
         else if (j->isa == ISA_AVX512_BF16)
             rows_avx512_bf16(j, n0, n1);
         else
@@ -995,14 +1073,14 @@ void pg_round_bf16(const float *src, uint16_t *dst, size_t n)
  * -2 for allocation failure.  Safe to call from several threads: the pool serves one
  * caller at a time and any other caller runs single-threaded on its own thread.
  */
-int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
-              void *y, int M, int N, int K)
+static int linear_job(const void *w, const uint16_t *wi, int wdt, const float *bias, const void *x, int xdt,
+                      void *y, int M, int N, int K)
 {
     if (M < 1 || M > PG_MAX_M || N < 1 || K < 1 || (wdt != DT_F32 && wdt != DT_BF16) ||
-        (xdt != DT_F32 && xdt != DT_BF16))
+        (xdt != DT_F32 && xdt != DT_BF16) || (wi && (wdt != DT_BF16 || K % 32)))
         return -1;
     job_t j;
-    j.w = w; j.wdt = wdt; j.bias = bias; j.y = y; j.ydt = xdt;
+    j.w = w; j.wi = wi; j.wdt = wdt; j.bias = bias; j.y = y; j.ydt = xdt;
     j.M = M; j.N = N; j.K = K;
     j.isa = pg_isa();
 
@@ -1054,5 +1132,25 @@ int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
     return 0;
 }
 
+int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
+              void *y, int M, int N, int K)
+{
+    return linear_job(w, NULL, wdt, bias, x, xdt, y, M, N, K);
+}
+
+int pg_linear_pairs(const uint16_t *w, const uint16_t *pairs, const float *bias, const void *x, int xdt,
+                    void *y, int M, int N, int K)
+{
+    return linear_job(w, pairs, DT_BF16, bias, x, xdt, y, M, N, K);
+}
+
 /* Testing/tuning hook: matrices under b weight bytes run on the calling thread only. */
 void pg_set_solo_bytes(int b) { g_solo_bytes = b < 0 ? 0 : b; }
+
+/* Testing/tuning hook: the fewest inputs that read a row-pair copy (pg_linear_pairs; at most
+ * PG_PAIRS_MAX_M do); returns the value in force (m <= 0: the default, 5). */
+int pg_set_pairs_min_m(int m)
+{
+    g_pairs_min_m = m <= 0 ? 5 : m;
+    return g_pairs_min_m;
+}

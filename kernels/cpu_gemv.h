@@ -12,6 +12,13 @@
  * y has x's dtype); M <= PG_MAX_M.  0 on success, -1 bad arguments, -2 allocation failure. */
 int pg_linear(const void *w, int wdt, const float *bias, const void *x, int xdt,
               void *y, int M, int N, int K);
+/* pg_linear for a bf16 w [N, K] with its row-pair copy `pairs` ([N / 2][K / 32][2][32]: each
+ * 32-element block of rows 2p and 2p + 1 side by side; K % 32 == 0), which tier avx512_bf16's
+ * vdpbf16ps rows read for pg_set_pairs_min_m to 20 inputs (one weight stream a tile); the same
+ * bits as pg_linear, which every other tier and M runs. */
+int pg_linear_pairs(const uint16_t *w, const uint16_t *pairs, const float *bias, const void *x, int xdt,
+                    void *y, int M, int N, int K);
+int pg_set_pairs_min_m(int m);
 /* The calling thread's scratch of at least `bytes` (NULL if it cannot grow), which pg_linear and
  * pg_linear_amx use for their converted x; fp32 -> bf16 with round-to-nearest-even (AVX512_BF16's
  * vcvtneps2bf16 on x86: only where the tier has it). */

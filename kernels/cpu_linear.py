@@ -126,6 +126,8 @@ _so_path: Optional[str] = None
 _RP_AMX = 2  # pg_weight_t.rpl of a bf16 weight's AMX copy (PG_RP_AMX, cpu_dispatch.h)
 _amx_lock = threading.Lock()
 _amx_held = 0  # bytes of AMX copies alive (PackedLinear._amx_copy)
+_RP_PAIRS = 3  # pg_weight_t.rpl of a bf16 weight's row-pair copy (PG_RP_PAIRS, cpu_dispatch.h)
+_pairs_held = 0  # bytes of row-pair copies alive (PackedLinear._pairs_copy), under _amx_lock
 #: byte counts of the process's other weight copies (quant_linear.regrouped_bytes registers its
 #: own): all of them share one PRESCIENT_REGROUP_MB budget
 _other_copies: list = []
@@ -143,13 +145,19 @@ def copy_budget() -> int:
 
 def copies_held() -> int:
     """Bytes of all weight copies alive: the AMX copies and those registered in _other_copies."""
-    return _amx_held + sum(f() for f in _other_copies)
+    return _amx_held + _pairs_held + sum(f() for f in _other_copies)
 
 
 def _amx_release(nbytes: int) -> None:
     global _amx_held
     with _amx_lock:
         _amx_held -= nbytes
+
+
+def _pairs_release(nbytes: int) -> None:
+    global _pairs_held
+    with _amx_lock:
+        _pairs_held -= nbytes
 
 
 class _WeightDesc(ctypes.Structure):
@@ -300,6 +308,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_stats.restype = None
     lib.pg_set_solo_bytes.argtypes = [ci]
     lib.pg_set_solo_bytes.restype = None
+    lib.pg_set_pairs_min_m.argtypes = [ci]
+    lib.pg_set_pairs_min_m.restype = ci
     if lib.pg_version() != _C_VERSION or lib.pg_max_m() != MAX_M:
         raise RuntimeError(f"cpu_gemv.so version {lib.pg_version()}/MAX_M {lib.pg_max_m()}, "
                            f"expected {_C_VERSION}/{MAX_M}")
@@ -528,6 +538,18 @@ def amx_bytes() -> int:
     return _amx_held
 
 
+def pairs_bytes() -> int:
+    """Bytes of bf16 weights' row-pair copies alive in this process (PackedLinear)."""
+    return _pairs_held
+
+
+def _set_pairs_min_m(m: int | None) -> int:
+    """The fewest inputs whose product reads a bf16 weight's row-pair copy (None: the default,
+    5; at most 20 inputs read it); returns the value in force. The same bits either way. For
+    tests and benchmarks."""
+    return library().pg_set_pairs_min_m(0 if m is None else int(m))
+
+
 def machine_tiers() -> list[str]:
     """The tiers this CPU can run, lowest first (what the kernel tests sweep)."""
     lib = library()
@@ -593,7 +615,7 @@ class PackedLinear:
     Inference only: the weight is held detached (a gradient reaches x, never the weight)."""
 
     __slots__ = ("weight", "bias", "in_features", "out_features", "dtype",
-                 "_bias32", "_desc", "_dptr", "_amx", "__weakref__")
+                 "_bias32", "_desc", "_dptr", "_amx", "_pairs", "__weakref__")
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None):
         if weight.dim() != 2:
@@ -618,6 +640,38 @@ class PackedLinear:
                                  _DT[self.dtype], self.out_features, self.in_features)
         self._dptr = ctypes.addressof(self._desc)
         self._amx = self._amx_copy()
+        self._pairs = self._pairs_copy() if self._amx is None else None
+
+    def _pairs_copy(self) -> Optional[torch.Tensor]:
+        """A bf16 weight's row-pair copy ([N // 2, K // 32, 2, 32]: each 32-element block of rows
+        2p and 2p + 1 side by side; pg_linear_pairs), where tier avx512_bf16 multiplies by
+        vdpbf16ps on one weight stream a thread (pg_one_stream: AMD's; Intel's default FMA path
+        does not read it) and the copies stay within PRESCIENT_REGROUP_MB; the descriptor then
+        points to it. At 7-8 inputs the rows as stored read four streams a tile, and on Zen 4
+        their multiply-adds did not overlap the read (cpu_gemv.c, tile_bf16_pairs)."""
+        global _pairs_held
+        N, K = self.out_features, self.in_features
+        lib = _lib
+        if (self.dtype != torch.bfloat16 or lib is None or _fn is None or K % 32 or N < 2
+                or lib.pg_isa() != ISA_TIERS.index("avx512_bf16") or lib.pg_bf16_fma() or not lib.pg_one_stream()):
+            return None
+        rows = N - N % 2  # an odd last row is read as stored
+        nbytes = rows * K * 2
+        with _amx_lock:
+            if copies_held() + nbytes > copy_budget():
+                return None
+            _pairs_held += nbytes
+        try:
+            # a new tensor always (`contiguous` would hand back the weight itself at K == 32)
+            copy = torch.empty(rows // 2, K // 32, 2, 32, dtype=torch.bfloat16)
+            copy.copy_(self.weight[:rows].view(rows // 2, 2, K // 32, 32).transpose(1, 2))
+        except BaseException:
+            _pairs_release(nbytes)
+            raise
+        weakref.finalize(self, _pairs_release, nbytes)
+        self._desc.rp = copy.data_ptr()
+        self._desc.rpl = _RP_PAIRS
+        return copy
 
     def _amx_copy(self) -> Optional[torch.Tensor]:
         """A bf16 weight's copy in the AMX tiles' layout (pg_amx_repack), where the tiles are on

@@ -517,6 +517,80 @@ def test_bf16_fma_switch_only_at_tier_avx512_bf16_and_by_name(bf16_tier, monkeyp
 
 
 @pytest.fixture
+def pairs_tier(bf16_tier, monkeypatch):
+    """Tier avx512_bf16 by vdpbf16ps on one weight stream (where bf16 weights get a row-pair
+    copy), room for the tests' copies; the copy's M range restored afterwards."""
+    cpu_linear._set_bf16_fma(False)
+    cpu_linear._set_one_stream(True)
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", str((cpu_linear.copies_held() >> 20) + 512))
+    yield
+    cpu_linear._set_pairs_min_m(None)
+    cpu_linear._set_one_stream(None)
+
+
+def _without_copy(lin):
+    """The same weight packed again, its descriptor pointing at no copy (the rows as stored)."""
+    bare = pack_weight(lin.weight, lin.bias)
+    bare._desc.rp, bare._desc.rpl = None, 0
+    return bare
+
+
+def test_row_pair_copy_gives_the_rows_bits(pairs_tier):
+    """A bf16 weight's row-pair copy (pg_linear_pairs: rows 2p and 2p + 1 a 32-block apart, one
+    stream a 2-row tile) gives the bits of the rows as stored at every M it is read for, with an
+    odd last row, a bias, fp32 and bf16 x, alone and pooled (the 49152-row head); and it is what
+    is read: a changed copy changes its row's outputs, from the default 5 inputs to 20 only."""
+    g = torch.Generator().manual_seed(41)
+    for N, K in [(577, 576), (130, 64), (2, 32), (33, 1536), (4099, 576), (49152, 576)]:
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        lin = pack_weight(w, torch.randn(N, generator=g) if N % 2 else None)
+        assert lin._pairs is not None and lin._pairs.shape == (N // 2, K // 32, 2, 32)
+        bare = _without_copy(lin)
+        assert cpu_linear._set_pairs_min_m(1) == 1
+        Ms = (1, 2, 5, 8, 9, 16, 17, 20, 21, 24, MAX_M) if N < 4099 else (1, 8, 13, 20)
+        for xdt in DTYPES:
+            x = torch.randn(MAX_M, K, generator=g).to(xdt)
+            for M in Ms:
+                assert torch.equal(lin(x[:M]), bare(x[:M])), (N, K, M, xdt)
+        cpu_linear._set_pairs_min_m(None)
+        x = torch.randn(MAX_M, K, generator=g)
+        before = {M: lin(x[:M]) for M in (4, 5, 20, 21)}
+        lin._pairs[0, 0, 1, 0] += 1.0  # row 1's first element, in the copy only
+        for M, y in before.items():
+            after = lin(x[:M])
+            assert torch.equal(after[:, 2:], y[:, 2:]) and torch.equal(after[:, 0], y[:, 0])
+            assert torch.equal(after[:, 1], y[:, 1]) == (M not in (5, 20)), (N, K, M)
+
+
+def test_row_pair_copies_where_they_are_read_within_the_budget(pairs_tier, monkeypatch):
+    """The copy is made for bf16 weights with K a multiple of 32 and at least two rows, at tier
+    avx512_bf16 by vdpbf16ps on one stream; it counts in copies_held (one PRESCIENT_REGROUP_MB
+    with the other copies), is given back with its weight, and is not made past the budget."""
+    import gc
+
+    g = torch.Generator().manual_seed(42)
+    w = torch.randn(1001, 1024, generator=g).to(torch.bfloat16)
+    gc.collect()
+    held = cpu_linear.copies_held()
+    lin = pack_weight(w)
+    assert lin._pairs is not None and cpu_linear.copies_held() == held + 1000 * 1024 * 2
+    del lin
+    gc.collect()
+    assert cpu_linear.copies_held() == held
+    assert pack_weight(w[:, :1000])._pairs is None  # K % 32
+    assert pack_weight(w[:1])._pairs is None
+    assert pack_weight(w.float())._pairs is None
+    cpu_linear._set_bf16_fma(True)
+    assert pack_weight(w)._pairs is None  # the FMA path reads the rows as stored
+    cpu_linear._set_bf16_fma(False)
+    cpu_linear._set_isa_cap("avx512")
+    assert pack_weight(w)._pairs is None
+    cpu_linear._set_isa_cap("avx512_bf16")
+    monkeypatch.setenv("PRESCIENT_REGROUP_MB", str((held + 1000 * 1024 * 2 - 1) >> 20))  # just short
+    assert pack_weight(w)._pairs is None
+
+
+@pytest.fixture
 def amx_tier(bf16_tier, monkeypatch):
     """Tier avx512_bf16 with bf16 weights on AMX tiles (skipped where the CPU or the OS has none),
     with room for the tests' copies whatever earlier tests still hold."""
