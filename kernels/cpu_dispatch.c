@@ -393,7 +393,7 @@ int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
         return pq_linear_w(d, x, y, M, xdt);
     if (d->wdt == DT_BF16 && d->rp && d->rpl == PG_RP_AMX && pg_bf16_amx())
         return pg_linear_amx((const uint16_t *)d->rp, d->bias, x, xdt, y, M, d->N, d->K);
-    if (d->wdt == DT_BF16 && d->rp && d->rpl == PG_RP_PAIRS)
+    if (d->wdt == DT_BF16 && d->rp && d->rpl == PG_RP_PAIRS && d->K % 32 == 0)
         return pg_linear_pairs((const uint16_t *)d->w, (const uint16_t *)d->rp, d->bias, x, xdt, y, M, d->N, d->K);
     return pg_linear(d->w, d->wdt, d->bias, x, xdt, y, M, d->N, d->K);
 }

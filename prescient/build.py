@@ -192,11 +192,11 @@ def load_model(spec: EngineSpec) -> LoadedModel:
 
 def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token"."""
-    from prescient.kernels.cpu_linear import amx_bytes
+    from prescient.kernels.cpu_linear import amx_bytes, pairs_bytes
     from prescient.kernels.quant_linear import regrouped_bytes
 
     kv = torch.int8 if kv_dtype == "int8" else model.dtype
-    rg = regrouped_bytes() + amx_bytes()
+    rg = regrouped_bytes() + amx_bytes() + pairs_bytes()
     # (all of the process's copies: a draft model's too)
     extra = f" (+{rg / (1 << 20):.1f} MiB of weight copies laid out for the SIMD kernels)" if rg else ""
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB{extra}; "
