@@ -62,8 +62,9 @@ static int g_solo_bytes = 48 * 1024;
  * 6 18.2 / 15.3, 7 22.5 / 15.6, 8 23.0 / 16.0, 12 26.1 / 20.9, 16 33.4 / 28.4, 20 36.1 / 33.3,
  * 24 34.4 / 37.3, 64 77.6 / 85.7: from 24 inputs the 4 x 4 tiles' fewer loads a multiply-add
  * win back more than the one stream gives. */
-static int g_pairs_min_m = 5;
+#define PG_PAIRS_MIN_M 5
 #define PG_PAIRS_MAX_M 20
+static int g_pairs_min_m = PG_PAIRS_MIN_M;  /* pg_set_pairs_min_m */
 
 
 /* ------------------------------------------------------------------------- */
@@ -618,8 +619,9 @@ PG_ROWS_DRIVER(rows_avx512_bf16, tile_bf16, uint16_t, uint16_t, 0)
  * at about the multiply-adds' time plus the read's, one after the other; one stream overlaps
  * them.  SmolLM2's 211 bf16 matrices from DRAM, 2 threads (session microbenchmark, 2026-12-07):
  * M = 8 17.3-19.7 ms as 4 x 4 tiles, 12.8-14.6 as row pairs x 8 inputs, against an M = 1 pass's
- * 9.8-11.0 (the range that reads them: g_pairs_min_m below).  Each output is the same one chain as in tile_bf16 (the blocks in order, one
- * accumulator, the same reduction in emit_tile): the bits of every other path.  K % 32 == 0. */
+ * 9.8-11.0 (the M range that reads them: PG_PAIRS_MIN_M, at the top).  Each output is the same
+ * one chain as in tile_bf16 (the blocks in order, one accumulator, the same reduction in
+ * emit_tile): the bits of every other path.  K % 32 == 0. */
 static inline __attribute__((always_inline))
 void tile_bf16_pairs(const job_t *j, const uint16_t *c, const uint16_t *x, int n, int m0, const int MR, int pf)
 {
@@ -1151,6 +1153,6 @@ void pg_set_solo_bytes(int b) { g_solo_bytes = b < 0 ? 0 : b; }
  * PG_PAIRS_MAX_M do); returns the value in force (m <= 0: the default, 5). */
 int pg_set_pairs_min_m(int m)
 {
-    g_pairs_min_m = m <= 0 ? 5 : m;
+    g_pairs_min_m = m <= 0 ? PG_PAIRS_MIN_M : m;
     return g_pairs_min_m;
 }

@@ -311,14 +311,17 @@ class Speculator:
         num_tokens = sum(t.num_nodes if t is not None else s.num_new_tokens for s, t in zip(seqs, trees))
         context = max((s.request.num_computed_tokens for s in seqs), default=0)
         self._step_cost = self.adaptive.cost(num_tokens, context)
-        if (started is not None and len(seqs) == 1 and seqs[0].samples and now > started and num_tokens <= 32
-                and seqs[0].num_new_tokens == 1 and seqs[0].request.grammar is None):  # what the tables measure
+        # what the tables measure: one sequence's decode or verify forward without a grammar's
+        # masks (not several sequences, not a prompt's last chunk with its one logits row)
+        if (started is None or not now > started or len(seqs) != 1 or not seqs[0].samples
+                or seqs[0].num_new_tokens != 1 or seqs[0].request.grammar is not None):
+            return
+        if num_tokens <= 32:
             unit = (now - started) / self._step_cost  # seconds per 1-token forward, by this one
             self._unit_s = unit if self._unit_s is None else 0.8 * self._unit_s + 0.2 * unit
         drift = self.drift
-        if (drift is None or started is None or len(seqs) != 1 or not seqs[0].samples or seqs[0].request.grammar
-                or seqs[0].num_new_tokens != 1):
-            return  # a grammar's masks, several sequences and prefill chunks are not what the tables measured
+        if drift is None:
+            return
         drift.observe(now - started, num_tokens, context)
         if (drift.drifted and self.calibration is None
                 and time.monotonic() - self._last_recalibration >= self.recalibrate_interval_s):
