@@ -82,7 +82,7 @@ import torch
 import torch.nn.functional as F
 
 from prescient.cache_dir import cache_dir
-from prescient.kernels import cpu_threads
+from prescient.kernels import cpu_threads, huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -663,7 +663,7 @@ class PackedLinear:
             _pairs_held += nbytes
         try:
             # a new tensor always (`contiguous` would hand back the weight itself at K == 32)
-            copy = torch.empty(rows // 2, K // 32, 2, 32, dtype=torch.bfloat16)
+            copy = huge_pages.empty(nbytes).view(torch.bfloat16).view(rows // 2, K // 32, 2, 32)
             copy.copy_(self.weight[:rows].view(rows // 2, 2, K // 32, 32).transpose(1, 2))
         except BaseException:
             _pairs_release(nbytes)

@@ -36,13 +36,28 @@ static inline __attribute__((always_inline)) void c_dpbusd(__m512i *acc, __m512i
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const uint32_t *)x));
 }
 
-/* The bytes at p + PQ_PF_BYTES toward L1 (the copy is read in order, a column tile's cells
- * one after the other). */
-static inline __attribute__((always_inline)) void z_prefetch_cl(const uint8_t *p, size_t bytes)
+/* How far ahead the VNNI rows prefetch the copy (read in order, a column tile's cells one after
+ * the other), for a pass of mr input rows: PQ_PF_BYTES, except where pg_one_stream() (AMD's
+ * default): none at 1-2 rows, whose loop issues little else, and PQ_PF_CL_NEAR from 3.  With the
+ * copy on huge pages (kernels/huge_pages.py) the hardware prefetchers run on across the stream
+ * and a far software prefetch only costs issue slots.  Zen 4 EPYC, SmolLM2's forwards at 256
+ * cached tokens, distances alternated in one process (ms; docs/CPU_PERFORMANCE.md, twenty-second
+ * session): 1 token 4.51 none / 4.82 2 KiB / 4.86 4 KiB, 4 tokens 5.14 / 5.03 / 5.16, 8 tokens
+ * 8.30 / 7.70 / 7.78; 8 KiB was the slowest at 1-6 tokens.  On 4 KiB pages none was no worse at
+ * 1 token than 8 KiB (5.08 / 5.77 against 5.61 / 5.58, two runs). */
+#define PQ_PF_CL_NEAR 2048
+static int cl_prefetch(int mr)
 {
-    if (PQ_PF_BYTES)
+    if (!pg_one_stream())
+        return PQ_PF_BYTES;
+    return mr <= 2 ? 0 : PQ_PF_CL_NEAR;
+}
+
+static inline __attribute__((always_inline)) void z_prefetch_cl(const uint8_t *p, size_t bytes, int pf)
+{
+    if (pf)
         for (size_t o = 0; o < bytes; o += 64)
-            _mm_prefetch((const char *)p + o + PQ_PF_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)p + o + pf, _MM_HINT_T0);
 }
 
 /* Step s (elements 4s..4s+3 of each column's block) of a cell, as 16 x 4 unsigned bytes. */
@@ -140,15 +155,16 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
         for (int c = 0; c < NC; c++)
             acc[m][c] = _mm512_setzero_ps();
     int b = 0;
+    const int pf = cl_prefetch(MR);
     if (MR <= 2)  /* two blocks' dot products at once: 2 MR NC independent vpdpbusd chains */
         for (; b + 2 <= nb; b += 2) {
             for (int c = 0; c < NC; c++)
-                z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, 2 * cb);
+                z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, 2 * cb, pf);
             c_vblocks(j, FMT, MR, NC, 2, cell0 + (size_t)b * cb, tstride, xr, ms, b, acc);
         }
     for (; b < nb; b++) {
         for (int c = 0; c < NC; c++)
-            z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, cb);
+            z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, cb, pf);
         c_vblocks(j, FMT, MR, NC, 1, cell0 + (size_t)b * cb, tstride, xr, ms, b, acc);
     }
     for (int m = 0; m < MR; m++)

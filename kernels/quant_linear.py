@@ -33,7 +33,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from prescient.kernels import cpu_linear
+from prescient.kernels import cpu_linear, huge_pages
 from prescient.kernels.quant_reference import QTYPES, dequantize as _ref_dequantize, row_bytes
 
 MAX_M = cpu_linear.MAX_M
@@ -250,7 +250,7 @@ class QuantLinear:
             nbytes = _qlib.pq_repack_bytes(self._dptr, code)
             if not nbytes:
                 return False
-            out = torch.empty(nbytes, dtype=torch.uint8)
+            out = huge_pages.empty(nbytes)
             if _qlib.pq_repack(self._dptr, out.data_ptr(), code) != 0:
                 return False
             with _lock:

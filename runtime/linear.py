@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from prescient.kernels import cpu_linear as _cpu_linear
+from prescient.kernels import cpu_linear as _cpu_linear, huge_pages
 
 
 @dataclass
@@ -74,7 +74,8 @@ class Linear:
     than the activations (`--weights bfloat16 --dtype float32`): the result is in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fast_path: bool = True):
-        self.weight = weight.contiguous()  # [out_features, in_features]
+        # [out_features, in_features]; on huge pages when the kernels stream it (kernels/huge_pages.py)
+        self.weight = huge_pages.adopt(weight) if fast_path else weight.contiguous()
         self.bias = bias
         self.packed = None
         if fast_path and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):

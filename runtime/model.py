@@ -31,11 +31,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prescient.kernels import cpu_layer, ops
+from prescient.kernels import cpu_layer, huge_pages, ops
 from prescient.runtime.batch import ForwardBatch
 from prescient.runtime.config import ModelConfig
 from prescient.runtime.env import RuntimeEnv, runtime_env
@@ -145,6 +144,8 @@ class LlamaModel:
             self.embed, self._embed_q = None, QuantizedLinear(embed)
             self.lm_head = self._embed_q if tied else make_linear(lw("lm_head"), fast_path=fast_linear)
         else:
+            if tied and fast_linear:  # the head streams it: one copy for both, on huge pages
+                embed = huge_pages.adopt(embed)
             self.embed, self._embed_q = embed, None
             self.lm_head = make_linear(embed if tied else lw("lm_head"), fast_path=fast_linear)
         self.norm = w("norm")
@@ -339,17 +340,15 @@ class LlamaModel:
         return f"{formats} ({self.weights_mode})" if self.weights_mode else formats
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, align: int = 64) -> torch.Tensor:
-    """Zeros that cost nothing until touched: on CPU numpy's calloc hands out zero pages lazily,
-    where torch.zeros writes every byte (1.4 s for a 1 GiB KV cache, paid at every start). The
-    start is moved to a cache-line boundary (calloc gives 16 bytes), so no K/V head row of the
-    attention kernel's loads straddles two lines."""
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that cost nothing until touched: on CPU zero pages handed out lazily, where
+    torch.zeros writes every byte (1.4 s for a 1 GiB KV cache, paid at every start), on huge pages
+    where the OS gives them (kernels/huge_pages.py: the attention kernel streams the cache), from
+    a cache-line boundary, so no K/V head row of the attention kernel's loads straddles two lines."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    offset = -raw.ctypes.data % align
-    return torch.from_numpy(raw[offset:offset + nbytes]).view(dtype).view(shape)
+    return huge_pages.zeros(nbytes).view(dtype).view(shape)
 
 
 # ---------------------------------------------------------------- the CPU transformation

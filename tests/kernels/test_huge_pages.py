@@ -1,0 +1,173 @@
+"""kernels/huge_pages.py: the memory the kernels stream (weight copies, float weights, the KV cache)
+lies in mappings advised for transparent huge pages, holds what was put there, and goes when its
+tensors do; PRESCIENT_HUGEPAGES=0 gives ordinary memory."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import re
+import sys
+
+import pytest
+import torch
+
+from prescient.kernels import huge_pages
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"),
+                                reason="transparent huge pages are Linux's")
+
+BIG = 3 << 20  # past MIN_BYTES, and more than one huge page
+
+
+def _vma(t: torch.Tensor) -> dict | None:
+    """/proc/self/smaps' record of the mapping holding t's first byte: its range and VmFlags."""
+    p = t.data_ptr()
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m and int(m.group(1), 16) <= p < int(m.group(2), 16):
+            rec = {"start": int(m.group(1), 16), "end": int(m.group(2), 16), "flags": set()}
+            for rest in lines[i + 1:]:
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", rest):
+                    break
+                if rest.startswith("VmFlags:"):
+                    rec["flags"] = set(rest.split()[1:])
+            return rec
+    return None
+
+
+def _advised(t: torch.Tensor) -> bool:
+    """Whether t lies in a mapping advised for huge pages (VmFlags `hg`)."""
+    rec = _vma(t)
+    return rec is not None and "hg" in rec["flags"]
+
+
+@pytest.fixture
+def thp():
+    """The advice is available here (a kernel built without THP refuses it: skip)."""
+    try:
+        m = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        m.close()
+    except OSError:
+        pytest.skip("this kernel refuses MADV_HUGEPAGE")
+
+
+def test_empty_hands_out_aligned_advised_memory_in_order(thp, monkeypatch):
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    a, b = huge_pages.empty(BIG + 5), huge_pages.empty(BIG)
+    assert a.dtype == torch.uint8 and a.numel() == BIG + 5 and b.numel() == BIG
+    assert a.data_ptr() % huge_pages.ALIGN == 0 and b.data_ptr() % huge_pages.ALIGN == 0
+    assert _advised(a) and _advised(b)
+    # carved in the order asked, so a model's weights stream on from one matrix to the next
+    assert a.data_ptr() + a.numel() <= b.data_ptr() < a.data_ptr() + a.numel() + huge_pages.ALIGN
+    a.fill_(7)
+    b.fill_(9)
+    assert int(a.sum()) == 7 * a.numel() and int(b.sum()) == 9 * b.numel()
+
+
+def test_a_request_larger_than_an_arena_gets_its_own(thp, monkeypatch):
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    t = huge_pages.empty(huge_pages.ARENA_BYTES + 1)
+    assert _advised(t) and t.numel() == huge_pages.ARENA_BYTES + 1
+
+
+def test_small_requests_and_the_switch_give_ordinary_memory(thp, monkeypatch):
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    assert not _advised(huge_pages.empty(huge_pages.MIN_BYTES - 1))
+    monkeypatch.setenv("PRESCIENT_HUGEPAGES", "0")
+    assert not huge_pages.enabled()
+    off = [huge_pages.empty(BIG), huge_pages.zeros(BIG), huge_pages.adopt(torch.ones(BIG // 4))]
+    assert not any(_advised(t) for t in off)
+    assert int(off[1].sum()) == 0 and off[1].data_ptr() % huge_pages.ALIGN == 0
+
+
+def test_zeros_are_zero_and_their_mapping_goes_with_them(thp, monkeypatch):
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    t = huge_pages.zeros(BIG)
+    assert _advised(t) and t.data_ptr() % huge_pages.ALIGN == 0
+    assert int(t.sum()) == 0
+    t[123] = 5
+    assert int(t.sum()) == 5
+    view = t.view(torch.bfloat16)[: BIG // 4]
+    start = _vma(t)["start"]
+    del t
+    gc.collect()
+    assert _vma(view)["start"] == start  # a view keeps the mapping
+    p = view.data_ptr()
+    del view
+    gc.collect()
+    rec = _vma_at(p)
+    assert rec is None or rec["start"] != start or "hg" not in rec["flags"]
+
+
+def _vma_at(p: int) -> dict | None:
+    class _At:
+        def data_ptr(self):
+            return p
+    return _vma(_At())  # type: ignore[arg-type]
+
+
+def test_adopt_copies_large_cpu_tensors_once(thp, monkeypatch):
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    w = torch.randn(1024, 576).to(torch.bfloat16)
+    a = huge_pages.adopt(w)
+    assert _advised(a) and a.dtype == w.dtype and a.shape == w.shape and a.is_contiguous()
+    assert torch.equal(a, w) and a.data_ptr() != w.data_ptr()
+    assert huge_pages.adopt(a) is a  # a tied embedding and LM head keep one copy
+    small = torch.randn(8, 8)
+    assert huge_pages.adopt(small) is small
+    strided = torch.randn(576, 1024).t()
+    b = huge_pages.adopt(strided)
+    assert b.is_contiguous() and torch.equal(b, strided)
+
+
+def test_a_model_streams_from_advised_memory(thp, monkeypatch, tmp_path):
+    """Float weights, a tied embedding and the KV cache of a loaded model: advised, one copy of
+    the tied matrix, the outputs those of the same model on ordinary memory."""
+    from prescient.runtime.loader import load_checkpoint
+    from prescient.runtime.model import LlamaModel
+    from tests.conftest import make_tiny_checkpoint
+
+    # [4096, 64] fp32 tied embedding and head (1 MiB), gate_up [2048, 64] (512 KiB)
+    ck = load_checkpoint(str(make_tiny_checkpoint(tmp_path / "tied", vocab_size=4096, intermediate_size=1024,
+                                                  tie_word_embeddings=True)))
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    on = LlamaModel(ck.config, ck.weights, dtype=torch.float32)
+    monkeypatch.setenv("PRESCIENT_HUGEPAGES", "0")
+    off = LlamaModel(ck.config, ck.weights, dtype=torch.float32)
+    head = on.lm_head.weight
+    assert _advised(head) and head.data_ptr() == on.embed.data_ptr()
+    assert _advised(on.layers[0].gate_up.weight)
+    assert not _advised(off.lm_head.weight) and not _advised(off.layers[0].gate_up.weight)
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    kv = on.allocate_kv_cache(256, 16, stacked=True)  # the engine's: [layers, 2, 256, 16, 2, 16] fp32
+    assert _advised(kv.stack) and all(_advised(t) for layer in kv for t in layer)
+
+    from prescient.latency_bench.step_profile import _batch
+    outs = []
+    for model in (on, off):
+        cache = model.allocate_kv_cache(8, 16)
+        outs.append(model.forward(_batch(model, 0, 5), cache))
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_quantized_weight_s_copy_is_advised(thp, monkeypatch):
+    """The copy the VNNI / AVX-512 block kernels stream (kernels/quant_linear.py regroup)."""
+    from prescient.kernels import cpu_linear
+    from prescient.kernels import quant_reference as qr
+    from prescient.kernels.quant_linear import QuantLinear
+
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    g = torch.Generator().manual_seed(3)
+    N, K = 1024, 576  # 360 KiB of Q4_1 blocks
+    lin = QuantLinear(qr.quantize(torch.randn(N, K, generator=g), "q4_1"), "q4_1", N, K)
+    if not lin.regrouped:
+        pytest.skip(f"no regrouped copy at tier {cpu_linear.kernel_info().get('isa')}")
+    assert _advised(lin._regrouped)
+    x = torch.randn(3, K, generator=g)
+    monkeypatch.setenv("PRESCIENT_HUGEPAGES", "0")
+    plain = QuantLinear(qr.quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(3)), "q4_1"),
+                        "q4_1", N, K)
+    assert not _advised(plain._regrouped) and torch.equal(lin(x), plain(x))
