@@ -156,7 +156,11 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
             acc[m][c] = _mm512_setzero_ps();
     int b = 0;
     const int pf = cl_prefetch(MR);
-    if (MR <= 2)  /* two blocks' dot products at once: 2 MR NC independent vpdpbusd chains */
+    /* Two blocks' dot products at once: 2 MR NC independent vpdpbusd chains.  Not for Q8_0 where
+     * pg_one_stream(): its two cells a pass (1 KiB, eight loads a step) read slower than one on
+     * the Zen 4 EPYC, the LM head (49152 x 576) at M = 1 1259 -> 1001 us, 1536 x 576 43.2 -> 38.5
+     * us, a decode step 4.17 -> 3.96 ms (twenty-second session); Q4_1 the same either way. */
+    if (MR <= 2 && (Q32_L(FMT).nib || !pg_one_stream()))
         for (; b + 2 <= nb; b += 2) {
             for (int c = 0; c < NC; c++)
                 z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, 2 * cb, pf);
