@@ -11,7 +11,7 @@ Linux backs an anonymous mapping with huge pages where it is advised to (`MADV_H
 so:
 
     empty(nbytes)  an uninitialised uint8 tensor, 64-byte aligned, carved from the current arena
-                   (an advised mapping of ARENA_BYTES, or of the request rounded up to 2 MiB),
+                   (an advised mapping of ARENA_BYTES; a larger request gets one of its own),
                    in the order asked: the order a model's layers are built and read, so one
                    layer's weights follow the previous layer's and the stream runs on across
                    matrices. For the copies the kernels read (kernels/quant_linear.py's SIMD
@@ -80,14 +80,18 @@ def _mapping(nbytes: int) -> "_Mapping | None":
 
 
 def empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 tensor of nbytes, 64-byte aligned, from the shared arena."""
+    """An uninitialised uint8 tensor of nbytes, 64-byte aligned, from the shared arena (a request
+    larger than an arena: a mapping of its own, the arena left as it was)."""
     global _arena
     if nbytes < MIN_BYTES or not enabled():
         return torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes > ARENA_BYTES:
+        own = _mapping(nbytes)
+        return own.take(nbytes) if own is not None else torch.empty(nbytes, dtype=torch.uint8)
     with _lock:
         out = _arena.take(nbytes) if _arena is not None else None
         if out is None:
-            fresh = _mapping(max(ARENA_BYTES, nbytes))
+            fresh = _mapping(ARENA_BYTES)
             if fresh is None:
                 return torch.empty(nbytes, dtype=torch.uint8)
             _arena, out = fresh, fresh.take(nbytes)

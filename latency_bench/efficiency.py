@@ -17,10 +17,19 @@ import time
 import torch
 
 
+def probe_buffer(num_bytes: int) -> torch.Tensor:
+    """float32 ones, num_bytes of them, in the memory the kernels stream from (huge pages where the
+    OS gives them, kernels/huge_pages.py): a read floor on 4 KiB pages would sit below what the
+    kernels reach."""
+    from prescient.kernels import huge_pages
+
+    return huge_pages.zeros(num_bytes // 4 * 4).view(torch.float32).fill_(1.0)
+
+
 def measure_read_bandwidth(num_bytes: int = 1 << 30, reps: int = 5) -> float:
     """Bytes/s of torch.sum over a `num_bytes` float32 buffer (best of `reps`), as in
     docs/CPU_PERFORMANCE.md."""
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
+    buf = probe_buffer(num_bytes)
     buf.sum()
     best = float("inf")
     for _ in range(reps):

@@ -6,7 +6,8 @@ weight bytes read per second.  Each case cycles through enough distinct copies o
 copies) that every call reads its weights from DRAM (the L3 is 32 MB), at M = 1 (decode), 4, 8
 and 16 (speculative verify), for fp32 and bf16 weights, and runs the kernel at every ISA tier
 this CPU has (``cpu_linear.machine_tiers()``, selected with ``_set_isa_cap``) beside F.linear.
-The floors to compare GB/s with are streaming reads of a 256 MiB buffer: torch.sum (torch's
+The floors to compare GB/s with are streaming reads of a 256 MiB buffer (on huge pages where the
+OS gives them, as the weights are): torch.sum (torch's
 threads), and pg_read_probe in the kernels' .so (a vectorised XOR over the kernels' own thread
 pool with their software prefetch: the read bandwidth the GEMV can hope for).
 
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from prescient.kernels import cpu_linear
+from prescient.latency_bench.efficiency import probe_buffer
 from prescient.latency_bench.suites import suite_parser
 
 DT_NAME = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -77,7 +79,7 @@ def cpu_name() -> str:
 
 def read_floor_gbs(reps: int = 5) -> float:
     """Streaming-read floor: torch.sum over 256 MiB (8x the L3), torch's current threads."""
-    buf = torch.ones(1 << 26, dtype=torch.float32)
+    buf = probe_buffer(1 << 28)
     (t,) = _best_of([buf.sum], reps)
     return buf.numel() * 4 / t / 1e9
 
@@ -89,7 +91,7 @@ def probe_floor_gbs(reps: int = 5) -> float | None:
         return None
     lib.pg_read_probe.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.pg_read_probe.restype = ctypes.c_uint64
-    buf = torch.ones(1 << 26, dtype=torch.float32)
+    buf = probe_buffer(1 << 28)
     (t,) = _best_of([lambda: lib.pg_read_probe(buf.data_ptr(), buf.numel() * 4)], reps)
     return buf.numel() * 4 / t / 1e9
 

@@ -20,7 +20,8 @@ every TTFT is a cold prefill. Requests alternate between the systems, workload b
 Decode tok/s of a request = (tokens - 1) / (last token - first token); "overall" = all decode
 tokens / all decode time of that system. The floor = the weight bytes one decode step reads (every
 matrix once, the LM head included; the embedding lookup reads a row) / the read bandwidth of a
-streaming probe (torch.sum over 1 GiB, best of 5) run here before and after.
+streaming probe (torch.sum over 1 GiB on huge pages where the OS gives them, as the weights are;
+best of 5) run here before and after.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from prescient.latency_bench.bench_servers import PeerMissing, PrescientServer
 from prescient.latency_bench.bundled import WORKLOADS
+from prescient.latency_bench.efficiency import probe_buffer
 from prescient.latency_bench.suites import add_shared, suite_parser
 from prescient.runtime.slo import percentile
 from prescient.kernels.cpu_threads import default_threads
@@ -43,7 +45,7 @@ from prescient.kernels.cpu_threads import default_threads
 
 def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
     """Bytes/s of a streaming read (torch.sum over a buffer far larger than the caches)."""
-    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    buf = probe_buffer(int(gib * (1 << 30)))
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()

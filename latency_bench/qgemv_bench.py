@@ -14,7 +14,7 @@ Baselines: ``torch._weight_int8pack_mm`` (int8 weights, one scale per output cha
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (int4, group 32, bf16 scales and zeros; weights
 packed by ``_convert_weight_to_int4pack_for_cpu``), both with bf16 activations (their fast path)
 and torch's intra-op threads = the kernels' pool size; the floor is torch.sum over a 256 MiB
-buffer.  Weights are random bytes with fixed, finite scales (speed does not depend on values).
+buffer (on huge pages where the OS gives them, as the weight copies are).  Weights are random bytes with fixed, finite scales (speed does not depend on values).
 
     .venv/bin/python -m prescient.latency_bench.qgemv_bench [--reps R] [--mb MiB] [--quick]
         [--formats q4_0,...] [--tiers avx2,...] [--threads N]
@@ -30,6 +30,7 @@ import torch
 
 from prescient.kernels import cpu_linear, quant_linear
 from prescient.kernels.quant_reference import QTYPES, row_bytes
+from prescient.latency_bench.efficiency import probe_buffer
 from prescient.latency_bench.suites import suite_parser
 
 SHAPES = [(576, 1536), (1536, 576), (49152, 576)]  # (N, K): out x in
@@ -59,7 +60,7 @@ def _pool_stats() -> tuple[int, int, int]:
 
 
 def floor_gbs(reps: int) -> float:
-    buf = torch.ones(1 << 26, dtype=torch.float32)  # 256 MiB
+    buf = probe_buffer(1 << 28)  # 256 MiB, on huge pages as the weights
     t = _best(lambda: buf.sum(), reps)
     return buf.numel() * 4 / t / 1e9
 
