@@ -687,7 +687,7 @@ class PackedLinear:
                 return None
             _amx_held += nbytes
         try:
-            copy = torch.empty(nbytes // 2, dtype=torch.int16)
+            copy = huge_pages.empty(nbytes).view(torch.int16)
             ok = _lib.pg_amx_repack(self.weight.data_ptr(), N, K, copy.data_ptr()) == 0
         except BaseException:
             _amx_release(nbytes)

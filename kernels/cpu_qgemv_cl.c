@@ -12,7 +12,8 @@
  * outputs there), no tail groups (a K of 576 = 16 + 2 blocks pays a second, mostly empty group
  * there), and the weight vectors are shared by every input row from L1 with x broadcast from
  * memory, so up to 4 input rows x 2 column tiles (or 1-2 rows x 2 tiles x 2 blocks) keep up to 8
- * independent chains; where pg_one_stream, up to 8 rows x 1 tile (or 1-2 rows x 2 blocks).
+ * independent chains; where pg_one_stream, up to 8 rows x 1 tile (or 1-2 rows x 2 blocks, Q4's;
+ * Q8_0's one block).
  * Measured in docs/CPU_PERFORMANCE.md (eleventh and seventeenth sessions).
  *
  * Tier avx2 reads the same copy 8 columns a vector (vpmaddubsw pair sums, the same exact block
@@ -43,13 +44,14 @@ static inline __attribute__((always_inline)) void c_dpbusd(__m512i *acc, __m512i
  * and a far software prefetch only costs issue slots.  Zen 4 EPYC, SmolLM2's forwards at 256
  * cached tokens, distances alternated in one process (ms; docs/CPU_PERFORMANCE.md, twenty-second
  * session): 1 token 4.51 none / 4.82 2 KiB / 4.86 4 KiB, 4 tokens 5.14 / 5.03 / 5.16, 8 tokens
- * 8.30 / 7.70 / 7.78; 8 KiB was the slowest at 1-6 tokens.  On 4 KiB pages none was no worse at
- * 1 token than 8 KiB (5.08 / 5.77 against 5.61 / 5.58, two runs). */
+ * 8.30 / 7.70 / 7.78; 8 KiB was the slowest at 1-6 tokens.  On 4 KiB pages (PRESCIENT_HUGEPAGES=0)
+ * none was no worse at 1 token than 8 KiB (5.08 / 5.77 against 5.61 / 5.58, two runs), nor 1-2 KiB
+ * at 8 tokens (8.39 at 2 KiB against 8.48; 7.66 at 1 KiB against 8.41). */
 #define PQ_PF_CL_NEAR 2048
 static int cl_prefetch(int mr)
 {
-    if (!pg_one_stream())
-        return PQ_PF_BYTES;
+    if (!PQ_PF_BYTES || !pg_one_stream())
+        return PQ_PF_BYTES;  /* (-DPQ_PF_BYTES=0 turns every prefetch off) */
     return mr <= 2 ? 0 : PQ_PF_CL_NEAR;
 }
 

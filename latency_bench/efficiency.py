@@ -18,7 +18,7 @@ import torch
 
 
 def probe_buffer(num_bytes: int) -> torch.Tensor:
-    """float32 ones, num_bytes of them, in the memory the kernels stream from (huge pages where the
+    """float32 ones (num_bytes // 4 of them) in the memory the kernels stream from (huge pages where the
     OS gives them, kernels/huge_pages.py): a read floor on 4 KiB pages would sit below what the
     kernels reach."""
     from prescient.kernels import huge_pages

@@ -119,6 +119,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_layers
+        huge_pages.fresh_arena()  # this model's copies in arenas of their own
         # every forward keeps its hidden states in last_hidden (forward_head): set by run_forward
         # for the duration of a step whose proposer drafts from them (an EAGLE head)
         self.keep_hidden = False
