@@ -48,9 +48,9 @@ static inline __attribute__((always_inline)) void c_dpbusd(__m512i *acc, __m512i
  * none was no worse at 1 token than 8 KiB (5.08 / 5.77 against 5.61 / 5.58, two runs), nor 1-2 KiB
  * at 8 tokens (8.39 at 2 KiB against 8.48; 7.66 at 1 KiB against 8.41). */
 #define PQ_PF_CL_NEAR 2048
-static int cl_prefetch(int mr)
+static int cl_prefetch(int mr, int one_stream)
 {
-    if (!PQ_PF_BYTES || !pg_one_stream())
+    if (!PQ_PF_BYTES || !one_stream)
         return PQ_PF_BYTES;  /* (-DPQ_PF_BYTES=0 turns every prefetch off) */
     return mr <= 2 ? 0 : PQ_PF_CL_NEAR;
 }
@@ -157,12 +157,12 @@ void c_vtile(const pq_job_t *j, const int FMT, const int MR, const int NC, int m
         for (int c = 0; c < NC; c++)
             acc[m][c] = _mm512_setzero_ps();
     int b = 0;
-    const int pf = cl_prefetch(MR);
+    const int one = pg_one_stream(), pf = cl_prefetch(MR, one);
     /* Two blocks' dot products at once: 2 MR NC independent vpdpbusd chains.  Not for Q8_0 where
      * pg_one_stream(): its two cells a pass (1 KiB, eight loads a step) read slower than one on
      * the Zen 4 EPYC, the LM head (49152 x 576) at M = 1 1259 -> 1001 us, 1536 x 576 43.2 -> 38.5
      * us, a decode step 4.17 -> 3.96 ms (twenty-second session); Q4_1 the same either way. */
-    if (MR <= 2 && (Q32_L(FMT).nib || !pg_one_stream()))
+    if (MR <= 2 && (Q32_L(FMT).nib || !one))
         for (; b + 2 <= nb; b += 2) {
             for (int c = 0; c < NC; c++)
                 z_prefetch_cl(cell0 + c * tstride + (size_t)b * cb, 2 * cb, pf);

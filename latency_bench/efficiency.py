@@ -18,9 +18,9 @@ import torch
 
 
 def probe_buffer(num_bytes: int) -> torch.Tensor:
-    """float32 ones (num_bytes // 4 of them) in the memory the kernels stream from (huge pages where the
-    OS gives them, kernels/huge_pages.py): a read floor on 4 KiB pages would sit below what the
-    kernels reach."""
+    """float32 ones (num_bytes // 4 of them) in the memory the kernels stream from (huge pages
+    where the OS gives them, kernels/huge_pages.py): a read floor on 4 KiB pages would sit below
+    what the kernels reach."""
     from prescient.kernels import huge_pages
 
     return huge_pages.zeros(num_bytes // 4 * 4).view(torch.float32).fill_(1.0)

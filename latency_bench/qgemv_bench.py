@@ -14,7 +14,8 @@ Baselines: ``torch._weight_int8pack_mm`` (int8 weights, one scale per output cha
 ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (int4, group 32, bf16 scales and zeros; weights
 packed by ``_convert_weight_to_int4pack_for_cpu``), both with bf16 activations (their fast path)
 and torch's intra-op threads = the kernels' pool size; the floor is torch.sum over a 256 MiB
-buffer (on huge pages where the OS gives them, as the weight copies are).  Weights are random bytes with fixed, finite scales (speed does not depend on values).
+buffer (on huge pages where the OS gives them, as the weight copies are).  Weights are random
+bytes with fixed, finite scales (speed does not depend on values).
 
     .venv/bin/python -m prescient.latency_bench.qgemv_bench [--reps R] [--mb MiB] [--quick]
         [--formats q4_0,...] [--tiers avx2,...] [--threads N]
