@@ -155,6 +155,25 @@ def adopt(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def describe(thp_setting: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str:
+    """What the startup memory line says of this module: "on huge pages" where the advice is
+    taken, else why not (switched off, no THP on this platform or kernel, `never`, a refusal)."""
+    if os.environ.get("PRESCIENT_HUGEPAGES", "1") == "0":
+        return "huge pages off (PRESCIENT_HUGEPAGES=0)"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "no huge pages on this platform"
+    if _refused:
+        return "huge pages refused (a mapping failed)"
+    try:
+        with open(thp_setting) as f:
+            mode = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "no transparent huge pages in this kernel"
+    if mode == "never":
+        return "transparent huge pages set to never"
+    return "on huge pages"
+
+
 def fresh_arena() -> None:
     """The next copy starts a new arena (a model's build calls it first: a draft or probe model
     built after the target never carves from, so never pins, the target's arena pages)."""

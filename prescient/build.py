@@ -191,7 +191,8 @@ def load_model(spec: EngineSpec) -> LoadedModel:
 
 
 def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
-    """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token"."""
+    """"weights q4_1+q8_0 (native): 92.0 MiB; KV cache bfloat16: 22.5 KiB/token (on huge pages)"."""
+    from prescient.kernels import huge_pages
     from prescient.kernels.cpu_linear import amx_bytes, pairs_bytes
     from prescient.kernels.quant_linear import regrouped_bytes
 
@@ -199,8 +200,9 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
     rg = regrouped_bytes() + amx_bytes() + pairs_bytes()
     # (all of the process's copies: a draft model's too)
     extra = f" (+{rg / (1 << 20):.1f} MiB of weight copies laid out for the SIMD kernels)" if rg else ""
+    pages = f" ({huge_pages.describe()})" if model.device.type == "cpu" else ""
     return (f"weights {model.weights_description()}: {model.weight_bytes() / (1 << 20):.1f} MiB{extra}; "
-            f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token")
+            f"KV cache {str(kv).replace('torch.', '')}: {model.kv_bytes_per_token(kv) / 1024:.1f} KiB/token{pages}")
 
 
 def kernels_line(info: dict, tp: int = 1) -> str:

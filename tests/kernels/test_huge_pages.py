@@ -225,3 +225,18 @@ def test_a_quantized_weight_s_copy_is_advised(thp, monkeypatch):
     if not plain.regrouped:
         pytest.skip("the copies' budget is spent (PRESCIENT_REGROUP_MB)")
     assert (not _ordinary_is_unadvised() or not _advised(plain._regrouped)) and torch.equal(lin(x), plain(x))
+
+
+def test_the_startup_line_says_whether_the_advice_is_taken(tmp_path, monkeypatch):
+    setting = tmp_path / "enabled"
+    monkeypatch.delenv("PRESCIENT_HUGEPAGES", raising=False)
+    monkeypatch.setattr(huge_pages, "_refused", False)
+    setting.write_text("always [madvise] never\n")
+    assert huge_pages.describe(str(setting)) == "on huge pages"
+    setting.write_text("always madvise [never]\n")
+    assert "never" in huge_pages.describe(str(setting))
+    assert "no transparent huge pages" in huge_pages.describe(str(tmp_path / "missing"))
+    monkeypatch.setattr(huge_pages, "_refused", True)
+    assert "refused" in huge_pages.describe(str(setting))
+    monkeypatch.setenv("PRESCIENT_HUGEPAGES", "0")
+    assert huge_pages.describe(str(setting)) == "huge pages off (PRESCIENT_HUGEPAGES=0)"
