@@ -51,13 +51,18 @@ def _ordinary_is_unadvised() -> bool:
 
 @pytest.fixture
 def thp(monkeypatch):
-    """The advice is available here (a kernel built without THP refuses it: skip)."""
+    """The advice is available here and /proc/self/smaps shows it (a kernel built without THP
+    refuses it, an emulated /proc may list no VmFlags: skip)."""
     try:
         m = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         m.madvise(mmap.MADV_HUGEPAGE)
-        m.close()
     except OSError:
         pytest.skip("this kernel refuses MADV_HUGEPAGE")
+    probe = torch.frombuffer(m, dtype=torch.uint8)
+    shown = _advised(probe)
+    del probe
+    if not shown:
+        pytest.skip("/proc/self/smaps does not show the advice (VmFlags hg)")
     monkeypatch.setattr(huge_pages, "_refused", False)
 
 
