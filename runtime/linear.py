@@ -74,8 +74,7 @@ class Linear:
     than the activations (`--weights bfloat16 --dtype float32`): the result is in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, fast_path: bool = True):
-        # [out_features, in_features]; on huge pages when the kernels stream it (kernels/huge_pages.py)
-        self.weight = huge_pages.adopt(weight) if fast_path else weight.contiguous()
+        self.weight = weight.contiguous()  # [out_features, in_features]
         self.bias = bias
         self.packed = None
         if fast_path and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16):
@@ -84,6 +83,8 @@ class Linear:
             except ImportError:
                 cpu_linear = None
             if cpu_linear is not None and cpu_linear.available():
+                # the kernels stream it every step: on huge pages (kernels/huge_pages.py)
+                self.weight = huge_pages.adopt(self.weight)
                 self.packed = cpu_linear.pack_weight(self.weight)
                 self._max_m = cpu_linear.MAX_M  # rows per kernel call
 

@@ -20,9 +20,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasa
 BIG = 3 << 20  # past MIN_BYTES, and more than one huge page
 
 
-def _vma(t: torch.Tensor) -> dict | None:
-    """/proc/self/smaps' record of the mapping holding t's first byte: its range and VmFlags."""
-    p = t.data_ptr()
+def _vma_at(p: int) -> dict | None:
+    """/proc/self/smaps' record of the mapping holding address p: its range and VmFlags."""
     lines = open("/proc/self/smaps").read().splitlines()
     for i, line in enumerate(lines):
         m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
@@ -35,6 +34,10 @@ def _vma(t: torch.Tensor) -> dict | None:
                     rec["flags"] = set(rest.split()[1:])
             return rec
     return None
+
+
+def _vma(t: torch.Tensor) -> dict | None:
+    return _vma_at(t.data_ptr())
 
 
 def _advised(t: torch.Tensor) -> bool:
@@ -152,13 +155,6 @@ def test_zeros_are_zero_and_their_mapping_goes_with_them(thp, monkeypatch):
     gc.collect()
     rec = _vma_at(p)
     assert rec is None or "hg" not in rec["flags"]  # unmapped
-
-
-def _vma_at(p: int) -> dict | None:
-    class _At:
-        def data_ptr(self):
-            return p
-    return _vma(_At())  # type: ignore[arg-type]
 
 
 def test_adopt_copies_large_cpu_tensors_once(thp, monkeypatch):
