@@ -1676,6 +1676,14 @@ static PA_ONE_BODY void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH,
 
 #endif /* PA_X86 */
 
+#ifndef PA_X86
+/* No AMX off x86 either: pa_amx_on() is 0, so the work items never call these.  (They once sat
+ * only inside the x86 section: an aarch64 build left them undefined and its .so did not load.) */
+static void amx_begin(int rows) { (void)rows; }
+static void amx_end(void) {}
+static int pa_amx_on(void) { return 0; }
+#endif
+
 /* ------------------------------------------------------------------------- */
 /* One work item                                                              */
 /* ------------------------------------------------------------------------- */
@@ -1818,6 +1826,7 @@ static void tree_chunk(const pa_job_t *J, pa_ws_t *w, const pa_item_t *it, int t
     const char *krow[PA_CHUNK], *vrow[PA_CHUNK];
     size_t slots[PA_CHUNK];
     const pa_pf_t none = {0};
+    (void)none;  /* (only the x86 steps take a prefetch chunk) */
     for (int i = 0; i < it->nt; i++) {
         if (!(tokens >> i & 1))
             continue;

@@ -43,11 +43,13 @@ typedef struct {
     pq_job_t job;
 } pq_task_t;
 
-/* The column-lane copy the tier's int8 rows read (cpu_qgemv_cl.c: the VNNI tiers and avx2, the
- * same bits at all), or NULL (the other tiers read the blocks or a block-group copy). */
+/* The column-lane copy the tier's int8 rows read (cpu_qgemv_cl.c: the VNNI tiers and avx2;
+ * cpu_qgemv_neon.c: aarch64's SDOT -- the same bits at all), or NULL (the other tiers read the
+ * blocks or a block-group copy). */
 static const uint8_t *cl_copy(const pg_weight_t *d, int isa)
 {
-    return (isa >= ISA_AVX512_VNNI || isa == ISA_AVX2) && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
+    const int reads = isa >= ISA_AVX512_VNNI || isa == ISA_AVX2 || (isa == ISA_PORTABLE && pg_neon_dot());
+    return reads && d->rpl == PQ_RP_CL ? (const uint8_t *)d->rp : NULL;
 }
 
 static void pq_task(const void *ctx, int i0, int i1)

@@ -102,7 +102,8 @@ MAX_M = _max_m()
 # test_format_table.py keeps the symbol graph acyclic): the runtime (pool, ISA), the kernels,
 # the format table over them, the dispatcher over the table, the fused layer on top.
 _SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_gemv_amx.c", "cpu_attention.c", "cpu_argmax.c",
-                 "cpu_qgemv_cl.c", "cpu_qgemv_avx2.c", "cpu_qgemv_avx512.c", "cpu_qgemv.c", "cpu_qgemv_k.c",
+                 "cpu_qgemv_cl.c", "cpu_qgemv_avx2.c", "cpu_qgemv_avx512.c", "cpu_qgemv_neon.c", "cpu_qgemv.c",
+                 "cpu_qgemv_k.c",
                  "cpu_formats.c", "cpu_dispatch.c", "cpu_layer.c")
 _HEADER_NAMES = ("cpu_runtime.h", "cpu_bf16.h", "cpu_gemv.h", "cpu_attention.h", "cpu_formats.h",
                  "cpu_qgemv.h", "cpu_qgemv_k.h", "cpu_dispatch.h")  # hashed, not compiled
@@ -199,7 +200,10 @@ def _compiler() -> Optional[str]:
 
 
 def _flag_sets() -> list[list[str]]:
-    common = ["-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+    # -Werror=implicit-function-declaration: a function the build does not see is an undefined
+    # symbol, and the .so would fail to load (as it once did on aarch64: the AMX stubs sat in an
+    # x86-only section)
+    common = ["-O3", "-fPIC", "-shared", "-pthread", "-std=gnu11", "-Werror=implicit-function-declaration"]
     # -march=native first; without it the AVX-512 kernels still exist (per-function target
     # attributes, chosen at run time) and only the portable path loses host tuning. Last, both
     # without AVX-VNNI's `{vex} vpdpbusd` (cpu_runtime.h PQ_AVXVNNI): a GCC >= 11 beside an
@@ -281,7 +285,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_rows.restype = ci
     for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni", "pg_bf16_fma", "pg_bf16_amx",
-                 "pg_one_stream"):
+                 "pg_one_stream", "pg_neon_dot"):
         getattr(lib, name).restype = ci
         getattr(lib, name).argtypes = []
     lib.pg_set_isa_cap.argtypes = [ci]
@@ -292,6 +296,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_bf16_fma.restype = ci
     lib.pg_set_one_stream.argtypes = [ci]
     lib.pg_set_one_stream.restype = ci
+    lib.pg_set_neon_dot.argtypes = [ci]
+    lib.pg_set_neon_dot.restype = ci
     lib.pg_set_bf16_amx.argtypes = [ci]
     lib.pg_set_bf16_amx.restype = ci
     lib.pa_set_amx.argtypes = [ci]
@@ -463,6 +469,8 @@ def kernel_info() -> dict:
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
         info["avx_vnni"] = bool(_lib.pg_avx_vnni())
+        # aarch64: the block formats' int8 rows on SDOT (cpu_qgemv_neon.c); always False on x86
+        info["neon_dot"] = bool(_lib.pg_neon_dot())
         # the small-M rows read one weight stream at a time, attention items whole cache rows
         # (pg_one_stream; the same bits)
         info["one_stream"] = bool(_lib.pg_one_stream())
@@ -479,6 +487,14 @@ def kernel_info() -> dict:
         info["pool_calls"] = st[0]
         info["worker_share"] = st[1] / st[2] if st[2] else None
     return info
+
+
+def neon_dot() -> bool:
+    """Whether the block formats' int8 rows run on aarch64's SDOT here (the CPU has the
+    dot-product extension; cpu_qgemv_neon.c reads the column-lane copy, the bits of x86's VNNI
+    and AVX2 rows)."""
+    lib = library()
+    return lib is not None and bool(lib.pg_neon_dot())
 
 
 def set_num_threads(n: int) -> int:

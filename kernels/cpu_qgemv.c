@@ -13,7 +13,7 @@
  *   Q4_1  20 B: fp16 d, fp16 m, u8 qs[16]          w_i = d * q_i + m
  *   (Q4: q_i = qs[i] & 15 for i < 16, q_{i+16} = qs[i] >> 4)
  *
- * Two ways to run a format, both on every x86 tier (cpu_runtime.h):
+ * Two ways to run a format, both on every x86 tier (cpu_runtime.h) and on aarch64 with SDOT:
  *   float: dequantize a tile of weight rows to fp32 in an L1 buffer (exactly: d * q is exact
  *     in fp32, and Q4_1's d * q + m is one fused rounding, as the reference's mul-then-add),
  *     then FMA it against every input row.  Numerically the fp32 GEMV of the dequantized W.
@@ -41,7 +41,9 @@
  *     avx2            2.3/1.7   2.5/1.0   2.5/1.1   7.6/4.7   7.9/3.5   7.8/3.7
  *     avx512 (BW)     1.5/1.0   1.4/0.7   1.5/0.7   3.8/2.8   3.7/1.9   3.8/1.9
  *     avx512_bf16     1.5/0.9   1.4/0.6   1.5/0.7   3.8/1.8   3.7/1.5   3.9/1.7
- *   (portable, fp32 only: 7.2 / 3.8 / 4.0 at M = 1).  On a 2-core Zen 3 EPYC (avx2, one thread,
+ *   (portable, fp32 only: 7.2 / 3.8 / 4.0 at M = 1; but aarch64 with the dot-product extension,
+ *   whose portable tier runs int8 too: cpu_qgemv_neon.c's SDOT rows on the column-lane copy, the
+ *   bits of the x86 int8 rows on it, not yet timed on an Arm core).  On a 2-core Zen 3 EPYC (avx2, one thread,
  *   8192 x 576 Q4_1 L3-resident, Python call included) int8 runs 1.57 ns a block at M = 1 and
  *   4.6 at M = 8, after the AVX2 kernel stopped gathering its scales (vpgatherdd: 1.78 / 4.9).
  *   K = 576 costs ~20% more per block (its
@@ -81,8 +83,10 @@ static int g_mode = 0;
 
 static int path_for(int wdt, int isa)
 {
-    if (isa < ISA_AVX2 || g_mode == 1)
+    if (g_mode == 1)
         return PATH_FLOAT;
+    if (isa < ISA_AVX2)  /* the portable tier: int8 only with aarch64's SDOT (cpu_qgemv_neon.c) */
+        return PQ_NEON_DOT && pg_neon_dot() ? PATH_INT8 : PATH_FLOAT;
     if (g_mode == 2)
         return PATH_INT8;
     const int t = isa > ISA_AVX512_BF16 ? ISA_AVX512_BF16 : isa;
@@ -196,12 +200,15 @@ static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, in
     xa_hdr_t hdr, *h = &hdr;  /* built here, stored by the range that starts at row 0 */
     memset(h, 0, sizeof(*h));
     h->path = path_for(wdt, isa);
+    if (isa < ISA_AVX2 && !cl)
+        h->path = PATH_FLOAT;  /* SDOT's rows read only the CL copy: without one, the fp32 rows */
     h->wdt = wdt;
     h->nb = K / QK;
     if (h->path != PATH_FLOAT) {
         h->V = isa >= ISA_AVX512 ? 16 : 8;
         h->vnni = isa >= ISA_AVX512_VNNI;
-        h->cl = cl && (h->vnni || isa == ISA_AVX2);  /* the tiers whose rows read a CL copy */
+        /* the rows that read a CL copy: the VNNI tiers', avx2's and (portable) aarch64 SDOT's */
+        h->cl = cl && (h->vnni || isa == ISA_AVX2 || isa == ISA_PORTABLE);
         h->mstride = h->cl ? cl_mstride(K) : plan_mstride(h->nb, h->V);
     }
     if (m0 == 0)
@@ -349,8 +356,22 @@ static void rows_portable(const pq_job_t *j, int n0, int n1, int wdt)
 /* Entry points of one format (the table's, cpu_formats.c)                    */
 /* ------------------------------------------------------------------------- */
 
+/* The portable tier's rows: fp32 (rows_portable), or where the prepared x is int8 (aarch64 with
+ * SDOT and the CL copy: prep_32), cpu_qgemv_neon.c's. */
+#if PQ_NEON_DOT
+#define Q32_ROWS_INT8(name, j, n0, n1) q32_rows_neon_##name(j, n0, n1)
+#else
+#define Q32_ROWS_INT8(name, j, n0, n1) __builtin_trap()  /* path_for never says int8 here */
+#endif
+
 #define Q32_INSTANCE_REF(name, code)                                                      \
-    void q32_rows_ref_##name(const pq_job_t *j, int n0, int n1) { rows_portable(j, n0, n1, code); } \
+    void q32_rows_ref_##name(const pq_job_t *j, int n0, int n1)                          \
+    {                                                                                    \
+        if (j->xa && ((const xa_hdr_t *)j->xa)->path == PATH_INT8)                       \
+            Q32_ROWS_INT8(name, j, n0, n1);                                              \
+        else                                                                             \
+            rows_portable(j, n0, n1, code);                                              \
+    }                                                                                    \
     void q32_dequant_ref_##name(const uint8_t *blk, int nblk, float *out)                \
     {                                                                                    \
         for (int b = 0; b < nblk; b++)                                                   \

@@ -6,6 +6,7 @@
  *   cpu_qgemv_avx2.c     AVX2 + FMA + F16C row kernels and dequantizer
  *   cpu_qgemv_avx512.c   AVX-512 (BW; + VNNI from tier avx512_vnni) row kernels and dequantizer
  *   cpu_qgemv_cl.c       the VNNI and AVX2 int8 rows on a column-lane copy of W (the same bits)
+ *   cpu_qgemv_neon.c     aarch64's SDOT int8 rows on that copy (the same bits again)
  *
  * The kernels are written once for the family and specialised per format by a compile-time
  * code FMT; what they need of a format is its row of q32_layouts below (block bytes, where the
@@ -27,6 +28,14 @@
 #include <immintrin.h>
 #define PQ_X86 1
 #define PQ_KEEP(v) __asm__("" : "+v"(v))
+#endif
+/* aarch64: the int8 rows of cpu_qgemv_neon.c (SDOT, where pg_neon_dot() says the CPU has it):
+ * GCC builds them for any aarch64 target (a target pragma there), clang where the build's target
+ * has the extension already (-march=native on such a CPU, every Apple M-series) */
+#if defined(__aarch64__) && defined(__GNUC__) && (!defined(__clang__) || defined(__ARM_FEATURE_DOTPROD))
+#define PQ_NEON_DOT 1
+#else
+#define PQ_NEON_DOT 0
 #endif
 
 #define QK 32                 /* elements per block */
@@ -82,6 +91,7 @@ static const q32_layout_t q32_layouts[PF_COUNT] = {
     void q32_rows_vnni_##name(const pq_job_t *j, int n0, int n1);                        \
     void q32_rows_cl_##name(const pq_job_t *j, int n0, int n1);                          \
     void q32_rows_cl_avx2_##name(const pq_job_t *j, int n0, int n1);                     \
+    void q32_rows_neon_##name(const pq_job_t *j, int n0, int n1);                        \
     void q32_dequant_avx512_##name(const uint8_t *blk, int nblk, float *out);
 
 #pragma GCC visibility push(hidden)
@@ -212,7 +222,7 @@ static inline size_t plan_mstride(int nb, int V)
 
 
 /* ------------------------------------------------------------------------- */
-/* The column-lane (CL) layout (cpu_qgemv_cl.c, the VNNI tiers and avx2) */
+/* The column-lane (CL) layout (cpu_qgemv_cl.c: the VNNI tiers, avx2; and aarch64's SDOT) */
 /*                                                                            */
 /* W: one cell of 16 * bb bytes per (16-column tile t, block b), at offset    */
 /* (t * nb + b) * 16 * bb: QV = 4 (Q4) or 8 (Q8_0) vectors of 64 bytes, byte */

@@ -167,7 +167,7 @@ static inline xa_t xa_view(const void *xa, int M, int K)
 }
 
 /* fs from bs and d (shared by the per-tier preps). */
-static void xa_finish(xa_t *v, size_t rows)
+static inline void xa_finish(xa_t *v, size_t rows)  /* (inline: the x86 preps use it) */
 {
     for (size_t r = 0; r < rows; r++)
         for (int i = 0; i < 8; i++)

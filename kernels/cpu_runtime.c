@@ -27,6 +27,12 @@
 #ifdef __linux__
 #include <sys/syscall.h>
 #endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#include <asm/hwcap.h>
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
 
 #include "cpu_runtime.h"
 
@@ -77,6 +83,8 @@ static int g_one_stream = -1;    /* pg_set_one_stream: 1 one weight stream, 0 se
 static int g_has_amx = 0;        /* the CPU and OS have AMX-BF16 (detect_amx) */
 static _Atomic int g_amx_grant = -1;  /* Linux's tile-data permission: -1 not asked yet, 0 refused, 1 granted */
 static int g_bf16_amx = -1;      /* pg_set_bf16_amx: 1 on, 0 off, -1 the default (on) */
+static int g_has_neon_dot = 0;   /* aarch64 with the dot-product extension (detect_neon_dot) */
+static int g_neon_dot = -1;      /* pg_set_neon_dot: 1 on, 0 off, -1 the default (on where it exists) */
 
 static int detect_isa(void)
 {
@@ -107,6 +115,21 @@ static int detect_isa(void)
     return vnni ? ISA_AVX512_VNNI : ISA_AVX512;
 #else
     return ISA_PORTABLE;
+#endif
+}
+
+/* Armv8.2's FEAT_DotProd (SDOT / UDOT), which cpu_qgemv_neon.c's int8 rows need: the kernel's
+ * hwcaps on Linux, the sysctl on macOS (every Apple M-series core has it). */
+static int detect_neon_dot(void)
+{
+#if defined(__aarch64__) && defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__aarch64__) && defined(__APPLE__)
+    int v = 0;
+    size_t n = sizeof(v);
+    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &n, NULL, 0) == 0 && v;
+#else
+    return 0;
 #endif
 }
 
@@ -378,6 +401,7 @@ __attribute__((constructor)) static void pg_init(void)
     g_nthreads = n >= 2 ? 2 : 1;
     g_isa = detect_isa();  /* once, before any thread reads them */
     g_has_avx_vnni = detect_avx_vnni();
+    g_has_neon_dot = detect_neon_dot();
     g_intel = detect_intel();
     g_has_amx = detect_amx();
 }
@@ -403,6 +427,18 @@ int pg_set_avx_vnni(int on)
 {
     g_avx_vnni = on < 0 ? -1 : on != 0;
     return pg_avx_vnni();
+}
+int pg_neon_dot(void)
+{
+    return g_has_neon_dot && g_neon_dot != 0 && current_isa() == ISA_PORTABLE;
+}
+
+/* Turn the aarch64 SDOT rows off (0) or back to the default (-1 or 1: on where the CPU has the
+ * extension); returns pg_neon_dot().  Off, the int8 path gives way to the fp32 rows (other bits). */
+int pg_set_neon_dot(int on)
+{
+    g_neon_dot = on < 0 ? -1 : on != 0;
+    return pg_neon_dot();
 }
 int pg_bf16_fma(void)
 {

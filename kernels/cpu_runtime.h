@@ -74,6 +74,10 @@ int pg_isa(void);
  * pg_set_avx_vnni has not turned it off; by default on only where avx2 is the CPU's best tier
  * (Intel's client cores since Alder Lake), so capping an AVX-512 CPU to avx2 still runs plain AVX2. */
 int pg_avx_vnni(void);
+/* 1 where the 32-element block formats' int8 rows take aarch64's SDOT (cpu_qgemv_neon.c): the
+ * CPU has the dot-product extension, the tier is the portable one (aarch64's only), and
+ * pg_set_neon_dot has not turned it off.  Always 0 on x86. */
+int pg_neon_dot(void);
 /* 1 where tier avx512_bf16 computes vdpbf16ps's products (bf16 weights in cpu_gemv.c, bf16 K in
  * cpu_attention.c) as two fp32 FMAs on the widened values, odd element then even: the
  * instruction's own order and rounding, so the same bits (short of subnormals, which it flushes).

@@ -97,8 +97,8 @@ _best_layout: Optional[str] = None  # the CPU's, asked once (machine_tiers moves
 
 def default_layout() -> Optional[str]:
     """The copy this CPU's best tier reads: "cl" with AVX-512 VNNI (avx512_vnni, avx512_bf16) or
-    AVX2 at best, "groups" with AVX-512 alone (whose AVX2 cap then reads the blocks), None without SIMD
-    rows (the portable ones read the blocks).
+    AVX2 at best, or on aarch64 with SDOT (cpu_qgemv_neon.c), "groups" with AVX-512 alone (whose
+    AVX2 cap then reads the blocks), None without SIMD rows (the portable ones read the blocks).
     PRESCIENT_REGROUP_LAYOUT=groups gives the blocks' bits instead (to compare): "groups" where
     AVX-512 reads it, no copy on an AVX2-only CPU (its rows then read the blocks)."""
     global _best_layout
@@ -108,7 +108,7 @@ def default_layout() -> Optional[str]:
     if _best_layout is None:
         tiers = cpu_linear.machine_tiers()
         _best_layout = ("cl" if "avx512_vnni" in tiers else "groups" if "avx512" in tiers
-                        else "cl" if "avx2" in tiers else "")
+                        else "cl" if "avx2" in tiers or cpu_linear.neon_dot() else "")
     if want == "groups" and _best_layout:
         return "groups" if _best_layout == "groups" or "avx512" in cpu_linear.machine_tiers() else None
     return _best_layout or None
@@ -237,7 +237,8 @@ class QuantLinear:
         if layout is not None and layout not in LAYOUTS:
             raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
         tiers = set(cpu_linear.machine_tiers())
-        if (layout == "cl" and not {"avx512_vnni", "avx2"} & tiers) or (layout == "groups" and "avx512" not in tiers):
+        cl_read = {"avx512_vnni", "avx2"} & tiers or cpu_linear.neon_dot()
+        if (layout == "cl" and not cl_read) or (layout == "groups" and "avx512" not in tiers):
             layout = None  # no kernel here reads it
         if not on or not self._native or layout is None or self._layout != layout:
             self._desc.rp = None  # before the copy can be freed

@@ -207,7 +207,7 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
 
 def kernels_line(info: dict, tp: int = 1) -> str:
     """"CPU kernels avx2, 8 threads (...)": the tier (with "+ AVX-VNNI" where tier avx2's rows take
-    it, "(vdpbf16ps as FMAs)" where tier avx512_bf16 computes that instruction's products by FMAs) and the pool size in use (kernels/cpu_linear.kernel_info), where the size came from and
+    it, "+ SDOT" where aarch64's portable tier runs the block formats' int8 rows on it, "(vdpbf16ps as FMAs)" where tier avx512_bf16 computes that instruction's products by FMAs) and the pool size in use (kernels/cpu_linear.kernel_info), where the size came from and
     how to change it."""
     if os.environ.get("PRESCIENT_GEMV_THREADS"):
         how = "PRESCIENT_GEMV_THREADS"
@@ -219,7 +219,8 @@ def kernels_line(info: dict, tp: int = 1) -> str:
     notes = [n for n, on in (("vdpbf16ps as FMAs", info.get("bf16_dot") == "fma"),
                              ("bf16 weights on AMX", info.get("bf16_amx")),
                              ("q.K on AMX", info.get("attn_amx"))) if on]
-    isa = info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "") + (f" ({'; '.join(notes)})" if notes else "")
+    isa = (info["isa"] + (" + AVX-VNNI" if info.get("avx_vnni") else "") + (" + SDOT" if info.get("neon_dot") else "")
+           + (f" ({'; '.join(notes)})" if notes else ""))
     return f"CPU kernels {isa}, {n} thread{'s' if n != 1 else ''} ({how})"
 
 

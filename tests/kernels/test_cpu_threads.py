@@ -135,6 +135,8 @@ def test_the_startup_line_says_the_pool_size_and_where_it_came_from(monkeypatch)
     assert kernels_line({"isa": "avx2", "threads": 4}, tp=2) == \
         "CPU kernels avx2, 4 threads (the usable cores shared by 2 ranks)"
     assert kernels_line({"isa": "avx2", "avx_vnni": True, "threads": 8}).startswith("CPU kernels avx2 + AVX-VNNI, 8")
+    assert kernels_line({"isa": "portable", "neon_dot": True, "threads": 4}).startswith("CPU kernels portable + SDOT, 4")
+    assert kernels_line({"isa": "avx2", "neon_dot": False, "threads": 4}).startswith("CPU kernels avx2, 4")
     assert kernels_line({"isa": "avx512_bf16", "bf16_dot": "fma", "threads": 2}).startswith(
         "CPU kernels avx512_bf16 (vdpbf16ps as FMAs), 2")
     assert kernels_line({"isa": "avx512_bf16", "bf16_dot": "dp", "threads": 2}).startswith("CPU kernels avx512_bf16, 2")

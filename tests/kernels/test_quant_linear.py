@@ -643,6 +643,22 @@ def test_a_copy_layout_is_checked_before_anything_changes(monkeypatch):
     assert ql.default_layout() == "groups"
 
 
+def test_the_column_lane_copy_is_the_default_where_a_kernel_reads_it(monkeypatch):
+    """default_layout by what the CPU runs (asked of cpu_linear, here stood in for): the VNNI
+    tiers and an AVX2-only CPU read "cl", AVX-512 without VNNI "groups", aarch64 "cl" only with
+    SDOT (cpu_qgemv_neon.c), a portable-only x86 none."""
+    monkeypatch.delenv("PRESCIENT_REGROUP_LAYOUT", raising=False)
+    for tiers, sdot, want in ((["portable", "avx2", "avx512", "avx512_vnni"], False, "cl"),
+                              (["portable", "avx2", "avx512"], False, "groups"),
+                              (["portable", "avx2"], False, "cl"),
+                              (["portable"], True, "cl"),
+                              (["portable"], False, None)):
+        monkeypatch.setattr(ql.cpu_linear, "machine_tiers", lambda t=tiers: list(t))
+        monkeypatch.setattr(ql.cpu_linear, "neon_dot", lambda s=sdot: s)
+        monkeypatch.setattr(ql, "_best_layout", None)  # asked once a process: ask again
+        assert ql.default_layout() == want, (tiers, sdot)
+
+
 # ---- dequantization, prefill, fallback, API ---------------------------------------------------
 
 @pytest.mark.parametrize("qtype", FORMATS)

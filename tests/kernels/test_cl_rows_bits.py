@@ -1,0 +1,87 @@
+"""The block formats' int8 rows on the column-lane copy give one set of bits on every ISA that has
+them: x86's VNNI and AVX2 rows (kernels/cpu_qgemv_cl.c) and aarch64's SDOT rows
+(kernels/cpu_qgemv_neon.c) each equal, bit for bit, the scalar model in
+tests/kernels/qgemv_cl_driver.c (Q8_0, Q4_0, Q4_1; M from 1 to 100 -- prefill's chunks past 64 --,
+fp32 and bf16 x, bias, 1 and 2 threads). The aarch64 half builds the library as
+kernels/cpu_linear.py does (so it also shows that the .so links there) and runs under
+qemu-aarch64 where the cross tools are installed."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+
+from prescient.kernels import cpu_linear
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KDIR = os.path.join(REPO, "kernels")
+DRIVER = os.path.join(REPO, "tests", "kernels", "qgemv_cl_driver.c")
+
+
+def _summary(stdout: str) -> tuple[str, int, int]:
+    """(which rows, cases, failed) from the driver's last line."""
+    last = stdout.strip().splitlines()[-1]
+    assert last.startswith("qgemv_cl_driver: "), last
+    which, cases, failed = last[len("qgemv_cl_driver: "):].split(", ")
+    return which, int(cases.split()[0]), int(failed.split()[0])
+
+
+def test_x86_cl_rows_equal_the_scalar_model(tmp_path):
+    """The loaded library's VNNI / AVX2 column-lane rows, at every such tier this CPU runs."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 rows")
+    tiers = set(cpu_linear.machine_tiers())
+    if not {"avx2", "avx512_vnni"} & tiers:
+        pytest.skip("no tier here reads the column-lane copy")
+    cc = shutil.which(os.environ.get("CC", "")) or shutil.which("gcc") or shutil.which("cc")
+    so = cpu_linear.kernel_info()["so"]
+    if cc is None or so is None:
+        pytest.skip("needs a C compiler and the compiled kernels")
+    exe = tmp_path / "qgemv_cl_driver"
+    build = subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", KDIR, "-o", str(exe), DRIVER, so, "-lm"],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    which, cases, failed = _summary(run.stdout)
+    assert run.returncode == 0 and failed == 0, run.stdout[-3000:]
+    assert which == "x86"
+    # 132 cases a tier and thread count: every tier this CPU has that reads the copy, 1 and 2 threads
+    assert cases == 132 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers)
+
+
+def _cross_tools():
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        return None, None, ("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install "
+                            "gcc-aarch64-linux-gnu qemu-user)")
+    if not os.path.isdir("/usr/aarch64-linux-gnu/lib"):
+        return None, None, "no aarch64 sysroot at /usr/aarch64-linux-gnu"
+    return cc, qemu, None
+
+
+def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path):
+    """The whole .so cross-built with cpu_linear's own flags (but -march=native) and sources,
+    the driver linked against it (ld refuses a library with undefined symbols) and run under
+    qemu-aarch64 with every symbol bound at start: SDOT's rows give the model's bits."""
+    cc, qemu, why = _cross_tools()
+    if why:
+        pytest.skip(why)
+    so = tmp_path / "libprescient_kernels.so"
+    flags = cpu_linear._flag_sets()[1]  # the portable flag set: no -march=native for another ISA
+    assert "-march=native" not in flags and "-Werror=implicit-function-declaration" in flags
+    build = subprocess.run([cc, *flags, "-o", str(so), *map(str, cpu_linear._SOURCES), "-lm"],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    exe = tmp_path / "qgemv_cl_driver"
+    link = subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", KDIR, "-o", str(exe), DRIVER, str(so),
+                           "-lm"], capture_output=True, text=True, timeout=300)
+    assert link.returncode == 0, link.stderr[-3000:]
+    run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "LD_BIND_NOW": "1"})
+    which, cases, failed = _summary(run.stdout)
+    assert run.returncode == 0 and failed == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert which == "aarch64 sdot" and cases == 132 * 2
