@@ -143,7 +143,8 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
         return -2;
     void *xa = NULL;
     const size_t xab = f->xa_bytes ? f->xa_bytes(M, K) : 0;
-    /* a column-lane copy is read at the VNNI and AVX2 tiers; a block-group copy from AVX-512 up */
+    /* a column-lane copy is read at the VNNI and AVX2 tiers and by aarch64's SDOT rows; a
+     * block-group copy from AVX-512 up */
     const uint8_t *cl = cl_copy(d, isa);
     const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
     if (xab && !(xa = scratch(1, xab)))

@@ -19,7 +19,8 @@ typedef struct {
     /* NULL, or a copy of w made by pq_repack for the AVX-512 block kernels, in layout rpl
      * (PQ_RP_*, cpu_formats.h; kernels/quant_linear.LAYOUTS mirrors the codes):
      * 0 full 16-block groups regrouped (as large as w; the AVX-512 int8 rows read it), 1
-     * column-lane cells (N rounded up to 16; the VNNI and AVX2 int8 rows read it, cpu_qgemv_cl.c) */
+     * column-lane cells (N rounded up to 16; the VNNI and AVX2 int8 rows read it, cpu_qgemv_cl.c,
+     * and aarch64's SDOT rows, cpu_qgemv_neon.c) */
     const void *rp;
     int32_t rpl;
 } pg_weight_t;
@@ -46,7 +47,7 @@ int pq_dequantize_ids(const pg_weight_t *d, const int64_t *ids, int n, float *ou
 /* Fill out (pq_repack_bytes(d, layout) bytes, the caller's memory) with W in a layout of the
  * SIMD kernels of the 32-element formats (q32_repack, cpu_qgemv.c): 0 each full 16-block
  * group in the order the block-lane registers take, the rest as is; 1 column-lane cells (the
- * VNNI and AVX2 int8 rows, cpu_qgemv_cl.c).  0 done (the caller then sets d->rp = out, d->rpl = layout), 1
+ * VNNI and AVX2 int8 rows, cpu_qgemv_cl.c; aarch64's SDOT rows, cpu_qgemv_neon.c).  0 done (the caller then sets d->rp = out, d->rpl = layout), 1
  * no such layout for this format.  Portable C: the caller decides where it pays. */
 int pq_repack(const pg_weight_t *d, void *out, int layout);
 size_t pq_repack_bytes(const pg_weight_t *d, int layout);

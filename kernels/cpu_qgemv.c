@@ -193,7 +193,7 @@ static void quant_block_scalar(const float *x, int8_t *q, float *dx, int *sum)
 /* Fill xa's records of rows [m0, m1) from x [M, K] fp32 for format wdt on tier isa, and its
  * header where m0 == 0 (the header does not depend on the rows: each row's record is its own,
  * so row ranges may be filled by different threads); cl: column-lane records (cpu_qgemv.h), at
- * the VNNI and AVX2 tiers. */
+ * the VNNI and AVX2 tiers and aarch64's SDOT (the portable tier: int8 only with the copy). */
 static void prep_32(const float *x, int M, int K, void *xa, int isa, int wdt, int cl, int m0, int m1)
 {
     (void)M;
@@ -367,7 +367,7 @@ static void rows_portable(const pq_job_t *j, int n0, int n1, int wdt)
 #define Q32_INSTANCE_REF(name, code)                                                      \
     void q32_rows_ref_##name(const pq_job_t *j, int n0, int n1)                          \
     {                                                                                    \
-        if (j->xa && ((const xa_hdr_t *)j->xa)->path == PATH_INT8)                       \
+        if (j->xa && j->cl && ((const xa_hdr_t *)j->xa)->path == PATH_INT8)              \
             Q32_ROWS_INT8(name, j, n0, n1);                                              \
         else                                                                             \
             rows_portable(j, n0, n1, code);                                              \

@@ -29,14 +29,8 @@
 #define PQ_X86 1
 #define PQ_KEEP(v) __asm__("" : "+v"(v))
 #endif
-/* aarch64: the int8 rows of cpu_qgemv_neon.c (SDOT, where pg_neon_dot() says the CPU has it):
- * GCC builds them for any aarch64 target (a target pragma there), clang where the build's target
- * has the extension already (-march=native on such a CPU, every Apple M-series) */
-#if defined(__aarch64__) && defined(__GNUC__) && (!defined(__clang__) || defined(__ARM_FEATURE_DOTPROD))
-#define PQ_NEON_DOT 1
-#else
-#define PQ_NEON_DOT 0
-#endif
+/* aarch64: the int8 rows of cpu_qgemv_neon.c (SDOT, where pg_neon_dot() says the CPU has it) */
+#define PQ_NEON_DOT PG_NEON_DOT
 
 #define QK 32                 /* elements per block */
 #define PQ_NR 4               /* weight rows per tile */

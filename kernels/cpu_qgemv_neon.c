@@ -2,7 +2,7 @@
  * cpu_qgemv_neon.c -- the 32-element family's int8 rows on aarch64 with the dot-product
  * extension (SDOT, Armv8.2 FEAT_DotProd: pg_neon_dot), on the column-lane copy of W that the
  * x86 VNNI and AVX2 rows read (PQ_RP_CL, cpu_qgemv.h).  The same sums in the same order, so the
- * same bits as those rows (tests/kernels/qgemv_neon_driver.c checks both against one scalar
+ * same bits as those rows (tests/kernels/qgemv_cl_driver.c checks both against one scalar
  * model):
  *
  *   for each (input row m, output column n):
@@ -32,11 +32,16 @@
 
 #include <arm_neon.h>
 
-#ifndef __clang__  /* (clang builds this only where its target has the extension: cpu_qgemv.h) */
+/* A target without the extension (a generic aarch64 build) gets it for this file only; a target
+ * with it (-march=native on such a core) keeps its own tuning: an `arch=` override there stopped
+ * GCC 12 inlining store1 into the tiles.  (clang builds this only in the second case: cpu_runtime.h.) */
+#if !defined(__ARM_FEATURE_DOTPROD)
+#define PQ_NEON_PRAGMA 1
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #define PQ_NEON_TARGET __attribute__((target("arch=armv8.2-a+dotprod")))
 #else
+#define PQ_NEON_PRAGMA 0
 #define PQ_NEON_TARGET
 #endif
 
@@ -130,7 +135,7 @@ static inline __attribute__((always_inline)) void n_rows(const pq_job_t *j, int 
         }
 }
 
-#ifndef __clang__
+#if PQ_NEON_PRAGMA
 #pragma GCC pop_options
 #endif
 

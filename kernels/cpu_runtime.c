@@ -29,9 +29,9 @@
 #endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
-#include <asm/hwcap.h>
-#elif defined(__aarch64__) && defined(__APPLE__)
-#include <sys/sysctl.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)  /* (older kernel headers): AT_HWCAP's FEAT_DotProd bit */
+#endif
 #endif
 
 #include "cpu_runtime.h"
@@ -118,16 +118,12 @@ static int detect_isa(void)
 #endif
 }
 
-/* Armv8.2's FEAT_DotProd (SDOT / UDOT), which cpu_qgemv_neon.c's int8 rows need: the kernel's
- * hwcaps on Linux, the sysctl on macOS (every Apple M-series core has it). */
+/* Armv8.2's FEAT_DotProd (SDOT / UDOT), which cpu_qgemv_neon.c's int8 rows need, from the
+ * kernel's hwcaps (Linux: the only aarch64 OS this library builds for). */
 static int detect_neon_dot(void)
 {
 #if defined(__aarch64__) && defined(__linux__)
     return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
-#elif defined(__aarch64__) && defined(__APPLE__)
-    int v = 0;
-    size_t n = sizeof(v);
-    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &n, NULL, 0) == 0 && v;
 #else
     return 0;
 #endif
@@ -430,7 +426,7 @@ int pg_set_avx_vnni(int on)
 }
 int pg_neon_dot(void)
 {
-    return g_has_neon_dot && g_neon_dot != 0 && current_isa() == ISA_PORTABLE;
+    return PG_NEON_DOT && g_has_neon_dot && g_neon_dot != 0 && current_isa() == ISA_PORTABLE;
 }
 
 /* Turn the aarch64 SDOT rows off (0) or back to the default (-1 or 1: on where the CPU has the

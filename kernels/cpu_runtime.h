@@ -75,9 +75,16 @@ int pg_isa(void);
  * (Intel's client cores since Alder Lake), so capping an AVX-512 CPU to avx2 still runs plain AVX2. */
 int pg_avx_vnni(void);
 /* 1 where the 32-element block formats' int8 rows take aarch64's SDOT (cpu_qgemv_neon.c): the
- * CPU has the dot-product extension, the tier is the portable one (aarch64's only), and
- * pg_set_neon_dot has not turned it off.  Always 0 on x86. */
+ * build has them (PG_NEON_DOT), the CPU has the dot-product extension, the tier is the portable
+ * one (aarch64's only), and pg_set_neon_dot has not turned it off.  Always 0 on x86. */
 int pg_neon_dot(void);
+/* Whether this build has those rows (cpu_qgemv_neon.c): GCC builds them for any aarch64 target (a
+ * target pragma there), clang only where the build's target has the extension already. */
+#if defined(__aarch64__) && defined(__GNUC__) && (!defined(__clang__) || defined(__ARM_FEATURE_DOTPROD))
+#define PG_NEON_DOT 1
+#else
+#define PG_NEON_DOT 0
+#endif
 /* 1 where tier avx512_bf16 computes vdpbf16ps's products (bf16 weights in cpu_gemv.c, bf16 K in
  * cpu_attention.c) as two fp32 FMAs on the widened values, odd element then even: the
  * instruction's own order and rounding, so the same bits (short of subnormals, which it flushes).

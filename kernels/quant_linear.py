@@ -90,7 +90,8 @@ _regroup_held = 0  # bytes of regrouped copies alive
 #: The copy's layouts (pg_weight_t.rpl, cpu_dispatch.h): "groups" (each full 16-block group in
 #: the block-lane registers' order; the AVX-512 int8 rows read it, the bits of the blocks) and
 #: "cl" (16 output columns in a vector's lanes; the VNNI and AVX2 int8 rows read it,
-#: cpu_qgemv_cl.c: bits of its own, the same at every M and at both tiers).
+#: cpu_qgemv_cl.c, and aarch64's SDOT rows, cpu_qgemv_neon.c: bits of its own, the same at every
+#: M and on each of them).
 LAYOUTS = {"groups": 0, "cl": 1}
 _best_layout: Optional[str] = None  # the CPU's, asked once (machine_tiers moves the ISA cap)
 
@@ -150,7 +151,8 @@ def native_available(qtype: str) -> bool:
 def act_block(qtype: str) -> int:
     """How the native kernel of ``qtype`` multiplies activations at the ISA tier in use: 0 as
     fp32; n > 0: quantized to int8 with one scale per n elements (an upper bound for the
-    K-quants); -1 when it does not run natively."""
+    K-quants: and on aarch64 for a weight without the column-lane copy, which SDOT's rows need,
+    so it runs in fp32); -1 when it does not run natively."""
     lib = _lib()
     return -1 if lib is None else int(lib.pq_act_block(_wdt(qtype)))
 
@@ -226,9 +228,9 @@ class QuantLinear:
     def regroup(self, on: bool = True, layout: Optional[str] = None) -> bool:
         """Hold (or drop) a copy of W laid out for the SIMD int8 kernels (cpu_qgemv.c's
         q32_repack; LAYOUTS; `layout` None: the held copy's, else default_layout()). "groups"
-        (AVX-512) gives the blocks' bits faster; "cl" (AVX-512 VNNI, AVX2) gives the column-lane rows,
-        faster at every M, with bits of their own, the same at every M, so a weight keeps the
-        copy it got at construction (on a CPU with AVX2 or AVX-512, for Q8_0 / Q4_0 / Q4_1, within
+        (AVX-512) gives the blocks' bits faster; "cl" (AVX-512 VNNI, AVX2, aarch64's SDOT) gives the
+        column-lane rows, faster at every M, with bits of their own, the same at every M, so a weight
+        keeps the copy it got at construction (on a CPU with AVX2, AVX-512 or SDOT, for Q8_0 / Q4_0 / Q4_1, within
         PRESCIENT_REGROUP_MB for the process: cpu_linear.copy_budget). As large as W ("cl": N rounded up to 16). Returns whether
         a copy is held. Not while another thread runs this weight (the kernels read the copy
         through the descriptor)."""

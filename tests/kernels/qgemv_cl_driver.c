@@ -8,11 +8,16 @@
  *       Q4_1: acc = fmaf(m_w, dx * sum q, acc)
  *   y = acc + bias (fp32), a bf16 y rounded to nearest even
  *
- * Built natively on x86 (tests/kernels/test_qgemv_cl.py) it checks the VNNI and AVX2 rows of
+ * Built natively on x86 (tests/kernels/test_cl_rows_bits.py) it checks the VNNI and AVX2 rows of
  * cpu_qgemv_cl.c at every such tier the host runs; cross-compiled and run under qemu-aarch64,
  * the SDOT rows of cpu_qgemv_neon.c.  The same model for both: one set of bits on either ISA.
  * Every row is checked against the model on its own, so an M-row call giving a lone row's bits
  * (batch invariance) is checked too; M > 64 goes through pq_linear_rows (prefill's chunks).
+ * Where the int8 rows must not run -- no copy, SDOT switched off (aarch64), the portable tier
+ * (x86) -- the fp32 rows must: y within fp32 rounding of the exact sum over the dequantized
+ * weights and unquantized x (the int8 model's activation rounding is far outside that).
+ * The model's functions are built unvectorized (GCC 12 at -O3 -march=native once miscompiled an
+ * earlier form of its weight decoding), and a known block is checked first.
  * Prints one line per failure, then "qgemv_cl_driver: <which rows>, N cases, F failed".
  */
 #include <math.h>
@@ -27,6 +32,12 @@
 
 int pg_set_num_threads(int n);
 int pg_set_isa_cap(int cap);
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define MODEL_FN __attribute__((optimize("no-tree-vectorize")))
+#else
+#define MODEL_FN
+#endif
 
 static uint64_t g_rng = 0x2545f4914f6cdd1dull;
 
@@ -71,7 +82,7 @@ static const int g_bb[3] = {34, 18, 20};
 static const char *g_name[3] = {"q8_0", "q4_0", "q4_1"};
 
 /* Block b of row n: weight i as an integer code (the model's integer side) and its scales. */
-static int wcode(int f, const uint8_t *blk, int i)
+MODEL_FN static int wcode(int f, const uint8_t *blk, int i)
 {
     if (f == F_Q8_0)
         return ((const int8_t *)(blk + 2))[i];
@@ -80,7 +91,7 @@ static int wcode(int f, const uint8_t *blk, int i)
     return f == F_Q4_0 ? v - 8 : v;
 }
 
-static void quant_x(const float *x, int8_t *q, float *dx, int *sum)
+MODEL_FN static void quant_x(const float *x, int8_t *q, float *dx, int *sum)
 {
     float amax = 0.f;
     for (int i = 0; i < 32; i++)
@@ -98,7 +109,7 @@ static void quant_x(const float *x, int8_t *q, float *dx, int *sum)
 }
 
 /* The model's y[m, n] (fp32, before a bf16 store's rounding). */
-static float model(int f, const uint8_t *w, const float *x, const float *bias, int n, int K)
+MODEL_FN static float model(int f, const uint8_t *w, const float *x, const float *bias, int n, int K)
 {
     const int nb = K / 32, bb = g_bb[f];
     float acc = 0.f;
@@ -124,9 +135,33 @@ static float model(int f, const uint8_t *w, const float *x, const float *bias, i
     return bias ? acc + bias[n] : acc;
 }
 
+/* The exact y[m, n] over the dequantized weights and x as given, and its fp32 rounding bound
+ * (K * 2^-23 * sum |w x|). */
+static double exact(int f, const uint8_t *w, const float *x, const float *bias, int n, int K, double *bound)
+{
+    const int nb = K / 32, bb = g_bb[f];
+    double y = bias ? bias[n] : 0.0, mag = bias ? fabs(bias[n]) : 0.0;
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = w + ((size_t)n * nb + b) * bb;
+        uint16_t dh, mh = 0;
+        memcpy(&dh, blk, 2);
+        if (f == F_Q4_1)
+            memcpy(&mh, blk + 2, 2);
+        for (int i = 0; i < 32; i++) {
+            const double wi = (double)from_half(dh) * wcode(f, blk, i) + (f == F_Q4_1 ? from_half(mh) : 0.0);
+            y += wi * x[32 * b + i];
+            mag += fabs(wi * x[32 * b + i]);
+        }
+    }
+    *bound = K * 0x1p-23 * mag + 1e-30;
+    return y;
+}
+
 static int g_cases, g_failed;
 
-static void check(int f, int N, int K, int M, int xdt, int with_bias)
+/* One case: rows = 1 the int8 rows on the copy (bit for bit against the model), 0 the fp32 rows
+ * (within rounding of the exact sum); copy = 0 no column-lane copy given. */
+static void check(int f, int N, int K, int M, int xdt, int with_bias, int rows, int copy)
 {
     const int nb = K / 32, bb = g_bb[f];
     uint8_t *w = malloc((size_t)N * nb * bb);
@@ -161,8 +196,10 @@ static void check(int f, int N, int K, int M, int xdt, int with_bias)
         g_failed++;
         return;
     }
-    d.rp = rp;
-    d.rpl = PQ_RP_CL;
+    if (copy) {
+        d.rp = rp;
+        d.rpl = PQ_RP_CL;
+    }
     void *y = malloc((size_t)M * N * 4);
     const void *xin = xdt == DT_F32 ? (const void *)x : (const void *)xb;
     const int rc = M <= 64 ? pq_linear_w(&d, xin, y, M, xdt) : pq_linear_rows(&d, xin, y, M, xdt);
@@ -170,6 +207,19 @@ static void check(int f, int N, int K, int M, int xdt, int with_bias)
     int bad = 0;
     for (int m = 0; m < M && !bad; m++)
         for (int n = 0; n < N; n++) {
+            if (!rows) {  /* the fp32 rows */
+                double bound;
+                const double want = exact(f, w, x + (size_t)m * K, bias, n, K, &bound);
+                const double got = xdt == DT_F32 ? ((float *)y)[(size_t)m * N + n]
+                                                 : bf16_to_f32(((uint16_t *)y)[(size_t)m * N + n]);
+                if (rc != 0 || fabs(got - want) > bound + (xdt == DT_F32 ? 0.0 : 0x1p-8 * fabs(want))) {
+                    printf("FAIL fp32 rows %s N=%d K=%d M=%d xdt=%d copy=%d: rc %d, y[%d,%d] %.9g, exact %.9g\n",
+                           g_name[f], N, K, M, xdt, copy, rc, m, n, got, want);
+                    bad = 1;
+                    break;
+                }
+                continue;
+            }
             const float want = model(f, w, x + (size_t)m * K, bias, n, K);
             uint32_t got_bits, want_bits;
             if (xdt == DT_F32) {
@@ -195,6 +245,31 @@ static void check(int f, int N, int K, int M, int xdt, int with_bias)
     free(w);
 }
 
+static void run_fp32(int copy)
+{
+    for (int f = 0; f < 3; f++)
+        for (int M = 1; M <= 8; M += 7)
+            check(f, 37, 64, M, M == 1 ? DT_F32 : DT_BF16, f == 1, 0, copy);
+}
+
+/* The model on one known block, written out: Q4_0, d = 1, every nibble 9 (w = 1), x = 1 .. 32, so
+ * q_i = nearest(x_i * 127 / 32), dx = 32 / 127 and y = fma(float(sum q), dx, 0). */
+static int model_known(void)
+{
+    uint8_t blk[18];
+    const uint16_t one = 0x3c00;
+    memcpy(blk, &one, 2);
+    memset(blk + 2, 0x99, 16);
+    float x[32];
+    int sum = 0;
+    for (int i = 0; i < 32; i++) {
+        x[i] = (float)(i + 1);
+        sum += (int)lrintf((float)(i + 1) * (127.f / 32.f));
+    }
+    const float want = fmaf((float)sum, 1.f * (32.f / 127.f), 0.f);
+    return model(F_Q4_0, blk, x, NULL, 0, 32) == want;
+}
+
 static void run_all(void)
 {
     static const int shapes[][2] = {{16, 32}, {37, 64}, {64, 576}, {100, 160}, {1536, 576}, {576, 1536}};
@@ -205,13 +280,17 @@ static void run_all(void)
                 const int N = shapes[s][0], K = shapes[s][1], M = ms[i];
                 if ((size_t)N * K * M > (size_t)20000000)  /* qemu's time: the big shapes at small M */
                     continue;
-                check(f, N, K, M, (s + i) % 2 ? DT_BF16 : DT_F32, (int)((s + i + f) % 3 == 0));
+                check(f, N, K, M, (s + i) % 2 ? DT_BF16 : DT_F32, (int)((s + i + f) % 3 == 0), 1, 1);
             }
 }
 
 int main(void)
 {
     const char *which = "none";
+    if (!model_known()) {
+        printf("qgemv_cl_driver: the model itself is wrong on a known block, 0 cases, 1 failed\n");
+        return 1;
+    }
     for (int threads = 1; threads <= 2; threads++) {
         pg_set_num_threads(threads);
 #if defined(__aarch64__)
@@ -222,6 +301,11 @@ int main(void)
         }
         which = "aarch64 sdot";
         run_all();
+        run_fp32(0);  /* no copy: the fp32 rows */
+        extern int pg_set_neon_dot(int on);
+        pg_set_neon_dot(0);  /* switched off: the fp32 rows, the copy unread */
+        run_fp32(1);
+        pg_set_neon_dot(-1);
 #elif defined(__x86_64__)
         /* the tiers whose int8 rows read the column-lane copy: avx2 (1), avx512_vnni (3), avx512_bf16 (4) */
         which = "x86";
@@ -231,6 +315,8 @@ int main(void)
                 printf("tier %d, %d thread(s)\n", tiers[t], threads);
                 run_all();
             }
+        if (pg_set_isa_cap(0) == 0)  /* the portable tier: the fp32 rows, the copy unread */
+            run_fp32(1);
         pg_set_isa_cap(99);
 #endif
     }

@@ -49,8 +49,9 @@ def test_x86_cl_rows_equal_the_scalar_model(tmp_path):
     which, cases, failed = _summary(run.stdout)
     assert run.returncode == 0 and failed == 0, run.stdout[-3000:]
     assert which == "x86"
-    # 132 cases a tier and thread count: every tier this CPU has that reads the copy, 1 and 2 threads
-    assert cases == 132 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers)
+    # 132 int8 cases a tier and thread count (every tier here that reads the copy, 1 and 2
+    # threads), and 6 of the fp32 rows at the portable tier a thread count
+    assert cases == 132 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers) + 6 * 2
 
 
 def _cross_tools():
@@ -82,6 +83,13 @@ def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path
     assert link.returncode == 0, link.stderr[-3000:]
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "LD_BIND_NOW": "1"})
+    # and the SDOT file as an Arm machine's own -march=native build sees it (a target with the
+    # extension: no target pragma there)
+    native = subprocess.run([cc, "-O3", "-std=gnu11", "-mcpu=neoverse-n1", "-Wall", "-Werror", "-I", KDIR, "-c",
+                             os.path.join(KDIR, "cpu_qgemv_neon.c"), "-o", str(tmp_path / "neon_n1.o")],
+                            capture_output=True, text=True, timeout=300)
+    assert native.returncode == 0, native.stderr[-3000:]
     which, cases, failed = _summary(run.stdout)
     assert run.returncode == 0 and failed == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    assert which == "aarch64 sdot" and cases == 132 * 2
+    # 132 int8 cases a thread count, and 6 + 6 of the fp32 rows (no copy; SDOT switched off)
+    assert which == "aarch64 sdot" and cases == 132 * 2 + 12 * 2
