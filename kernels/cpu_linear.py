@@ -298,6 +298,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_one_stream.restype = ci
     lib.pg_set_neon_dot.argtypes = [ci]
     lib.pg_set_neon_dot.restype = ci
+    lib.pg_clock_ghz.argtypes = [ci]
+    lib.pg_clock_ghz.restype = ctypes.c_double
     lib.pg_set_bf16_amx.argtypes = [ci]
     lib.pg_set_bf16_amx.restype = ci
     lib.pa_set_amx.argtypes = [ci]
@@ -487,6 +489,16 @@ def kernel_info() -> dict:
         info["pool_calls"] = st[0]
         info["worker_share"] = st[1] / st[2] if st[2] else None
     return info
+
+
+def clock_ghz(us: int = 2000) -> Optional[float]:
+    """The calling core's clock now (GHz), by a chain of dependent adds run for about ``us``
+    microseconds (pg_clock_ghz); None without the library or on an ISA it has no chain for. A shared
+    host's vCPU moves (1.9-3.7 GHz within a minute on the Zen 4 host), and compute-bound steps
+    with it: the benchmarks print it beside their figures."""
+    lib = library()
+    ghz = float(lib.pg_clock_ghz(int(us))) if lib is not None else 0.0
+    return ghz if ghz > 0 else None
 
 
 def neon_dot() -> bool:

@@ -317,7 +317,9 @@ def cli(argv: list[str] | None = None) -> int:
     batches = {1: _batch(model, args.context, 1), **{t: _batch(model, args.context, t) for t in sizes}}
     fused_ok = cpu_layer.fused_layers(model, kv) is not None
     os.environ.pop("PRESCIENT_FUSED_LAYERS", None)
+    clock_after = cpu_linear.clock_ghz()
 
+    clock_before = cpu_linear.clock_ghz()  # compute-bound rows move with it (verify), memory-bound ones less
     steps = _time_steps(model, kv, batches, args.reps)
     split = {(m, t): _split(model, kv, b, m, max(3, args.reps // 4)) for m in MODES for t, b in batches.items()}
     torch.set_num_threads(1)  # as the model's decode-sized forwards run
@@ -329,8 +331,12 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"{cfg.name or 'model'}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; weights {weights}; "
           f"activations {args.dtype}; ISA {info.get('isa')}, {info.get('threads')} threads; context {args.context}; "
           f"native layers {'on' if fused_ok else 'UNAVAILABLE: ' + str(cpu_layer.why_not())}")
+    if clock_before and clock_after:
+        print(f"host clock {clock_before:.2f} GHz before, {clock_after:.2f} after (dependent adds on one core: a "
+              "verify's compute-bound rows slow down with it, a decode step's weight stream less)")
     report = {"model": cfg.name, "weights": weights, "dtype": args.dtype, "isa": info.get("isa"),
-              "threads": info.get("threads"), "context": args.context, "fused_available": fused_ok, "steps": {}}
+              "threads": info.get("threads"), "context": args.context, "fused_available": fused_ok,
+              "clock_ghz": [clock_before, clock_after], "steps": {}}
     for t in batches:
         print(f"\n{'1-token decode' if t == 1 else f'{t}-token verify'} step, ms   "
               + "".join(f"{m:>13}" for m in MODES))

@@ -743,3 +743,13 @@ def test_read_probe_xors_every_word():
         want = int(np.bitwise_xor.reduce(buf.numpy().view(np.uint64)))
         assert lib.pg_read_probe(buf.data_ptr(), words * 8) == want
     assert lib.pg_read_probe(buf.data_ptr(), 0) == 0
+
+
+def test_the_clock_probe_reads_a_core_clock():
+    """pg_clock_ghz (the benchmarks' header): a chain of dependent adds runs one add a cycle, so its
+    rate is the core's clock now: within 0.3-7 GHz on any machine this runs on (a probe that
+    miscounted its adds, or timed the wrong span, lands far outside)."""
+    ghz = cpu_linear.clock_ghz(3000)
+    if ghz is None:
+        pytest.skip("no compiled kernels, or an ISA without the probe's add chain")
+    assert 0.3 < ghz < 7.0
