@@ -153,3 +153,18 @@ def run_at_tier(tier: str) -> None:
     if tier not in cpu_linear.machine_tiers():
         pytest.skip(f"this CPU cannot run the {tier} tier")
     assert cpu_linear._set_isa_cap(tier) == tier
+
+
+def aarch64_cross_tools() -> tuple[str | None, str | None, str | None]:
+    """(aarch64 C compiler, qemu-aarch64, None), or (None, None, why not): what the aarch64 kernel
+    tests need to build for Arm and run the result here."""
+    import os
+    import shutil
+
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if cc is None or qemu is None:
+        return None, None, ("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install "
+                            "gcc-aarch64-linux-gnu qemu-user)")
+    if not os.path.isdir("/usr/aarch64-linux-gnu/lib"):
+        return None, None, "no aarch64 sysroot at /usr/aarch64-linux-gnu"
+    return cc, qemu, None

@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from prescient.kernels import cpu_linear
+from tests.kernels.kernel_oracles import aarch64_cross_tools
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KDIR = os.path.join(REPO, "kernels")
@@ -54,21 +55,11 @@ def test_x86_cl_rows_equal_the_scalar_model(tmp_path):
     assert cases == 132 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers) + 6 * 2
 
 
-def _cross_tools():
-    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-    if cc is None or qemu is None:
-        return None, None, ("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install "
-                            "gcc-aarch64-linux-gnu qemu-user)")
-    if not os.path.isdir("/usr/aarch64-linux-gnu/lib"):
-        return None, None, "no aarch64 sysroot at /usr/aarch64-linux-gnu"
-    return cc, qemu, None
-
-
 def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path):
     """The whole .so cross-built with cpu_linear's own flags (but -march=native) and sources,
     the driver linked against it (ld refuses a library with undefined symbols) and run under
     qemu-aarch64 with every symbol bound at start: SDOT's rows give the model's bits."""
-    cc, qemu, why = _cross_tools()
+    cc, qemu, why = aarch64_cross_tools()
     if why:
         pytest.skip(why)
     so = tmp_path / "libprescient_kernels.so"

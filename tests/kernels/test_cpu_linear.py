@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from prescient.kernels import cpu_linear
 from prescient.kernels.cpu_linear import ISA_TIERS, MAX_M, PackedLinear, pack_weight
+from tests.kernels.kernel_oracles import aarch64_cross_tools
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -682,21 +683,11 @@ def test_prescient_isa_env():
     assert "PRESCIENT_ISA='avx3'" in bad.stderr and "portable, avx2, avx512, avx512_vnni, avx512_bf16" in bad.stderr
 
 
-def _neon_tools():
-    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
-    if cc is None or qemu is None:
-        return None, None, ("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install "
-                            "gcc-aarch64-linux-gnu qemu-user)")
-    if not os.path.isdir("/usr/aarch64-linux-gnu/lib"):
-        return None, None, "no aarch64 sysroot at /usr/aarch64-linux-gnu"
-    return cc, qemu, None
-
-
 def test_neon_kernels_under_qemu(tmp_path):
     """The aarch64 NEON kernels (fp32 and bf16 weights, fp32 and bf16 x, M up to 16, odd
     shapes, bias, 2 threads) against the double-precision reference of
     tests/kernels/neon_driver.c, cross-compiled with cpu_gemv.c + cpu_runtime.c, run under qemu-aarch64."""
-    cc, qemu, why = _neon_tools()
+    cc, qemu, why = aarch64_cross_tools()
     if why:
         pytest.skip(why)
     exe = tmp_path / "neon_driver"
