@@ -21,7 +21,6 @@ The library's one-place invariants close the file: the format table is Python's 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
