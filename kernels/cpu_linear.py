@@ -300,6 +300,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_set_neon_dot.restype = ci
     lib.pg_clock_ghz.argtypes = [ci]
     lib.pg_clock_ghz.restype = ctypes.c_double
+    lib.pg_vector_gflops.argtypes = [ci]
+    lib.pg_vector_gflops.restype = ctypes.c_double
     lib.pg_set_bf16_amx.argtypes = [ci]
     lib.pg_set_bf16_amx.restype = ci
     lib.pa_set_amx.argtypes = [ci]
@@ -499,6 +501,15 @@ def clock_ghz(us: int = 2000) -> Optional[float]:
     lib = library()
     ghz = float(lib.pg_clock_ghz(int(us))) if lib is not None else 0.0
     return ghz if ghz > 0 else None
+
+
+def vector_gflops(us: int = 2000) -> Optional[float]:
+    """The calling core's fp32 multiply-add rate now (GFLOP/s; pg_vector_gflops): what a verify's
+    compute-bound rows get of the core, the other hyperthread's share included, which the clock
+    (clock_ghz) does not show. None without the library."""
+    lib = library()
+    g = float(lib.pg_vector_gflops(int(us))) if lib is not None else 0.0
+    return g if g > 0 else None
 
 
 def neon_dot() -> bool:

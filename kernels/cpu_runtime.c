@@ -673,6 +673,34 @@ double pg_clock_ghz(int us)
 #endif
 }
 
+/* This core's fp32 multiply-add rate now, in GFLOP/s: twelve independent chains of a = a * b + c
+ * on 8-float vectors (FMAs where the build's target has them) for about `us` microseconds.  Unlike
+ * pg_clock_ghz it also sees whatever else shares the core's vector pipes (a host's other
+ * hyperthread), which the int8 and bf16 rows of a verify are bound by. */
+typedef float pg_v8f __attribute__((vector_size(32)));
+double pg_vector_gflops(int us)
+{
+    const uint64_t t0 = now_ns(), want = (uint64_t)(us > 0 ? us : 1) * 1000u;
+    const pg_v8f b = {0.999f, 0.998f, 0.997f, 0.996f, 0.995f, 0.994f, 0.993f, 0.992f};
+    const pg_v8f c = {0.001f, 0.002f, 0.003f, 0.004f, 0.005f, 0.006f, 0.007f, 0.008f};
+    pg_v8f a[12];
+    for (int k = 0; k < 12; k++)
+        a[k] = c * (float)(k + 1);
+    uint64_t ops = 0, t = t0;
+    do {
+        for (int i = 0; i < 1024; i++)
+            for (int k = 0; k < 12; k++)  /* (a fixed point near 1: no overflow, no subnormals) */
+                a[k] = a[k] * b + c;
+        ops += 1024 * 12;
+        t = now_ns();
+    } while (t - t0 < want);
+    float s = 0.f;
+    for (int k = 0; k < 12; k++)
+        for (int l = 0; l < 8; l++)
+            s += a[k][l];
+    return s == s ? (double)ops * 8 * 2 / (double)(t - t0) : 0.0;
+}
+
 uint64_t pg_read_probe(const void *buf, size_t bytes)
 {
     probe_t pr;

@@ -317,9 +317,11 @@ def cli(argv: list[str] | None = None) -> int:
     batches = {1: _batch(model, args.context, 1), **{t: _batch(model, args.context, t) for t in sizes}}
     fused_ok = cpu_layer.fused_layers(model, kv) is not None
     os.environ.pop("PRESCIENT_FUSED_LAYERS", None)
-    clock_after = cpu_linear.clock_ghz()
+    host_after = (cpu_linear.clock_ghz(), cpu_linear.vector_gflops())
 
-    clock_before = cpu_linear.clock_ghz()  # compute-bound rows move with it (verify), memory-bound ones less
+    # the host now: compute-bound rows (a verify's) move with the core's clock and with what else
+    # shares its vector pipes, memory-bound ones (a decode step's weight stream) less
+    host_before = (cpu_linear.clock_ghz(), cpu_linear.vector_gflops())
     steps = _time_steps(model, kv, batches, args.reps)
     split = {(m, t): _split(model, kv, b, m, max(3, args.reps // 4)) for m in MODES for t, b in batches.items()}
     torch.set_num_threads(1)  # as the model's decode-sized forwards run
@@ -331,12 +333,14 @@ def cli(argv: list[str] | None = None) -> int:
     print(f"{cfg.name or 'model'}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; weights {weights}; "
           f"activations {args.dtype}; ISA {info.get('isa')}, {info.get('threads')} threads; context {args.context}; "
           f"native layers {'on' if fused_ok else 'UNAVAILABLE: ' + str(cpu_layer.why_not())}")
-    if clock_before and clock_after:
-        print(f"host clock {clock_before:.2f} GHz before, {clock_after:.2f} after (dependent adds on one core: a "
-              "verify's compute-bound rows slow down with it, a decode step's weight stream less)")
+    if all(host_before) and all(host_after):
+        print(f"host: one core at {host_before[0]:.2f} GHz, {host_before[1]:.0f} GFLOP/s of fp32 FMAs before; "
+              f"{host_after[0]:.2f} GHz, {host_after[1]:.0f} after (a verify's compute-bound rows follow the "
+              "FMA rate, which a host's other hyperthread shares; a decode step's weight stream less)")
     report = {"model": cfg.name, "weights": weights, "dtype": args.dtype, "isa": info.get("isa"),
               "threads": info.get("threads"), "context": args.context, "fused_available": fused_ok,
-              "clock_ghz": [clock_before, clock_after], "steps": {}}
+              "clock_ghz": [host_before[0], host_after[0]], "fma_gflops": [host_before[1], host_after[1]],
+              "steps": {}}
     for t in batches:
         print(f"\n{'1-token decode' if t == 1 else f'{t}-token verify'} step, ms   "
               + "".join(f"{m:>13}" for m in MODES))
