@@ -493,23 +493,18 @@ def kernel_info() -> dict:
     return info
 
 
-def clock_ghz(us: int = 2000) -> Optional[float]:
-    """The calling core's clock now (GHz), by a chain of dependent adds run for about ``us``
-    microseconds (pg_clock_ghz); None without the library or on an ISA it has no chain for. A shared
-    host's vCPU moves (1.9-3.7 GHz within a minute on the Zen 4 host), and compute-bound steps
-    with it: the benchmarks print it beside their figures."""
+def core_speed(us: int = 2000) -> tuple[Optional[float], Optional[float]]:
+    """The calling core now, each probe run for about ``us`` microseconds: (its clock in GHz, by a
+    chain of dependent adds: pg_clock_ghz; its fp32 multiply-add rate in GFLOP/s, twelve chains:
+    pg_vector_gflops, which also sees a host's other hyperthread sharing the vector pipes). None
+    for a probe without the library, or on an ISA the clock has no add chain for. A shared host's
+    vCPU moves (1.9-3.7 GHz within a minute on the Zen 4 host): the benchmarks print both beside
+    their figures."""
     lib = library()
-    ghz = float(lib.pg_clock_ghz(int(us))) if lib is not None else 0.0
-    return ghz if ghz > 0 else None
-
-
-def vector_gflops(us: int = 2000) -> Optional[float]:
-    """The calling core's fp32 multiply-add rate now (GFLOP/s; pg_vector_gflops): what a verify's
-    compute-bound rows get of the core, the other hyperthread's share included, which the clock
-    (clock_ghz) does not show. None without the library."""
-    lib = library()
-    g = float(lib.pg_vector_gflops(int(us))) if lib is not None else 0.0
-    return g if g > 0 else None
+    if lib is None:
+        return None, None
+    ghz, gflops = float(lib.pg_clock_ghz(int(us))), float(lib.pg_vector_gflops(int(us)))
+    return (ghz if ghz > 0 else None), (gflops if gflops > 0 else None)
 
 
 def neon_dot() -> bool:

@@ -317,17 +317,17 @@ def cli(argv: list[str] | None = None) -> int:
     batches = {1: _batch(model, args.context, 1), **{t: _batch(model, args.context, t) for t in sizes}}
     fused_ok = cpu_layer.fused_layers(model, kv) is not None
     os.environ.pop("PRESCIENT_FUSED_LAYERS", None)
-    host_after = (cpu_linear.clock_ghz(), cpu_linear.vector_gflops())
 
     # the host now: compute-bound rows (a verify's) move with the core's clock and with what else
     # shares its vector pipes, memory-bound ones (a decode step's weight stream) less
-    host_before = (cpu_linear.clock_ghz(), cpu_linear.vector_gflops())
+    host_before = cpu_linear.core_speed()
     steps = _time_steps(model, kv, batches, args.reps)
     split = {(m, t): _split(model, kv, b, m, max(3, args.reps // 4)) for m in MODES for t, b in batches.items()}
     torch.set_num_threads(1)  # as the model's decode-sized forwards run
     alone = {t: {"gemv": _gemv_alone(model, t, 5), "attention": _attention_alone(model, kv, b, 3),
                  "torch_glue": _torch_glue_alone(model, kv, b, 5)} for t, b in batches.items()}
     os.environ.pop("PRESCIENT_FUSED_LAYERS", None)
+    host_after = cpu_linear.core_speed()
 
     cfg = model.config
     print(f"{cfg.name or 'model'}: {cfg.num_layers} layers, hidden {cfg.hidden_size}; weights {weights}; "
