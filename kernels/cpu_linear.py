@@ -473,7 +473,8 @@ def kernel_info() -> dict:
     if ok:
         info["isa"] = _ISA_NAMES[_lib.pg_isa()]
         info["avx_vnni"] = bool(_lib.pg_avx_vnni())
-        # aarch64: the block formats' int8 rows on SDOT (cpu_qgemv_neon.c); always False on x86
+        # aarch64: the int8 kernels on SDOT (the block formats' rows, cpu_qgemv_neon.c, and the
+        # K-quants', cpu_qgemv_k.c); always False on x86
         info["neon_dot"] = bool(_lib.pg_neon_dot())
         # the small-M rows read one weight stream at a time, attention items whole cache rows
         # (pg_one_stream; the same bits)
@@ -508,9 +509,9 @@ def core_speed(us: int = 2000) -> tuple[Optional[float], Optional[float]]:
 
 
 def neon_dot() -> bool:
-    """Whether the block formats' int8 rows run on aarch64's SDOT here (the CPU has the
-    dot-product extension; cpu_qgemv_neon.c reads the column-lane copy, the bits of x86's VNNI
-    and AVX2 rows)."""
+    """Whether the int8 kernels run on aarch64's SDOT here (the CPU has the dot-product
+    extension): the block formats' rows (cpu_qgemv_neon.c reads the column-lane copy, the bits of
+    x86's VNNI and AVX2 rows) and the K-quants' (cpu_qgemv_k.c)."""
     lib = library()
     return lib is not None and bool(lib.pg_neon_dot())
 

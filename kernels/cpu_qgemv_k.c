@@ -15,7 +15,7 @@
  *         g >= 2), bits 4-5 from bits 2g..2g+1 of qh[32h + l]; value = d*sc_{i/16}*(q - 32).
  *
  * How it runs.  The portable tier dequantizes a super-block to fp32 in L1 and takes fp32 dot
- * products with x.  The SIMD tiers quantize x once per call (prep, on the calling thread) to
+ * products with x (except on aarch64 with SDOT, below).  The SIMD tiers quantize x once per call (prep, on the calling thread) to
  * int8 per 256 values with one fp32 scale (absmax / 127, round to nearest even; llama.cpp's
  * Q8_K) plus per-16 sums of the int8 values, then multiply the unsigned weight codes by the
  * int8 activations (vpmaddubsw: u8 x s8 pairs -> s16, no saturation: 2 * 63 * 127 < 2^15),
@@ -44,6 +44,13 @@
  * pqk_dequantize_rows (prefill), pqk_set_mode; for tests and measurements pqk_linear_entry,
  * pqk_prep_entry, pqk_int8_activations.  Uses cpu_runtime.c only (pg_isa, pg_parallel_for).
  *
+ * aarch64 with the dot-product extension (pg_neon_dot, the portable tier there): x quantized as
+ * above (the same int8 values), each super-block unpacked to 16 registers of signed codes (Q6_K's
+ * minus 32) for up to 4 inputs, SDOT per 16 values, each sub-block's int32 sum scaled by its
+ * integer scale (MLA by lane), the super-block's exact integer sum and the min term's
+ * (sum_j m_j * sums of x) scaled by d * dx, dmin * dx in fp32.  tests/kernels/qgemv_k_driver.c
+ * checks it under qemu; its speed on an Arm core is not measured (none here).
+ *
  * ISA tiers (cpu_runtime.h, j->isa): per-function #pragma GCC target regions so the generic build
  * holds every tier; tier avx2 sums its int16 products with AVX-VNNI's vpdpwssd where the CPU has
  * it (pg_avx_vnni: the same bits, 1.04-1.17x at M >= 4 on the Xeon).  Dequantization
@@ -62,6 +69,13 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define PQK_X86 1
+#endif
+#if PG_NEON_DOT  /* aarch64 (cpu_runtime.h): the SDOT kernels below */
+#include <arm_neon.h>
+#include <math.h>
+#define PQK_NEON 1
+#else
+#define PQK_NEON 0
 #endif
 
 #define QK 256                     /* values per super-block */
@@ -278,6 +292,21 @@ static void rows_float_c(const pq_job_t *j, int n0, int n1, deq_fn deq)
     }
 }
 
+/* Rows [n0, n1), inputs in blocks of up to 4 (the later blocks re-read the row from L1). */
+#define PQK_ROWS(NAME, TILE, ...)                                                        \
+    static void NAME(const pq_job_t *j, int n0, int n1)                                  \
+    {                                                                                    \
+        const xa_t xv = xa_view(j->xa, j->M, j->K);                                      \
+        for (int n = n0; n < n1; n++)                                                    \
+            for (int m0 = 0; m0 < j->M; m0 += 4)                                         \
+                switch (j->M - m0) {                                                     \
+                case 1: TILE(j, &xv, n, m0, 1, ##__VA_ARGS__); break;                    \
+                case 2: TILE(j, &xv, n, m0, 2, ##__VA_ARGS__); break;                    \
+                case 3: TILE(j, &xv, n, m0, 3, ##__VA_ARGS__); break;                    \
+                default: TILE(j, &xv, n, m0, 4, ##__VA_ARGS__); break;                   \
+                }                                                                        \
+    }
+
 #ifdef PQK_X86
 /* ------------------------------------------------------------------------- */
 /* AVX2 + FMA + F16C tier (16 ymm registers)                                  */
@@ -480,21 +509,6 @@ void tile_q6k_avx2(const pq_job_t *j, const xa_t *xv, int n, int m0, const int M
     for (int m = 0; m < MR; m++)
         store_y(j, m0 + m, n, hsum256(accf[m]));
 }
-
-/* Rows [n0, n1), inputs in blocks of up to 4 (the later blocks re-read the row from L1). */
-#define PQK_ROWS(NAME, TILE, ...)                                                        \
-    static void NAME(const pq_job_t *j, int n0, int n1)                                  \
-    {                                                                                    \
-        const xa_t xv = xa_view(j->xa, j->M, j->K);                                      \
-        for (int n = n0; n < n1; n++)                                                    \
-            for (int m0 = 0; m0 < j->M; m0 += 4)                                         \
-                switch (j->M - m0) {                                                     \
-                case 1: TILE(j, &xv, n, m0, 1, ##__VA_ARGS__); break;                    \
-                case 2: TILE(j, &xv, n, m0, 2, ##__VA_ARGS__); break;                    \
-                case 3: TILE(j, &xv, n, m0, 3, ##__VA_ARGS__); break;                    \
-                default: TILE(j, &xv, n, m0, 4, ##__VA_ARGS__); break;                   \
-                }                                                                        \
-    }
 
 /* The same in blocks of up to 8 (AVX-512: 32 registers hold an unpacked super-block and 8
  * inputs' accumulators, so it is unpacked half as often). */
@@ -869,6 +883,176 @@ PQK_DEF_Q6K(vnni, DOT_VNNI)
 
 #endif /* PQK_X86 */
 
+#if PQK_NEON
+/* ------------------------------------------------------------------------- */
+/* aarch64 with the dot-product extension (SDOT, pg_neon_dot): the portable   */
+/* tier's int8 kernels.  A super-block's codes are unpacked once (16 q        */
+/* registers of 16 signed bytes) and used for MR <= 4 inputs; each sub-block's */
+/* SDOT sum is scaled by its integer scale (MLA by lane) into one int32x4, so */
+/* the super-block's integer sum is exact, as on x86.                         */
+/* ------------------------------------------------------------------------- */
+
+/* A target without the extension (a generic aarch64 build) gets it here only; one with it keeps
+ * its own tuning (as cpu_qgemv_neon.c). */
+#if !defined(__ARM_FEATURE_DOTPROD)
+#define PQK_NEON_PRAGMA 1
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#else
+#define PQK_NEON_PRAGMA 0
+#endif
+
+/* x [M, K] -> int8 per 256 (xa_t, the canonical order): the x86 preps' values exactly
+ * (vcvtnq rounds to nearest even, as cvtps2dq does). */
+static void prep_neon(const float *x, int M, int K, void *xa)
+{
+    const int nb = K / QK;
+    xa_t v = xa_view(xa, M, K);
+    const int32x4_t lo = vdupq_n_s32(-127), hi = vdupq_n_s32(127);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++) {
+            const float *xb = x + (size_t)m * K + (size_t)b * QK;
+            const size_t r = (size_t)m * nb + b;
+            float32x4_t mx = vdupq_n_f32(0.f);
+            for (int i = 0; i < QK; i += 4)
+                mx = vmaxq_f32(mx, vabsq_f32(vld1q_f32(xb + i)));
+            const float amax = vmaxvq_f32(mx);
+            const float32x4_t is = vdupq_n_f32(x_iscale(amax));
+            v.d[r] = amax / 127.f;
+            for (int i = 0; i < QK; i += 16) {
+                int32x4_t q[4];
+                for (int u = 0; u < 4; u++)
+                    q[u] = vminq_s32(vmaxq_s32(vcvtnq_s32_f32(vmulq_f32(vld1q_f32(xb + i + 4 * u), is)), lo), hi);
+                v.bs[r * 16 + i / 16] = (int16_t)vaddvq_s32(vaddq_s32(vaddq_s32(q[0], q[1]), vaddq_s32(q[2], q[3])));
+                const int16x8_t h0 = vcombine_s16(vmovn_s32(q[0]), vmovn_s32(q[1]));
+                const int16x8_t h1 = vcombine_s16(vmovn_s32(q[2]), vmovn_s32(q[3]));
+                vst1q_s8(v.q + (size_t)m * K + (size_t)b * QK + i, vcombine_s8(vmovn_s16(h0), vmovn_s16(h1)));
+            }
+        }
+    xa_finish(&v, (size_t)M * nb);
+}
+
+/* One weight row, MR <= 4 inputs.  Q4_K / Q5_K: W[2j], W[2j+1] = sub-block j's 32 codes (0..31);
+ * per input the exact integer sum_j sc_j * sum_i q_i x_i, then in fp32
+ * acc += (d dx) * isum - (dmin dx) * sum_j m_j * (sum of x over sub-block j). */
+static inline __attribute__((always_inline))
+void tile_q45k_neon(const pq_job_t *j, const xa_t *xv, int n, int m0, const int MR, const int q5)
+{
+    const int K = j->K, nb = K / QK, bb = q5 ? Q5K_BYTES : Q4K_BYTES;
+    const uint8_t *row = j->w + (size_t)n * j->row_bytes;
+    const uint8x16_t m4 = vdupq_n_u8(15), m16 = vdupq_n_u8(16);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (size_t)b * bb;
+        if (PQK_PF_BYTES && m0 == 0)
+            for (int o = 0; o < 192; o += 64)
+                __builtin_prefetch(blk + PQK_PF_BYTES + o);
+        const float d = h2f_c(rd16(blk)), dmin = h2f_c(rd16(blk + 2));
+        uint64_t scb, mnb;
+        k4_scales(blk + 4, &scb, &mnb);
+        const uint16x8_t sc16 = vmovl_u8(vcreate_u8(scb));
+        const int32x4_t sc0 = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(sc16)));
+        const int32x4_t sc1 = vreinterpretq_s32_u32(vmovl_u16(vget_high_u16(sc16)));
+        const int16x8_t mn16 = vreinterpretq_s16_u16(vmovl_u8(vcreate_u8(mnb)));
+        const uint8_t *qs = blk + (q5 ? 48 : 16);
+        uint8x16_t hq[2] = {vdupq_n_u8(0), vdupq_n_u8(0)};
+        if (q5) {
+            hq[0] = vld1q_u8(blk + 16);
+            hq[1] = vld1q_u8(blk + 32);
+        }
+        int8x16_t W[16];
+        for (int c = 0; c < 4; c++)
+            for (int u = 0; u < 2; u++) {
+                const uint8x16_t v = vld1q_u8(qs + 32 * c + 16 * u);
+                uint8x16_t w0 = vandq_u8(v, m4), w1 = vshrq_n_u8(v, 4);
+                if (q5) { /* bit 2c (2c + 1) of qh[l] -> bit 4 of value l of sub-block 2c (2c + 1) */
+                    w0 = vorrq_u8(w0, vandq_u8(vshlq_u8(hq[u], vdupq_n_s8((int8_t)(4 - 2 * c))), m16));
+                    w1 = vorrq_u8(w1, vandq_u8(vshlq_u8(hq[u], vdupq_n_s8((int8_t)(3 - 2 * c))), m16));
+                }
+                W[4 * c + u] = vreinterpretq_s8_u8(w0);
+                W[4 * c + 2 + u] = vreinterpretq_s8_u8(w1);
+            }
+        for (int m = 0; m < MR; m++) {
+            const size_t r = (size_t)(m0 + m) * nb + b;
+            const int8_t *xq = xv->q + (size_t)(m0 + m) * K + (size_t)b * QK;
+            const int32x4_t z = vdupq_n_s32(0);
+            int32x4_t is = z;
+            /* the lane of an MLA by element must be a constant: the eight sub-blocks written out */
+#define PQK_SB(s, sv, lane)                                                                          \
+            is = vmlaq_laneq_s32(is, vdotq_s32(vdotq_s32(z, W[2 * (s)], vld1q_s8(xq + 32 * (s))),   \
+                                                W[2 * (s) + 1], vld1q_s8(xq + 32 * (s) + 16)), sv, lane);
+            PQK_SB(0, sc0, 0) PQK_SB(1, sc0, 1) PQK_SB(2, sc0, 2) PQK_SB(3, sc0, 3)
+            PQK_SB(4, sc1, 0) PQK_SB(5, sc1, 1) PQK_SB(6, sc1, 2) PQK_SB(7, sc1, 3)
+#undef PQK_SB
+            /* sum_j m_j * (bs[2j] + bs[2j + 1]): pairwise sums of the per-16 sums, times the mins */
+            const int16_t *bs = xv->bs + r * 16;
+            const int16x8_t s32 = vpaddq_s16(vld1q_s16(bs), vld1q_s16(bs + 8));
+            const int32_t msum = vaddvq_s32(vmlal_s16(vmull_s16(vget_low_s16(s32), vget_low_s16(mn16)),
+                                                      vget_high_s16(s32), vget_high_s16(mn16)));
+            const float dx = xv->d[r];
+            acc[m] = fmaf(d * dx, (float)vaddvq_s32(is), acc[m]);
+            acc[m] = fmaf(-(dmin * dx), (float)msum, acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        store_y(j, m0 + m, n, acc[m]);
+}
+
+/* Q6_K: W[v] = sub-block v's 16 codes minus 32 (-32..31), so no offset term; value
+ * 128h + 32g + l is in W[8h + 2g + l / 16]. */
+static inline __attribute__((always_inline))
+void tile_q6k_neon(const pq_job_t *j, const xa_t *xv, int n, int m0, const int MR)
+{
+    const int K = j->K, nb = K / QK;
+    const uint8_t *row = j->w + (size_t)n * j->row_bytes;
+    const uint8x16_t m4 = vdupq_n_u8(15), m30 = vdupq_n_u8(0x30), o32 = vdupq_n_u8(32);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = row + (size_t)b * Q6K_BYTES;
+        if (PQK_PF_BYTES && m0 == 0)
+            for (int o = 0; o < 256; o += 64)
+                __builtin_prefetch(blk + PQK_PF_BYTES + o);
+        const float d = h2f_c(rd16(blk + 208));
+        const int16x8_t s16a = vmovl_s8(vld1_s8((const int8_t *)blk + 192));
+        const int16x8_t s16b = vmovl_s8(vld1_s8((const int8_t *)blk + 200));
+        const int32x4_t S[4] = {vmovl_s16(vget_low_s16(s16a)), vmovl_s16(vget_high_s16(s16a)),
+                                vmovl_s16(vget_low_s16(s16b)), vmovl_s16(vget_high_s16(s16b))};
+        int8x16_t W[16];
+        for (int h = 0; h < 2; h++)
+            for (int u = 0; u < 2; u++) {
+                const uint8x16_t a = vld1q_u8(blk + 64 * h + 16 * u), c = vld1q_u8(blk + 64 * h + 32 + 16 * u);
+                const uint8x16_t hb = vld1q_u8(blk + 128 + 32 * h + 16 * u);
+                const uint8x16_t lo4[4] = {vandq_u8(a, m4), vandq_u8(c, m4), vshrq_n_u8(a, 4), vshrq_n_u8(c, 4)};
+                const uint8x16_t hi2[4] = {vandq_u8(vshlq_n_u8(hb, 4), m30), vandq_u8(vshlq_n_u8(hb, 2), m30),
+                                           vandq_u8(hb, m30), vandq_u8(vshrq_n_u8(hb, 2), m30)};
+                for (int g = 0; g < 4; g++)
+                    W[8 * h + 2 * g + u] = vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(lo4[g], hi2[g]), o32));
+            }
+        for (int m = 0; m < MR; m++) {
+            const size_t r = (size_t)(m0 + m) * nb + b;
+            const int8_t *xq = xv->q + (size_t)(m0 + m) * K + (size_t)b * QK;
+            const int32x4_t z = vdupq_n_s32(0);
+            int32x4_t is = z;
+#define PQK_SB6(s) is = vmlaq_laneq_s32(is, vdotq_s32(z, W[s], vld1q_s8(xq + 16 * (s))), S[(s) / 4], (s) % 4);
+            PQK_SB6(0) PQK_SB6(1) PQK_SB6(2) PQK_SB6(3) PQK_SB6(4) PQK_SB6(5) PQK_SB6(6) PQK_SB6(7)
+            PQK_SB6(8) PQK_SB6(9) PQK_SB6(10) PQK_SB6(11) PQK_SB6(12) PQK_SB6(13) PQK_SB6(14) PQK_SB6(15)
+#undef PQK_SB6
+            acc[m] = fmaf(d * xv->d[r], (float)vaddvq_s32(is), acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        store_y(j, m0 + m, n, acc[m]);
+}
+
+PQK_ROWS(rows_q4k_neon, tile_q45k_neon, 0)
+PQK_ROWS(rows_q5k_neon, tile_q45k_neon, 1)
+PQK_ROWS(rows_q6k_neon, tile_q6k_neon)
+
+#if PQK_NEON_PRAGMA
+#pragma GCC pop_options
+#endif
+#endif /* PQK_NEON */
+
 /* ------------------------------------------------------------------------- */
 /* Dispatch                                                                   */
 /* ------------------------------------------------------------------------- */
@@ -878,9 +1062,8 @@ static inline int uses_int8(int isa)
 {
 #ifdef PQK_X86
     return isa >= ISA_AVX2;
-#else
-    (void)isa;
-    return 0;
+#else  /* aarch64's portable tier with SDOT (pg_neon_dot: the CPU has it, not switched off) */
+    return PQK_NEON && isa == ISA_PORTABLE && pg_neon_dot();
 #endif
 }
 
@@ -888,6 +1071,11 @@ static inline int uses_int8(int isa)
 #define PQK_SIMD(f) f
 #else
 #define PQK_SIMD(f) NULL
+#endif
+#if PQK_NEON
+#define PQK_SDOT(f) f
+#else
+#define PQK_SDOT(f) NULL
 #endif
 
 /* The family's own view of its formats (one designated-initializer row each, indexed by
@@ -906,17 +1094,17 @@ static const qk_fmt_t g_qk[DT_Q6_K - DT_Q4_K + 1] = {
     [DT_Q4_K - DT_Q4_K] = {
         .bb = Q4K_BYTES, .reorder = 1,
         .deq = {deq_q4k_c, PQK_SIMD(deq_q4k_avx2), PQK_SIMD(deq_q4k_avx512)},
-        .int8_rows = {NULL, PQK_SIMD(rows_q4k_avx2), PQK_SIMD(rows_q4k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q4k_vnni)},
+        .int8_rows = {PQK_SDOT(rows_q4k_neon), PQK_SIMD(rows_q4k_avx2), PQK_SIMD(rows_q4k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q4k_vnni)},
     },
     [DT_Q5_K - DT_Q4_K] = {
         .bb = Q5K_BYTES, .reorder = 1,
         .deq = {deq_q5k_c, PQK_SIMD(deq_q5k_avx2), PQK_SIMD(deq_q5k_avx512)},
-        .int8_rows = {NULL, PQK_SIMD(rows_q5k_avx2), PQK_SIMD(rows_q5k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q5k_vnni)},
+        .int8_rows = {PQK_SDOT(rows_q5k_neon), PQK_SIMD(rows_q5k_avx2), PQK_SIMD(rows_q5k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q5k_vnni)},
     },
     [DT_Q6_K - DT_Q4_K] = {
         .bb = Q6K_BYTES, .reorder = 0,
         .deq = {deq_q6k_c, PQK_SIMD(deq_q6k_avx2), PQK_SIMD(deq_q6k_avx512)},
-        .int8_rows = {NULL, PQK_SIMD(rows_q6k_avx2), PQK_SIMD(rows_q6k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q6k_vnni)},
+        .int8_rows = {PQK_SDOT(rows_q6k_neon), PQK_SIMD(rows_q6k_avx2), PQK_SIMD(rows_q6k_avx512), [ISA_AVX512_VNNI] = PQK_SIMD(rows_q6k_vnni)},
     },
 };
 
@@ -947,6 +1135,10 @@ static void prep_k(const float *x, int M, int K, void *xa, int isa, int wdt)
         prep_avx512(x, M, K, xa, x_reordered(wdt, isa));
     else if (isa >= ISA_AVX2)
         prep_avx2(x, M, K, xa);
+#elif PQK_NEON
+    (void)wdt;
+    if (uses_int8(isa))
+        prep_neon(x, M, K, xa);
 #else
     (void)x; (void)M; (void)K; (void)xa; (void)isa; (void)wdt;
 #endif

@@ -74,11 +74,12 @@ int pg_isa(void);
  * pg_set_avx_vnni has not turned it off; by default on only where avx2 is the CPU's best tier
  * (Intel's client cores since Alder Lake), so capping an AVX-512 CPU to avx2 still runs plain AVX2. */
 int pg_avx_vnni(void);
-/* 1 where the 32-element block formats' int8 rows take aarch64's SDOT (cpu_qgemv_neon.c): the
- * build has them (PG_NEON_DOT), the CPU has the dot-product extension, the tier is the portable
- * one (aarch64's only), and pg_set_neon_dot has not turned it off.  Always 0 on x86. */
+/* 1 where the int8 kernels take aarch64's SDOT -- the 32-element block formats' rows
+ * (cpu_qgemv_neon.c) and the K-quants' (cpu_qgemv_k.c) --: the build has them (PG_NEON_DOT), the
+ * CPU has the dot-product extension, the tier is the portable one (aarch64's only), and
+ * pg_set_neon_dot has not turned it off.  Always 0 on x86. */
 int pg_neon_dot(void);
-/* Whether this build has those rows (cpu_qgemv_neon.c): GCC builds them for any aarch64 target (a
+/* Whether this build has those kernels: GCC builds them for any aarch64 target (a
  * target pragma there), clang only where the build's target has the extension already. */
 #if defined(__aarch64__) && defined(__GNUC__) && (!defined(__clang__) || defined(__ARM_FEATURE_DOTPROD))
 #define PG_NEON_DOT 1

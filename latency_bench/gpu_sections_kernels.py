@@ -49,7 +49,7 @@ GPU_TEST_FILES = ("test_kernels_ops.py", "test_kernels_reference.py", "test_kern
 CPU_ONLY_TEST_FILES = ("test_attention_invariance.py", "test_cl_rows_bits.py", "test_cpu_argmax.py", "test_cpu_attention.py",
                        "test_cpu_layer.py",
                        "test_cpu_linear.py", "test_cpu_threads.py", "test_gpu_check_smoke.py", "test_kernels_bench.py", "test_kv_int8.py",
-                       "test_format_table.py", "test_huge_pages.py", "test_qgemv_k.py", "test_quant_linear.py")
+                       "test_format_table.py", "test_huge_pages.py", "test_qgemv_k.py", "test_qgemv_k_bits.py", "test_quant_linear.py")
 # Tests inside GPU_TEST_FILES that only CI needs, each a subprocess that never touches the GPU:
 # lowering every kernel to an sm_90 cubin without one (tens of seconds; the compiled runs here
 # prove more), the specialization keys of the kernels' launches (the same on any machine), and

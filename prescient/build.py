@@ -207,7 +207,7 @@ def memory_line(model: ModelRunner, kv_dtype: str = "auto") -> str:
 
 def kernels_line(info: dict, tp: int = 1) -> str:
     """"CPU kernels avx2, 8 threads (...)": the tier (with "+ AVX-VNNI" where tier avx2's rows take
-    it, "+ SDOT" where aarch64's portable tier runs the block formats' int8 rows on it, "(vdpbf16ps as FMAs)" where tier avx512_bf16 computes that instruction's products by FMAs) and the pool size in use (kernels/cpu_linear.kernel_info), where the size came from and
+    it, "+ SDOT" where aarch64's portable tier runs the int8 kernels on it, "(vdpbf16ps as FMAs)" where tier avx512_bf16 computes that instruction's products by FMAs) and the pool size in use (kernels/cpu_linear.kernel_info), where the size came from and
     how to change it."""
     if os.environ.get("PRESCIENT_GEMV_THREADS"):
         how = "PRESCIENT_GEMV_THREADS"

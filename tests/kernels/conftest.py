@@ -52,3 +52,17 @@ def generic_so(tmp_path_factory):
     plain = next(f for f in cpu_linear._flag_sets() if not any("march" in x or "PQ_AVXVNNI" in x for x in f))
     cpu_linear._compile(cc, plain, so)
     return so
+
+
+@pytest.fixture(scope="session")
+def aarch64_kernels(tmp_path_factory):
+    """(aarch64 compiler, qemu-aarch64, the kernel library cross-built once for the session), or a
+    skip where the cross tools are missing (tests/kernels/kernel_oracles.py)."""
+    from tests.kernels.kernel_oracles import aarch64_cross_tools, build_aarch64_library
+
+    cc, qemu, why = aarch64_cross_tools()
+    if why:
+        pytest.skip(why)
+    so = tmp_path_factory.mktemp("aarch64") / "libprescient_kernels.so"
+    build_aarch64_library(cc, so)
+    return cc, qemu, so

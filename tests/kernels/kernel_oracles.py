@@ -168,3 +168,57 @@ def aarch64_cross_tools() -> tuple[str | None, str | None, str | None]:
     if not os.path.isdir("/usr/aarch64-linux-gnu/lib"):
         return None, None, "no aarch64 sysroot at /usr/aarch64-linux-gnu"
     return cc, qemu, None
+
+
+def build_aarch64_library(cc: str, out) -> None:
+    """The whole kernel library cross-built for aarch64 at `out` with cpu_linear's own portable
+    flags (no -march=native for another ISA) and sources: what an Arm user's first import builds."""
+    import subprocess
+
+    from prescient.kernels import cpu_linear
+
+    flags = cpu_linear._flag_sets()[1]
+    assert "-march=native" not in flags and "-Werror=implicit-function-declaration" in flags
+    build = subprocess.run([cc, *flags, "-o", str(out), *map(str, cpu_linear._SOURCES), "-lm"],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+
+
+def run_c_driver(cc: str, driver: str, so, exe, qemu: str | None = None) -> tuple[str, int, int, str]:
+    """Link the C test driver `driver` against the kernel library `so` (ld refuses a library with
+    undefined symbols) and run it, under qemu-aarch64 (every symbol bound at start) when given.
+    Returns (which kernels it checked, cases, failed, its output) from its last line,
+    "<name>: <which>, N cases, F failed"."""
+    import os
+    import subprocess
+
+    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels")
+    link = subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", kdir, "-o", str(exe), driver, str(so),
+                           "-lm"], capture_output=True, text=True, timeout=300)
+    assert link.returncode == 0, link.stderr[-3000:]
+    cmd = [qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)] if qemu else [str(exe)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "LD_BIND_NOW": "1"})
+    out = run.stdout[-3000:] + run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else ""
+    name = os.path.splitext(os.path.basename(driver))[0] + ": "
+    assert last.startswith(name), out
+    which, cases, failed = last[len(name):].split(", ")
+    failed_n = int(failed.split()[0])
+    assert (run.returncode == 0) == (failed_n == 0), out
+    return which, int(cases.split()[0]), failed_n, out
+
+
+def native_driver_tools() -> tuple[str, str]:
+    """(the host's C compiler, the loaded kernel library) for a C test driver, or skip."""
+    import os
+    import shutil
+
+    import pytest
+
+    from prescient.kernels import cpu_linear
+
+    cc = shutil.which(os.environ.get("CC", "")) or shutil.which("gcc") or shutil.which("cc")
+    so = cpu_linear.kernel_info()["so"]
+    if cc is None or so is None:
+        pytest.skip("needs a C compiler and the compiled kernels")
+    return cc, so

@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import subprocess
 
 import pytest
 
 from prescient.kernels import cpu_linear
-from tests.kernels.kernel_oracles import aarch64_cross_tools
+from tests.kernels.kernel_oracles import native_driver_tools, run_c_driver
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KDIR = os.path.join(REPO, "kernels")
 DRIVER = os.path.join(REPO, "tests", "kernels", "qgemv_cl_driver.c")
-
-
-def _summary(stdout: str) -> tuple[str, int, int]:
-    """(which rows, cases, failed) from the driver's last line."""
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith("qgemv_cl_driver: "), last
-    which, cases, failed = last[len("qgemv_cl_driver: "):].split(", ")
-    return which, int(cases.split()[0]), int(failed.split()[0])
 
 
 def test_x86_cl_rows_equal_the_scalar_model(tmp_path):
@@ -38,49 +29,28 @@ def test_x86_cl_rows_equal_the_scalar_model(tmp_path):
     tiers = set(cpu_linear.machine_tiers())
     if not {"avx2", "avx512_vnni"} & tiers:
         pytest.skip("no tier here reads the column-lane copy")
-    cc = shutil.which(os.environ.get("CC", "")) or shutil.which("gcc") or shutil.which("cc")
-    so = cpu_linear.kernel_info()["so"]
-    if cc is None or so is None:
-        pytest.skip("needs a C compiler and the compiled kernels")
-    exe = tmp_path / "qgemv_cl_driver"
-    build = subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", KDIR, "-o", str(exe), DRIVER, so, "-lm"],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
-    which, cases, failed = _summary(run.stdout)
-    assert run.returncode == 0 and failed == 0, run.stdout[-3000:]
+    cc, so = native_driver_tools()
+    which, cases, failed, out = run_c_driver(cc, DRIVER, so, tmp_path / "qgemv_cl_driver")
+    assert failed == 0, out
     assert which == "x86"
     # 132 int8 cases a tier and thread count (every tier here that reads the copy, 1 and 2
     # threads), and 6 of the fp32 rows at the portable tier a thread count
     assert cases == 132 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers) + 6 * 2
 
 
-def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path):
-    """The whole .so cross-built with cpu_linear's own flags (but -march=native) and sources,
-    the driver linked against it (ld refuses a library with undefined symbols) and run under
-    qemu-aarch64 with every symbol bound at start: SDOT's rows give the model's bits."""
-    cc, qemu, why = aarch64_cross_tools()
-    if why:
-        pytest.skip(why)
-    so = tmp_path / "libprescient_kernels.so"
-    flags = cpu_linear._flag_sets()[1]  # the portable flag set: no -march=native for another ISA
-    assert "-march=native" not in flags and "-Werror=implicit-function-declaration" in flags
-    build = subprocess.run([cc, *flags, "-o", str(so), *map(str, cpu_linear._SOURCES), "-lm"],
-                           capture_output=True, text=True, timeout=600)
-    assert build.returncode == 0, build.stderr[-3000:]
-    exe = tmp_path / "qgemv_cl_driver"
-    link = subprocess.run([cc, "-O2", "-std=gnu11", "-Wall", "-Werror", "-I", KDIR, "-o", str(exe), DRIVER, str(so),
-                           "-lm"], capture_output=True, text=True, timeout=300)
-    assert link.returncode == 0, link.stderr[-3000:]
-    run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "LD_BIND_NOW": "1"})
+def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path, aarch64_kernels):
+    """The whole .so cross-built with cpu_linear's own flags (but -march=native) and sources
+    (conftest's aarch64_kernels), the driver linked against it (ld refuses a library with
+    undefined symbols) and run under qemu-aarch64 with every symbol bound at start: SDOT's rows
+    give the model's bits."""
+    cc, qemu, so = aarch64_kernels
+    which, cases, failed, out = run_c_driver(cc, DRIVER, so, tmp_path / "qgemv_cl_driver", qemu)
     # and the SDOT file as an Arm machine's own -march=native build sees it (a target with the
     # extension: no target pragma there)
     native = subprocess.run([cc, "-O3", "-std=gnu11", "-mcpu=neoverse-n1", "-Wall", "-Werror", "-I", KDIR, "-c",
                              os.path.join(KDIR, "cpu_qgemv_neon.c"), "-o", str(tmp_path / "neon_n1.o")],
                             capture_output=True, text=True, timeout=300)
     assert native.returncode == 0, native.stderr[-3000:]
-    which, cases, failed = _summary(run.stdout)
-    assert run.returncode == 0 and failed == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert failed == 0, out
     # 132 int8 cases a thread count, and 6 + 6 of the fp32 rows (no copy; SDOT switched off)
     assert which == "aarch64 sdot" and cases == 132 * 2 + 12 * 2

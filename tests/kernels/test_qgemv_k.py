@@ -74,6 +74,12 @@ def tier(request, lib):
     cpu_linear._set_isa_cap(99)
 
 
+def _int8_at(tier: str) -> bool:
+    """Whether the int8 kernels run at `tier`: every SIMD tier, and aarch64's portable one with
+    SDOT (cpu_linear.neon_dot)."""
+    return tier != "portable" or cpu_linear.neon_dot()
+
+
 def _f16_bytes(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float16).view(torch.uint8).reshape(-1, 2)
 
@@ -247,7 +253,7 @@ def test_prep_matches_reference(lib, tier, qtype):
     bs = torch.empty(M, K // 16, dtype=torch.int16)
     rc = lib.pqk_prep_entry(R.DT_CODES[qtype], x.data_ptr(), M, K, q.data_ptr(), d.data_ptr(), bs.data_ptr())
     int8 = bool(lib.pqk_int8_activations(cpu_linear.ISA_TIERS.index(tier)))
-    assert int8 == (tier != "portable")
+    assert int8 == _int8_at(tier)
     if not int8:
         assert rc == -1
         return
@@ -260,7 +266,7 @@ def test_prep_matches_reference(lib, tier, qtype):
 @pytest.mark.parametrize("M", MS)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_linear_matches_reference(lib, tier, qtype, M, bias):
-    int8 = tier != "portable"
+    int8 = _int8_at(tier)
     g = torch.Generator().manual_seed(1000 * M + 10 * QTYPES.index(qtype) + bias)
     for N, K, kind in CASES:
         blocks = _blocks(qtype, N, K, kind, g)
@@ -331,7 +337,7 @@ def test_through_pg_linear_w(lib, tier, qtype):
             if rc == -1:
                 pytest.skip("cpu_qgemv.c does not route the K-quants yet")
             assert rc == 0
-            _check(y, x.float(), ref, bias, tier != "portable")
+            _check(y, x.float(), ref, bias, _int8_at(tier))
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
