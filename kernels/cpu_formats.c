@@ -19,6 +19,13 @@
 #else
 #define SIMD(f) NULL
 #endif
+/* The K-quants' portable-tier rows: aarch64 builds with SDOT take the int8 kernels where x was
+ * prepared (cpu_qgemv_k.c's rows_k falls back to fp32 where it was not); elsewhere fp32. */
+#if PG_NEON_DOT
+#define QK_PORTABLE(name) qk_rows_simd_##name
+#else
+#define QK_PORTABLE(name) qk_rows_float_##name
+#endif
 
 static const pq_format_t g_formats[PF_COUNT] = {
     [DT_Q8_0 - DT_Q_FIRST] = {
@@ -43,24 +50,25 @@ static const pq_format_t g_formats[PF_COUNT] = {
         .rows = {q32_rows_ref_q4_1, SIMD(q32_rows_avx2_q4_1), SIMD(q32_rows_avx512_q4_1), [ISA_AVX512_VNNI] = SIMD(q32_rows_vnni_q4_1)},
     },
     /* The K-quants: one kernel per SIMD tier family entry (cpu_qgemv_k.c picks AVX2 / AVX-512 /
-     * VNNI from j->isa), the fp32-dequantize kernel at the portable tier. */
+     * VNNI from j->isa), at the portable tier the fp32-dequantize kernel (aarch64 with SDOT: the
+     * int8 one, QK_PORTABLE). */
     [DT_Q4_K - DT_Q_FIRST] = {
         .name = "q4_k", .wdt = DT_Q4_K, .block_elems = 256, .block_bytes = sizeof(block_q4_k),
         .dequant_ref = qk_dequant_ref_q4_k, .dequant = {[ISA_AVX2] = SIMD(qk_dequant_simd_q4_k)},
         .xa_bytes = qk_xa_bytes, .prep = qk_prep_q4_k, .act_block = qk_act_block,
-        .rows = {qk_rows_float_q4_k, SIMD(qk_rows_simd_q4_k)},
+        .rows = {QK_PORTABLE(q4_k), SIMD(qk_rows_simd_q4_k)},
     },
     [DT_Q5_K - DT_Q_FIRST] = {
         .name = "q5_k", .wdt = DT_Q5_K, .block_elems = 256, .block_bytes = sizeof(block_q5_k),
         .dequant_ref = qk_dequant_ref_q5_k, .dequant = {[ISA_AVX2] = SIMD(qk_dequant_simd_q5_k)},
         .xa_bytes = qk_xa_bytes, .prep = qk_prep_q5_k, .act_block = qk_act_block,
-        .rows = {qk_rows_float_q5_k, SIMD(qk_rows_simd_q5_k)},
+        .rows = {QK_PORTABLE(q5_k), SIMD(qk_rows_simd_q5_k)},
     },
     [DT_Q6_K - DT_Q_FIRST] = {
         .name = "q6_k", .wdt = DT_Q6_K, .block_elems = 256, .block_bytes = sizeof(block_q6_k),
         .dequant_ref = qk_dequant_ref_q6_k, .dequant = {[ISA_AVX2] = SIMD(qk_dequant_simd_q6_k)},
         .xa_bytes = qk_xa_bytes, .prep = qk_prep_q6_k, .act_block = qk_act_block,
-        .rows = {qk_rows_float_q6_k, SIMD(qk_rows_simd_q6_k)},
+        .rows = {QK_PORTABLE(q6_k), SIMD(qk_rows_simd_q6_k)},
     },
 };
 

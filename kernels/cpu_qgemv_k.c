@@ -46,9 +46,10 @@
  *
  * aarch64 with the dot-product extension (pg_neon_dot, the portable tier there): x quantized as
  * above (the same int8 values), each super-block unpacked to 16 registers of signed codes (Q6_K's
- * minus 32) for up to 4 inputs, SDOT per 16 values, each sub-block's int32 sum scaled by its
- * integer scale (MLA by lane), the super-block's exact integer sum and the min term's
- * (sum_j m_j * sums of x) scaled by d * dx, dmin * dx in fp32.  tests/kernels/qgemv_k_driver.c
+ * minus 32) for up to 4 inputs, SDOT per 16 values, the sub-blocks' sums reduced pairwise to a
+ * lane each and multiplied by their integer scales, the super-block's exact integer sum and the
+ * min term's (sum_j m_j * sums of x) scaled by d * dx, dmin * dx in fp32 (the same integers as
+ * x86's kernels, the fp32 steps in another order: not x86's bits).  tests/kernels/qgemv_k_driver.c
  * checks it under qemu; its speed on an Arm core is not measured (none here).
  *
  * ISA tiers (cpu_runtime.h, j->isa): per-function #pragma GCC target regions so the generic build
@@ -902,8 +903,9 @@ PQK_DEF_Q6K(vnni, DOT_VNNI)
 #define PQK_NEON_PRAGMA 0
 #endif
 
-/* x [M, K] -> int8 per 256 (xa_t, the canonical order): the x86 preps' values exactly
- * (vcvtnq rounds to nearest even, as cvtps2dq does). */
+/* x [M, K] -> int8 per 256 (xa_t, the canonical order): the x86 preps' values for finite x
+ * whose block absmax is a normal number (vcvtnq rounds to nearest even, as cvtps2dq does; a NaN,
+ * which fmax keeps and maxps may drop, or an absmax whose 127 / amax overflows, can differ). */
 static void prep_neon(const float *x, int M, int K, void *xa)
 {
     const int nb = K / QK;
@@ -947,7 +949,10 @@ void tile_q45k_neon(const pq_job_t *j, const xa_t *xv, int n, int m0, const int 
         if (PQK_PF_BYTES && m0 == 0)
             for (int o = 0; o < 192; o += 64)
                 __builtin_prefetch(blk + PQK_PF_BYTES + o);
-        const float d = h2f_c(rd16(blk)), dmin = h2f_c(rd16(blk + 2));
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        const float32x4_t ddm = vcvt_f32_f16(vreinterpret_f16_u32(vdup_n_u32(dm)));  /* d, dmin, .. */
+        const float d = vgetq_lane_f32(ddm, 0), dmin = vgetq_lane_f32(ddm, 1);
         uint64_t scb, mnb;
         k4_scales(blk + 4, &scb, &mnb);
         const uint16x8_t sc16 = vmovl_u8(vcreate_u8(scb));
@@ -975,15 +980,14 @@ void tile_q45k_neon(const pq_job_t *j, const xa_t *xv, int n, int m0, const int 
         for (int m = 0; m < MR; m++) {
             const size_t r = (size_t)(m0 + m) * nb + b;
             const int8_t *xq = xv->q + (size_t)(m0 + m) * K + (size_t)b * QK;
-            const int32x4_t z = vdupq_n_s32(0);
-            int32x4_t is = z;
-            /* the lane of an MLA by element must be a constant: the eight sub-blocks written out */
-#define PQK_SB(s, sv, lane)                                                                          \
-            is = vmlaq_laneq_s32(is, vdotq_s32(vdotq_s32(z, W[2 * (s)], vld1q_s8(xq + 32 * (s))),   \
-                                                W[2 * (s) + 1], vld1q_s8(xq + 32 * (s) + 16)), sv, lane);
-            PQK_SB(0, sc0, 0) PQK_SB(1, sc0, 1) PQK_SB(2, sc0, 2) PQK_SB(3, sc0, 3)
-            PQK_SB(4, sc1, 0) PQK_SB(5, sc1, 1) PQK_SB(6, sc1, 2) PQK_SB(7, sc1, 3)
+            /* sub-block s's SDOT sums, reduced pairwise (addp) to one lane per sub-block, times
+             * the scales: the exact integer sum in any order, and no chain of lane MLAs */
+#define PQK_SB(s) vdotq_s32(vdotq_s32(vdupq_n_s32(0), W[2 * (s)], vld1q_s8(xq + 32 * (s))), \
+                            W[2 * (s) + 1], vld1q_s8(xq + 32 * (s) + 16))
+            const int32x4_t s03 = vpaddq_s32(vpaddq_s32(PQK_SB(0), PQK_SB(1)), vpaddq_s32(PQK_SB(2), PQK_SB(3)));
+            const int32x4_t s47 = vpaddq_s32(vpaddq_s32(PQK_SB(4), PQK_SB(5)), vpaddq_s32(PQK_SB(6), PQK_SB(7)));
 #undef PQK_SB
+            const int32x4_t is = vmlaq_s32(vmulq_s32(s03, sc0), s47, sc1);
             /* sum_j m_j * (bs[2j] + bs[2j + 1]): pairwise sums of the per-16 sums, times the mins */
             const int16_t *bs = xv->bs + r * 16;
             const int16x8_t s32 = vpaddq_s16(vld1q_s16(bs), vld1q_s16(bs + 8));
@@ -1012,7 +1016,7 @@ void tile_q6k_neon(const pq_job_t *j, const xa_t *xv, int n, int m0, const int M
         if (PQK_PF_BYTES && m0 == 0)
             for (int o = 0; o < 256; o += 64)
                 __builtin_prefetch(blk + PQK_PF_BYTES + o);
-        const float d = h2f_c(rd16(blk + 208));
+        const float d = vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vdup_n_u16(rd16(blk + 208)))), 0);
         const int16x8_t s16a = vmovl_s8(vld1_s8((const int8_t *)blk + 192));
         const int16x8_t s16b = vmovl_s8(vld1_s8((const int8_t *)blk + 200));
         const int32x4_t S[4] = {vmovl_s16(vget_low_s16(s16a)), vmovl_s16(vget_high_s16(s16a)),
@@ -1031,11 +1035,13 @@ void tile_q6k_neon(const pq_job_t *j, const xa_t *xv, int n, int m0, const int M
         for (int m = 0; m < MR; m++) {
             const size_t r = (size_t)(m0 + m) * nb + b;
             const int8_t *xq = xv->q + (size_t)(m0 + m) * K + (size_t)b * QK;
-            const int32x4_t z = vdupq_n_s32(0);
-            int32x4_t is = z;
-#define PQK_SB6(s) is = vmlaq_laneq_s32(is, vdotq_s32(z, W[s], vld1q_s8(xq + 16 * (s))), S[(s) / 4], (s) % 4);
-            PQK_SB6(0) PQK_SB6(1) PQK_SB6(2) PQK_SB6(3) PQK_SB6(4) PQK_SB6(5) PQK_SB6(6) PQK_SB6(7)
-            PQK_SB6(8) PQK_SB6(9) PQK_SB6(10) PQK_SB6(11) PQK_SB6(12) PQK_SB6(13) PQK_SB6(14) PQK_SB6(15)
+#define PQK_SB6(s) vdotq_s32(vdupq_n_s32(0), W[s], vld1q_s8(xq + 16 * (s)))
+#define PQK_SB6X4(s) vpaddq_s32(vpaddq_s32(PQK_SB6(s), PQK_SB6((s) + 1)), vpaddq_s32(PQK_SB6((s) + 2), PQK_SB6((s) + 3)))
+            int32x4_t is = vmulq_s32(PQK_SB6X4(0), S[0]);
+            is = vmlaq_s32(is, PQK_SB6X4(4), S[1]);
+            is = vmlaq_s32(is, PQK_SB6X4(8), S[2]);
+            is = vmlaq_s32(is, PQK_SB6X4(12), S[3]);
+#undef PQK_SB6X4
 #undef PQK_SB6
             acc[m] = fmaf(d * xv->d[r], (float)vaddvq_s32(is), acc[m]);
         }
@@ -1136,24 +1142,26 @@ static void prep_k(const float *x, int M, int K, void *xa, int isa, int wdt)
     else if (isa >= ISA_AVX2)
         prep_avx2(x, M, K, xa);
 #elif PQK_NEON
-    (void)wdt;
-    if (uses_int8(isa))
-        prep_neon(x, M, K, xa);
+    /* whenever asked: the caller got xa's size from qk_xa_bytes, which said int8 then (SDOT
+     * switched off since, the rows would read an unprepared buffer otherwise) */
+    (void)isa; (void)wdt;
+    prep_neon(x, M, K, xa);
 #else
     (void)x; (void)M; (void)K; (void)xa; (void)isa; (void)wdt;
 #endif
 }
 
-/* rows of format wdt: the int8 kernels when x was prepared (j->xa), else the fp32-dequantize
- * path (the portable tier; at any tier the accuracy baseline and the float side of the
- * float-vs-int8 measurement, force_float). */
+/* rows of format wdt: the int8 kernels when x was prepared (j->xa: qk_xa_bytes said int8 for
+ * this call, so prep ran; not re-read here, where a setter flipped since would leave the buffer
+ * and the rows disagreeing), else the fp32-dequantize path (the portable tier; at any tier the
+ * accuracy baseline and the float side of the float-vs-int8 measurement, force_float). */
 static void rows_k(const pq_job_t *j, int n0, int n1, int wdt, int force_float)
 {
     const qk_fmt_t *q = qk_of(wdt);
     int t = j->isa < ISA_COUNT ? j->isa : ISA_COUNT - 1;
     while (t > 0 && !q->int8_rows[t])  /* a tier without its own: the next lower tier's */
         t--;
-    if (!force_float && j->xa && uses_int8(j->isa) && q->int8_rows[t]) {
+    if (!force_float && j->xa && q->int8_rows[t]) {
         q->int8_rows[t](j, n0, n1);
         return;
     }

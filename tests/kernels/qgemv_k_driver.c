@@ -10,7 +10,8 @@
  * The activation rounding (dx / 2 a value) is far outside that tolerance, and so is any wrong
  * code, scale or min.  Every row of an M-row call must equal the same row called alone, bit for
  * bit (batch invariance), on the calling thread and over the pool; a bf16 y is the fp32 y rounded;
- * the bias adds in fp32.  Where the int8 kernels must not run (aarch64 with SDOT switched off,
+ * the bias adds in fp32; pg_linear_w, the path a model's linears take (through the format table),
+ * gives the entry's bits.  Where the int8 kernels must not run (aarch64 with SDOT switched off,
  * x86's portable tier) the fp32 path must: y within fp32 rounding of the exact sum over the
  * unquantized x.  Built natively on x86 by tests/kernels/test_qgemv_k_bits.py it checks every
  * SIMD tier the host runs; cross-compiled and run under qemu-aarch64, the SDOT kernels.
@@ -23,6 +24,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "cpu_dispatch.h"
 #include "cpu_formats.h"
 
 int pg_set_num_threads(int n);
@@ -160,7 +162,7 @@ static void check(int f, int N, int K, int M, int int8)
     uint8_t *w = malloc((size_t)N * rowb);
     float *x = malloc(sizeof(float) * M * K), *bias = malloc(sizeof(float) * N);
     float *y = malloc(sizeof(float) * M * N), *yp = malloc(sizeof(float) * M * N), *yb = malloc(sizeof(float) * M * N);
-    float *y1 = malloc(sizeof(float) * N);
+    float *y1 = malloc(sizeof(float) * N), *yw = malloc(sizeof(float) * M * N);
     uint16_t *yh = malloc(2 * (size_t)M * N);
     double *wd = malloc(sizeof(double) * QK), *wa = malloc(sizeof(double) * QK);
     int8_t *q = malloc((size_t)M * K), *pq = malloc((size_t)M * K);
@@ -186,6 +188,7 @@ static void check(int f, int N, int K, int M, int int8)
     for (int m = 0; m < M; m++)
         quant_x(x + (size_t)m * K, K, q + (size_t)m * K, dx + (size_t)m * nb, bs + (size_t)m * nb * 16);
 
+    const pg_weight_t desc = {w, NULL, g_wdt[f], N, K, NULL, 0};
     g_cases++;
     const int prc = pqk_prep_entry(g_wdt[f], x, M, K, pq, pd, pbs);
     if (int8 != (prc == 0) || int8 != pqk_int8_activations(pg_isa())) {
@@ -200,7 +203,8 @@ static void check(int f, int N, int K, int M, int int8)
     if (pqk_linear_entry(g_wdt[f], w, NULL, N, K, x, M, y, DT_F32, 0) ||
         pqk_linear_entry(g_wdt[f], w, NULL, N, K, x, M, yp, DT_F32, 2) ||
         pqk_linear_entry(g_wdt[f], w, bias, N, K, x, M, yb, DT_F32, 0) ||
-        pqk_linear_entry(g_wdt[f], w, NULL, N, K, x, M, yh, DT_BF16, 2)) {
+        pqk_linear_entry(g_wdt[f], w, NULL, N, K, x, M, yh, DT_BF16, 2) ||
+        pg_linear_w(&desc, x, yw, M, DT_F32)) {
         printf("FAIL %s: pqk_linear_entry refused N=%d K=%d M=%d\n", g_name[f], N, K, M);
         g_failed++;
         goto out;
@@ -226,6 +230,8 @@ static void check(int f, int N, int K, int M, int int8)
                 fail("value", f, N, K, M, m, n, got, want, tol);
             if (memcmp(&yp[(size_t)m * N + n], &got, 4))
                 fail("pool != caller", f, N, K, M, m, n, yp[(size_t)m * N + n], got, 0);
+            if (memcmp(&yw[(size_t)m * N + n], &got, 4))
+                fail("pg_linear_w != entry", f, N, K, M, m, n, yw[(size_t)m * N + n], got, 0);
             const float wb = got + bias[n];
             if (memcmp(&yb[(size_t)m * N + n], &wb, 4))
                 fail("bias", f, N, K, M, m, n, yb[(size_t)m * N + n], wb, 0);
@@ -242,7 +248,7 @@ static void check(int f, int N, int K, int M, int int8)
                 fail("M rows != one row", f, N, K, M, m, n, y[(size_t)m * N + n], y1[n], 0);
     }
 out:
-    free(w); free(x); free(bias); free(y); free(yp); free(yb); free(y1); free(yh); free(wd); free(wa);
+    free(w); free(x); free(bias); free(y); free(yp); free(yb); free(y1); free(yw); free(yh); free(wd); free(wa);
     free(q); free(pq); free(dx); free(pd); free(bs); free(pbs);
 }
 

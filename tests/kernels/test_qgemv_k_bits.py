@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 
 import pytest
 
@@ -33,5 +34,12 @@ def test_aarch64_sdot_k_quant_kernels_match_the_model(tmp_path, aarch64_kernels)
     cc, qemu, so = aarch64_kernels
     which, cases, failed, out = run_c_driver(cc, DRIVER, so, tmp_path / "qgemv_k_driver", qemu)
     assert failed == 0, out
+    # and the file as an Arm machine's own -march=native build sees it (the extension in the
+    # target: no target pragma there)
+    kdir = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels")
+    native = subprocess.run([cc, "-O3", "-std=gnu11", "-mcpu=neoverse-n1", "-Wall", "-Werror", "-I", kdir, "-c",
+                             os.path.join(kdir, "cpu_qgemv_k.c"), "-o", str(tmp_path / "k_n1.o")],
+                            capture_output=True, text=True, timeout=300)
+    assert native.returncode == 0, native.stderr[-3000:]
     # the SDOT kernels, then the fp32 path with SDOT switched off
     assert which == "aarch64 sdot" and cases == 2 * CASES
