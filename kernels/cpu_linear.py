@@ -10,8 +10,9 @@ file is compiled with the system C compiler at first use, cached per user under
 called through ctypes with tensor data pointers.  If no compiler is found or the build
 fails, every call falls back to ``torch.nn.functional.linear`` and one warning is logged.
 The same .so also holds the CPU tree-attention kernel (``cpu_attention.c``, wrapped by
-``cpu_attention.py``), so both share one thread pool, the fused layer (``cpu_layer.c``) and the
-greedy tokens' argmax (``cpu_argmax.c``); ``library()`` hands it out.
+``cpu_attention.py``), so both share one thread pool, the fused layer (``cpu_layer.c``), the
+greedy tokens' argmax (``cpu_argmax.c``) and the grammar masks (``cpu_bitmask.c``); ``library()``
+hands it out.
 
 Public API::
 
@@ -101,7 +102,7 @@ MAX_M = _max_m()
 # layer order, lowest first (each file uses only the ones before it; tests/kernels/
 # test_format_table.py keeps the symbol graph acyclic): the runtime (pool, ISA), the kernels,
 # the format table over them, the dispatcher over the table, the fused layer on top.
-_SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_gemv_amx.c", "cpu_attention.c", "cpu_argmax.c",
+_SOURCE_NAMES = ("cpu_runtime.c", "cpu_gemv.c", "cpu_gemv_amx.c", "cpu_attention.c", "cpu_argmax.c", "cpu_bitmask.c",
                  "cpu_qgemv_cl.c", "cpu_qgemv_avx2.c", "cpu_qgemv_avx512.c", "cpu_qgemv_neon.c", "cpu_qgemv.c",
                  "cpu_qgemv_k.c",
                  "cpu_formats.c", "cpu_dispatch.c", "cpu_layer.c")

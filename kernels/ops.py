@@ -2,7 +2,8 @@
 
 CUDA tensors run the Triton kernels, CPU tensors the pure-torch reference, except
 `tree_attention` on float32/bfloat16 CPU tensors, which runs the C kernel of cpu_attention.py
-(built with the CPU GEMV's .so; the reference when it cannot be built, and for float64/float16).
+(built with the CPU GEMV's .so; the reference when it cannot be built, and for float64/float16),
+and `apply_token_bitmask` on float32 CPU logits (cpu_bitmask.c, the same switches).
 int8 KV caches (`store_kv`/`tree_attention` with `k_scale`/`v_scale`, see reference.quantize_kv)
 run the C kernels on CPU (store and attention) and the reference elsewhere: there is no Triton
 int8 path yet.
@@ -186,8 +187,14 @@ def apply_token_bitmask(
     bitmask: torch.Tensor,  # [num_selected, ceil(vocab / 32)] int32, bit set = allowed
     indices: torch.Tensor | None = None,  # [num_selected] int64 logits rows; None = all rows
 ) -> None:
-    impl = _triton_module("triton_bitmask") if use_triton(logits.device) else reference
-    return impl.apply_token_bitmask(logits, bitmask, indices)
+    if use_triton(logits.device):
+        return _triton_module("triton_bitmask").apply_token_bitmask(logits, bitmask, indices)
+    if _use_cpu_kernel(logits):
+        from prescient.kernels import cpu_bitmask
+
+        if cpu_bitmask.apply(logits, bitmask, indices):  # fp32 rows: cpu_bitmask.c
+            return None
+    return reference.apply_token_bitmask(logits, bitmask, indices)
 
 
 def rms_norm(

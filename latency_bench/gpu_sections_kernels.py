@@ -46,7 +46,7 @@ _POLL_S = 3.0
 GPU_TEST_FILES = ("test_kernels_ops.py", "test_kernels_reference.py", "test_kernels_dispatch.py")
 # CPU-only: the C kernels, int8 KV (a CPU-only cache format), the CPU reference benchmarks, and
 # gpu_check's own smoke test (it would only run gpu_check again). CI runs them.
-CPU_ONLY_TEST_FILES = ("test_attention_invariance.py", "test_cl_rows_bits.py", "test_cpu_argmax.py", "test_cpu_attention.py",
+CPU_ONLY_TEST_FILES = ("test_attention_invariance.py", "test_cl_rows_bits.py", "test_cpu_argmax.py", "test_cpu_bitmask.py", "test_cpu_attention.py",
                        "test_cpu_layer.py",
                        "test_cpu_linear.py", "test_cpu_threads.py", "test_gpu_check_smoke.py", "test_kernels_bench.py", "test_kv_int8.py",
                        "test_format_table.py", "test_huge_pages.py", "test_qgemv_k.py", "test_qgemv_k_bits.py", "test_quant_linear.py")

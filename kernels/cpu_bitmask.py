@@ -1,0 +1,62 @@
+"""Grammar masks on CPU: the ctypes wrapper of ``cpu_bitmask.c``, kernels/ops.apply_token_bitmask for
+fp32 logits on the CPU.
+
+The reference's torch ops (unpack the bits, build +-inf bounds, a minimum) took ~80 us a
+49152-token row hot, several times that right after a forward: about half a millisecond of a
+grammar-constrained speculative step. ``apply`` returns False where the kernel does not take the
+call (another dtype or device, rows not contiguous along the vocabulary, no C library), and the
+caller runs the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from prescient.kernels import cpu_linear
+
+_fn = None
+_tried = False
+
+
+def _bind():
+    global _fn, _tried
+    _tried = True
+    lib = cpu_linear.library()
+    if lib is None:
+        return
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.px_apply_bitmask.argtypes = [p, i64, i64, i64, p, i64, i64, p]
+    lib.px_apply_bitmask.restype = ctypes.c_int
+    _fn = lib.px_apply_bitmask
+
+
+def available() -> bool:
+    """True when the C kernel is loaded (builds the .so on first call)."""
+    if not _tried:
+        _bind()
+    return _fn is not None
+
+
+def apply(
+    logits: torch.Tensor,  # [num_rows, vocab] float32, CPU
+    bitmask: torch.Tensor,  # [num_selected, num_words] int32, bit set = allowed
+    indices: torch.Tensor | None = None,  # [num_selected] int64 logits rows; None = rows 0 ..
+) -> bool:
+    """Banned logits to -inf in place; False (nothing done) where the kernel does not take it."""
+    if (logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cpu or logits.stride(1) != 1
+            or bitmask.dim() != 2 or bitmask.dtype != torch.int32 or not bitmask.is_cpu or not available()):
+        return False
+    bitmask = bitmask.contiguous()
+    nsel = bitmask.shape[0]
+    if indices is not None:
+        indices = indices.to(device="cpu", dtype=torch.int64).contiguous()
+        if indices.shape != (nsel,):
+            raise ValueError(f"apply_token_bitmask: {tuple(indices.shape)} indices for {nsel} bitmask rows")
+    elif nsel > logits.shape[0]:
+        raise ValueError(f"apply_token_bitmask: {nsel} bitmask rows for {logits.shape[0]} logits rows")
+    if _fn(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0), bitmask.data_ptr(), nsel,
+           bitmask.shape[1], None if indices is None else indices.data_ptr()):
+        raise IndexError(f"apply_token_bitmask: an index outside [0, {logits.shape[0]})")
+    return True
