@@ -199,15 +199,22 @@ void c_vpass(const pq_job_t *j, const int FMT, int mr, int nc, int m0, int t, in
  * while its cells sit in L1.  Or, where pg_one_stream() (by default but on Intel), one tile
  * at a time for up to 8 input rows: one weight stream.  On the Zen 4 EPYC that read the copy
  * 1.3-1.4x faster at M = 1 (two tiles' streams from DRAM ran at 17 GB/s, one at 23-25) and
- * 1.05-1.25x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  Each column's chain
+ * 1.05-1.25x at M = 2-8 (docs/CPU_PERFORMANCE.md, seventeenth session).  From 9 to 16 rows
+ * (larger verify trees) the same, in two passes over the tile while it sits in L1 (balanced: 9 =
+ * 4 + 5): a fused forward 1.08-1.18x faster than two tiles of 4-row passes (twenty-fourth
+ * session; from 20 rows no gain, so prefill's chunks keep two tiles).  Each column's chain
  * is the same either way, so are the bits. */
 static inline __attribute__((always_inline)) void c_vrows(const pq_job_t *j, int n0, int n1, const int FMT)
 {
     const int t0 = n0 / 16, t1 = (n1 + 15) / 16;
-    if (j->M <= 8 && pg_one_stream()) {  /* measured at M <= 8; prefill's larger M keeps two */
+    if (j->M <= 16 && pg_one_stream()) {
+        const int passes = (j->M + 7) / 8;
         for (int t = t0; t < t1; t++)
-            for (int m0 = 0; m0 < j->M; m0 += 8)
-                c_vpass(j, FMT, j->M - m0 < 8 ? j->M - m0 : 8, 1, m0, t, n0, n1);
+            for (int p = 0, m0 = 0; p < passes; p++) {
+                const int mr = (j->M - m0) / (passes - p);
+                c_vpass(j, FMT, mr, 1, m0, t, n0, n1);
+                m0 += mr;
+            }
         return;
     }
     for (int t = t0; t < t1; t += 2)

@@ -273,7 +273,7 @@ static int model_known(void)
 static void run_all(void)
 {
     static const int shapes[][2] = {{16, 32}, {37, 64}, {64, 576}, {100, 160}, {1536, 576}, {576, 1536}};
-    static const int ms[] = {1, 2, 3, 5, 8, 16, 64, 100};
+    static const int ms[] = {1, 2, 3, 5, 8, 9, 13, 16, 64, 100};  /* 9-16: two passes over a tile */
     for (int f = 0; f < 3; f++)
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
             for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++) {

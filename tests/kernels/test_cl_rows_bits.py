@@ -33,9 +33,9 @@ def test_x86_cl_rows_equal_the_scalar_model(tmp_path):
     which, cases, failed, out = run_c_driver(cc, DRIVER, so, tmp_path / "qgemv_cl_driver")
     assert failed == 0, out
     assert which == "x86"
-    # 132 int8 cases a tier and thread count (every tier here that reads the copy, 1 and 2
+    # 168 int8 cases a tier and thread count (every tier here that reads the copy, 1 and 2
     # threads), and 6 of the fp32 rows at the portable tier a thread count
-    assert cases == 132 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers) + 6 * 2
+    assert cases == 168 * 2 * len({"avx2", "avx512_vnni", "avx512_bf16"} & tiers) + 6 * 2
 
 
 def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path, aarch64_kernels):
@@ -52,5 +52,5 @@ def test_aarch64_library_links_and_its_sdot_rows_equal_the_scalar_model(tmp_path
                             capture_output=True, text=True, timeout=300)
     assert native.returncode == 0, native.stderr[-3000:]
     assert failed == 0, out
-    # 132 int8 cases a thread count, and 6 + 6 of the fp32 rows (no copy; SDOT switched off)
-    assert which == "aarch64 sdot" and cases == 132 * 2 + 12 * 2
+    # 168 int8 cases a thread count, and 6 + 6 of the fp32 rows (no copy; SDOT switched off)
+    assert which == "aarch64 sdot" and cases == 168 * 2 + 12 * 2
