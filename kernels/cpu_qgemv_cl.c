@@ -13,7 +13,7 @@
  * there), and the weight vectors are shared by every input row from L1 with x broadcast from
  * memory, so up to 4 input rows x 2 column tiles (or 1-2 rows x 2 tiles x 2 blocks) keep up to 8
  * independent chains; where pg_one_stream, up to 8 rows x 1 tile (or 1-2 rows x 2 blocks, Q4's;
- * Q8_0's one block).
+ * Q8_0's one block), and 9-16 rows in two passes over that tile.
  * Measured in docs/CPU_PERFORMANCE.md (eleventh and seventeenth sessions).
  *
  * Tier avx2 reads the same copy 8 columns a vector (vpmaddubsw pair sums, the same exact block

@@ -18,6 +18,7 @@ def _kernel(monkeypatch):
     if not cpu_bitmask.available():
         pytest.skip("the C library is unavailable")
     monkeypatch.delenv("PRESCIENT_KERNELS", raising=False)
+    monkeypatch.delenv("PRESCIENT_CPU_ATTENTION", raising=False)
     yield
     cpu_linear._set_isa_cap(99)
 
@@ -91,6 +92,20 @@ def test_bad_indices_raise_and_write_nothing():
     with pytest.raises(ValueError):
         cpu_bitmask.apply(logits, torch.zeros(3, 2, dtype=torch.int32))
     assert torch.equal(logits, before)
+
+
+def test_what_the_reference_reads_otherwise_goes_to_it():
+    """Repeated, negative or bool indices, overlapping rows and tracked logits: the kernel declines
+    (the caller runs the reference); a lone row with any row stride is the kernel's."""
+    g = torch.Generator().manual_seed(3)
+    logits, bitmask = torch.randn(4, 64, generator=g), _bits(2, 2, g)
+    for idx in (torch.tensor([1, 1]), torch.tensor([-1, 0]), torch.tensor([True, False, True, False])):
+        before = logits.clone()
+        assert not cpu_bitmask.apply(logits, bitmask, idx) and torch.equal(logits, before)
+    assert not cpu_bitmask.apply(torch.randn(1, 64).expand(3, 64), bitmask)
+    assert not cpu_bitmask.apply(torch.randn(2, 64, requires_grad=True), bitmask)
+    column = torch.randn(64, 1, generator=g).t()  # [1, 64], row stride 1
+    _same(column, bitmask[:1])
 
 
 def test_ops_sends_cpu_fp32_logits_to_the_kernel(monkeypatch):

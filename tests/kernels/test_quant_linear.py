@@ -397,7 +397,7 @@ def test_column_lane_copy_rows_do_not_depend_on_m(tier_cap, qtype, tier):
     ql.set_mode("auto")
 
 
-CL_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 17, 64)  # every row tiling of the CL kernels: 1-8-row passes
+CL_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 64)  # every row tiling of the CL kernels: 1-8-row passes
 
 
 def _assert_cl_rows_agree(qtype: str, seed: int, setups: dict) -> None:
@@ -512,8 +512,9 @@ def test_avx_vnni_rows_run_only_at_tier_avx2_and_by_default_only_where_it_is_the
 
 @pytest.mark.parametrize("qtype", qr.BLOCK32)
 def test_cl_rows_one_tile_a_pass_have_the_two_tile_rows_bits(tier_cap, qtype):
-    """The VNNI rows walk the column-lane copy one 16-column tile a pass for up to 8 input rows
-    (one weight stream: the default except on Intel) or two tiles a pass for up to 4 (Intel's):
+    """The VNNI rows walk the column-lane copy one 16-column tile at a time for up to 16 input rows
+    in passes of up to 8 (one weight stream: the default except on Intel) or two tiles a pass for
+    up to 4 (Intel's):
     each column's chain over its blocks is the same, so are the bits, at every M and row tiling,
     fp32 and bf16, with a bias."""
     _require_native(qtype)
