@@ -118,6 +118,16 @@ def test_forced_span_is_canonical_minus_its_last_token(real_compiler, real_token
     assert matcher.forced_tokens() == forced
 
 
+def test_the_span_encoder_is_the_tokenizers_and_hands_out_its_own_lists(real_tokenizer, hf_tokenizer):
+    """GrammarTokenizer.encode remembers texts it has tokenized (forced spans repeat): each call
+    still gives the model tokenizer's ids, in a list of its own that a caller may change."""
+    for text in ('", "unit": "', '{"location": "', "", " Paris", '"}'):
+        first = real_tokenizer.encode(text)
+        assert first == list(hf_tokenizer.encode(text, add_special_tokens=False))
+        first.append(-1)
+        assert real_tokenizer.encode(text) == list(hf_tokenizer.encode(text, add_special_tokens=False))
+
+
 def test_no_forced_tokens_at_a_choice_or_after_termination(toy_compiler, toy_tokenizer):
     grammar = toy_compiler.compile(GrammarSpec("regex", "a(b|c)"))
     matcher = grammar.matcher()
