@@ -41,6 +41,13 @@ from prescient.speculative.verify import RECOVERED, VerifyOutcome
 from prescient.speculative.verify_cost import CostModel
 
 DEFAULT_VERIFY_COST = {1: 1.0, 4: 1.1, 8: 1.25, 16: 1.5}
+# A CPU's until its own table is measured (make_speculator, calibrate "idle"): the middle of the
+# tables measured on the 2-core Zen 4 (avx512_bf16, Q4_1; 2026-12-07: 8 tokens 1.5-2.6x a step,
+# 16 2.7-4.2x, 32 6.0-7.9x), where the table above, a GPU's, is 1.6-2.8x too cheap from 8 tokens.
+# (Planning with either, never measured, gave speedups within the noise of each other and of the
+# measured table's on the shared workloads: chat 1.41 / 1.37 / 1.39x, tool_call 1.23 / 1.27 /
+# 1.29x, long_edit 1.57 / 1.42 / 1.27x, one interleaved run.)
+CPU_VERIFY_COST = {1: 1.0, 2: 1.08, 4: 1.3, 8: 2.0, 16: 3.5, 32: 6.8}
 
 
 @dataclass(frozen=True)

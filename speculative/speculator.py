@@ -46,12 +46,12 @@ from prescient.runtime.batch import slot_of
 from prescient.runtime.request import SOURCE_DRAFT, SOURCE_TARGET, Request
 from prescient.runtime.speculation import Drafts
 from prescient.runtime.step_result import SeqResult
-from prescient.speculative.adaptive import AdaptiveConfig, AdaptiveSpeculation
+from prescient.speculative.adaptive import CPU_VERIFY_COST, AdaptiveConfig, AdaptiveSpeculation
 from prescient.speculative.grammar_drafts import grammar_draft_paths, grammar_tree, tree_size
 from prescient.speculative.proposer import ProposalContext, Proposer
 from prescient.speculative.tree import DraftTree
 from prescient.speculative.verify import VerifyOutcome, verify, verify_on_device
-from prescient.speculative.verify_cost import Calibration, CostTables, DriftMonitor, load_cached, save_cached
+from prescient.speculative.verify_cost import Calibration, CostTables, DriftMonitor, load_cached, load_sibling, save_cached
 
 log = logging.getLogger("prescient.speculative")
 
@@ -389,7 +389,9 @@ def make_speculator(model, block_size: int, method: str, draft_model_path: str |
     table is given): "now" measures before returning (benchmarks), "idle" leaves the
     measurement to idle moments (`Speculator.idle_work`, a server), "off" keeps the default
     table. With a `cache_key` a cached table is used when there is one, and a new measurement
-    is saved under it (use_cache=False: measure again whatever is cached)."""
+    is saved under it (use_cache=False: measure again whatever is cached). Until then the
+    planner uses an earlier kernel build's table for this key (verify_cost.load_sibling), or on
+    a CPU adaptive.CPU_VERIFY_COST."""
     from prescient.speculative.proposer import make_proposer
 
     if method == "off":
@@ -412,6 +414,12 @@ def make_speculator(model, block_size: int, method: str, draft_model_path: str |
         else:
             draft = proposer_config.build_draft() if method == "draft" else None
             calibration = Calibration(model, block_size, draft)
+            # until it is measured: an earlier kernel build's table here, else a CPU's typical one
+            prior = load_sibling(cache_key) if cache_key is not None else None
+            if prior is not None:
+                prior.install(adaptive)
+            elif getattr(getattr(model, "device", None), "type", None) == "cpu":
+                adaptive.set_verify_cost(CPU_VERIFY_COST)
     spec = Speculator(proposer, block_size, adaptive, calibration, cache_key, recalibrate=recalibrate, tables=cached)
     if calibrate == "now":
         while spec.idle_work():

@@ -35,6 +35,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -323,6 +324,40 @@ def load_cached(key: str) -> CostTables | None:
             return None
         return CostTables.from_json(data["tables"])
     except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# The kernel library's file in a CPU key (kernels/cpu_linear: named by its sources' hash).
+_KERNEL_BUILD = re.compile(r"cpu_gemv-[0-9a-f]+\.so")
+
+
+def load_sibling(key: str) -> CostTables | None:
+    """The newest cached table whose key differs from `key` in the kernel library's build alone
+    (the same model, proposer, block size, CPU, tier, threads and weight copies): the prior a
+    server plans with while it measures its own build's table (an upgrade changes the build, and
+    the costs of most of its kernels with it little). None for a key without a kernel build."""
+    if not _KERNEL_BUILD.search(key):
+        return None
+    want = _KERNEL_BUILD.sub("\0", key)
+    best: tuple[float, dict] | None = None
+    try:
+        paths = list(cache_dir("verify_cost").glob("*.json"))
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            other = data["key"]
+            if other == key or _KERNEL_BUILD.sub("\0", other) != want:
+                continue
+            when = float(data.get("measured_at", 0.0))
+            if best is None or when > best[0]:
+                best = (when, data["tables"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    try:
+        return None if best is None else CostTables.from_json(best[1])
+    except (ValueError, KeyError, TypeError):
         return None
 
 

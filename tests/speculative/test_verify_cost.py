@@ -78,6 +78,30 @@ def test_a_measured_table_is_cached_and_reused(tiny, cache):
     assert other.calibration is not None  # another key (dtype, CPU, kernel build) is another table
 
 
+def test_until_measured_the_planner_uses_an_earlier_builds_table_or_a_cpus(tiny, cache):
+    """A new kernel build (an upgrade) has no table yet: while it is measured the planner uses the
+    newest table of a key that differs in the build alone; a key differing in anything else
+    (another model) is not taken, and a CPU model then plans with CPU_VERIFY_COST."""
+    from prescient.speculative.adaptive import CPU_VERIFY_COST
+    from prescient.speculative.verify_cost import CostTables, save_cached
+
+    key = "m|ngram|8|cpu-flags|/c/kernels/cpu_gemv-{}.so|avx2|2|copies cl default"
+    older, newer = CostTables({1: 1.0, 8: 5.0}, 256), CostTables({1: 1.0, 8: 3.0}, 256)
+    save_cached(key.format("aaaa"), older)
+    save_cached(key.format("bbbb"), newer)
+    save_cached(key.replace("m|", "other-model|").format("cccc"), CostTables({1: 1.0, 8: 9.0}, 256))
+    sizes = torch.tensor([8]).numpy()
+    upgraded = make_speculator(tiny, 8, "ngram", calibrate="idle", cache_key=key.format("dddd"))
+    assert upgraded.calibration is not None  # its own build's table is still measured
+    assert upgraded.adaptive.cost_many(sizes, 256)[0] == pytest.approx(3.0)  # the newest sibling
+    fresh = make_speculator(tiny, 8, "ngram", calibrate="idle", cache_key="new-model|ngram|8|x|/c/cpu_gemv-ee.so|y")
+    assert fresh.adaptive.cost_many(sizes, 256)[0] == pytest.approx(CPU_VERIFY_COST[8])
+    while upgraded.idle_work():
+        pass
+    measured = verify_cost.load_cached(key.format("dddd"))
+    assert measured is not None and measured.short[8] != 3.0  # then its own, measured
+
+
 def test_the_cache_key_names_the_cpu_and_the_kernel_build(monkeypatch):
     key = verify_cost.cache_key("weights-hash|bfloat16|cpu", "ngram", 16)
     from prescient.kernels.cpu_linear import build_signature
