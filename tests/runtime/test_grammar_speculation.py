@@ -166,3 +166,22 @@ def test_forced_tokens_are_not_accepted_drafts(tiny):
             assert stats.num_draft_tokens == stats.num_accepted_tokens == stats.acceptance_rate == 0
             assert stats.num_steps == 0 and stats.mean_accepted_length == 0
             assert planner.acceptance_rate(request.request_id) == 0.5
+
+
+def test_the_row_after_a_drafted_stop_allows_the_stop_tokens():
+    """GrammarStep.prepare: a tree node whose token is a stop token has nothing the grammar allows
+    after it; its row is given the stop tokens (not a row of -inf only, whose probabilities would
+    be NaN), and every other row keeps the grammar's mask."""
+    from types import SimpleNamespace
+
+    from prescient.runtime.constrain import GrammarStep
+    from prescient.speculative.tree import DraftTree
+
+    matcher = compiler((1, 2)).compile(GrammarSpec("regex", "ab")).matcher()
+    seq = SimpleNamespace(samples=True, request=SimpleNamespace(grammar=matcher, output_token_ids=[]))
+    a, b = VOCAB.index("a"), VOCAB.index("b")
+    step = GrammarStep(97, stop_token_ids=(1, 2))
+    trees, masks, failed = step.prepare([seq], [DraftTree([5, a, b, 1], [-1, 0, 1, 2])])
+    assert not failed and trees[0].num_nodes == 4
+    allowed = [{t for t in range(97) if (int(masks.bitmask[r, t // 32]) >> (t % 32)) & 1} for r in range(4)]
+    assert allowed == [{a, VOCAB.index("ab")}, {b}, {1, 2}, {1, 2}]  # after "ab" its stops; after the stop: the fill
