@@ -15,26 +15,13 @@ import torch
 
 from prescient.kernels import cpu_linear
 
-_fn = None
-_tried = False
-
-
-def _bind():
-    global _fn, _tried
-    _tried = True
-    lib = cpu_linear.library()
-    if lib is None:
-        return
-    lib.px_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.px_argmax_rows.restype = ctypes.c_int
-    _fn = lib.px_argmax_rows
+_ARGMAX = cpu_linear.LazySymbol("px_argmax_rows", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                                     ctypes.c_void_p], ctypes.c_int)
 
 
 def available() -> bool:
     """True when the C kernel is loaded (builds the .so on first call)."""
-    if not _tried:
-        _bind()
-    return _fn is not None
+    return _ARGMAX.get() is not None
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
@@ -44,7 +31,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
             or x.stride(1) != 1 or not available()):
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if x.shape[0] and _fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()):
+    if x.shape[0] and _ARGMAX.get()(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr()):
         return x.argmax(-1)  # a shape the kernel does not take (a row past 2^31 entries)
     return out
 
@@ -60,6 +47,6 @@ def argmax_row(x: torch.Tensor) -> int:  # [1, n] or [n] (one row, leading dims 
             or not available()):
         return int(argmax_rows(x)[0])
     out = ctypes.c_int64()
-    if _fn(x.data_ptr(), 1, x.shape[1], x.stride(0), ctypes.addressof(out)):
+    if _ARGMAX.get()(x.data_ptr(), 1, x.shape[1], x.stride(0), ctypes.addressof(out)):
         return int(x.argmax())
     return out.value

@@ -16,27 +16,13 @@ import torch
 
 from prescient.kernels import cpu_linear
 
-_fn = None
-_tried = False
-
-
-def _bind():
-    global _fn, _tried
-    _tried = True
-    lib = cpu_linear.library()
-    if lib is None:
-        return
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.px_apply_bitmask.argtypes = [p, i64, i64, i64, p, i64, i64, p]
-    lib.px_apply_bitmask.restype = ctypes.c_int
-    _fn = lib.px_apply_bitmask
+_i64, _p = ctypes.c_int64, ctypes.c_void_p
+_APPLY = cpu_linear.LazySymbol("px_apply_bitmask", [_p, _i64, _i64, _i64, _p, _i64, _i64, _p], ctypes.c_int)
 
 
 def available() -> bool:
     """True when the C kernel is loaded (builds the .so on first call)."""
-    if not _tried:
-        _bind()
-    return _fn is not None
+    return _APPLY.get() is not None
 
 
 def apply(
@@ -66,7 +52,7 @@ def apply(
     elif nsel > rows:
         raise ValueError(f"apply_token_bitmask: {nsel} bitmask rows for {rows} logits rows")
     ld = logits.stride(0) if rows > 1 else cols  # one row: any stride(0) (a transposed column's)
-    if _fn(logits.data_ptr(), rows, cols, ld, bitmask.data_ptr(), nsel, bitmask.shape[1],
+    if _APPLY.get()(logits.data_ptr(), rows, cols, ld, bitmask.data_ptr(), nsel, bitmask.shape[1],
            None if indices is None else indices.data_ptr()):
         raise IndexError(f"apply_token_bitmask: an index outside [0, {rows})")
     return True

@@ -431,6 +431,25 @@ def _load_library() -> None:
                     _lib_error)
 
 
+
+class LazySymbol:
+    """One function of the library with its ctypes signature, bound on first use (building the .so
+    then); `get()` is it, or None where the library cannot be had (the caller's fallback then)."""
+
+    def __init__(self, name: str, argtypes: list, restype):
+        self.name, self.argtypes, self.restype = name, argtypes, restype
+        self._fn, self._tried = None, False
+
+    def get(self):
+        if not self._tried:
+            self._tried = True
+            lib = library()
+            if lib is not None:
+                fn = getattr(lib, self.name)
+                fn.argtypes, fn.restype = self.argtypes, self.restype
+                self._fn = fn
+        return self._fn
+
 def library() -> Optional[ctypes.CDLL]:
     """The loaded .so (compiled on first call) whatever PRESCIENT_CPU_GEMV says, or None when it
     cannot be built; for the other kernels it holds (cpu_attention)."""

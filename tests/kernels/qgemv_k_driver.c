@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "driver_common.h"
 #include "cpu_dispatch.h"
 #include "cpu_formats.h"
 
@@ -42,30 +43,6 @@ int pqk_int8_activations(int isa);
 #endif
 
 #define QK 256
-
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-
-static uint32_t rnd(void)
-{
-    g_rng ^= g_rng >> 12;
-    g_rng ^= g_rng << 25;
-    g_rng ^= g_rng >> 27;
-    return (uint32_t)((g_rng * 0x2545f4914f6cdd1dull) >> 32);
-}
-
-static float frand(void) { return (float)((double)rnd() / 4294967296.0 * 2.0 - 1.0); }
-
-/* float -> IEEE half bits, truncated (test scales only: any fp16 value will do) */
-static uint16_t to_half(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint32_t sign = (u >> 16) & 0x8000u;
-    const int e = (int)((u >> 23) & 0xff) - 127 + 15;
-    if (e <= 0)
-        return (uint16_t)sign;
-    return (uint16_t)(sign | (uint32_t)e << 10 | ((u >> 13) & 0x3ffu));
-}
 
 static double from_half(uint16_t h)
 {
