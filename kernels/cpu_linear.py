@@ -431,7 +431,6 @@ def _load_library() -> None:
                     _lib_error)
 
 
-
 class LazySymbol:
     """One function of the library with its ctypes signature, bound on first use (building the .so
     then); `get()` is it, or None where the library cannot be had (the caller's fallback then)."""
@@ -449,6 +448,7 @@ class LazySymbol:
                 fn.argtypes, fn.restype = self.argtypes, self.restype
                 self._fn = fn
         return self._fn
+
 
 def library() -> Optional[ctypes.CDLL]:
     """The loaded .so (compiled on first call) whatever PRESCIENT_CPU_GEMV says, or None when it

@@ -10,8 +10,8 @@ int8 path yet.
 The environment variable PRESCIENT_KERNELS overrides that per call: `triton` forces Triton (on
 CPU tensors that needs TRITON_INTERPRET=1 set before the first Triton kernel is imported),
 `reference` forces the reference (the C attention kernel included); PRESCIENT_CPU_ATTENTION=0
-turns the C kernels here off (attention, the int8 KV store, the grammar mask), not the linears. Triton is imported lazily, so the package works where it
-is not installed.
+turns the C kernels here off (attention, the int8 KV store, the grammar mask), not the linears.
+Triton is imported lazily, so the package works where it is not installed.
 """
 
 from __future__ import annotations
