@@ -15,7 +15,8 @@
  *         g >= 2), bits 4-5 from bits 2g..2g+1 of qh[32h + l]; value = d*sc_{i/16}*(q - 32).
  *
  * How it runs.  The portable tier dequantizes a super-block to fp32 in L1 and takes fp32 dot
- * products with x (except on aarch64 with SDOT, below).  The SIMD tiers quantize x once per call (prep, on the calling thread) to
+ * products with x (except on aarch64 with SDOT, below).  The SIMD tiers quantize x once per call
+ * (prep, on the calling thread) to
  * int8 per 256 values with one fp32 scale (absmax / 127, round to nearest even; llama.cpp's
  * Q8_K) plus per-16 sums of the int8 values, then multiply the unsigned weight codes by the
  * int8 activations (vpmaddubsw: u8 x s8 pairs -> s16, no saturation: 2 * 63 * 127 < 2^15),
@@ -182,7 +183,7 @@ static inline xa_t xa_view(const void *xa, int M, int K)
 }
 
 /* fs from bs and d (shared by the per-tier preps). */
-static inline void xa_finish(xa_t *v, size_t rows)  /* (inline: the x86 preps use it) */
+static inline void xa_finish(xa_t *v, size_t rows)  /* (inline: a build with no prep leaves it unused) */
 {
     for (size_t r = 0; r < rows; r++)
         for (int i = 0; i < 8; i++)
@@ -888,8 +889,8 @@ PQK_DEF_Q6K(vnni, DOT_VNNI)
 /* ------------------------------------------------------------------------- */
 /* aarch64 with the dot-product extension (SDOT, pg_neon_dot): the portable   */
 /* tier's int8 kernels.  A super-block's codes are unpacked once (16 q        */
-/* registers of 16 signed bytes) and used for MR <= 4 inputs; each sub-block's */
-/* SDOT sum is scaled by its integer scale (MLA by lane) into one int32x4, so */
+/* registers of 16 signed bytes) and used for MR <= 4 inputs; the sub-blocks' */
+/* SDOT sums, reduced pairwise to a lane each, times their integer scales:   */
 /* the super-block's integer sum is exact, as on x86.                         */
 /* ------------------------------------------------------------------------- */
 
