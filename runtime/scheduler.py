@@ -262,17 +262,33 @@ class Scheduler:
         shape = step_shape(seqs, self.num_layers)
         left = self.config.itl_margin * itl_bound([s.request for s in decodes], self.config.itl_target_s) - \
             self.cost.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx)
-        rows = self.cost.decode_rows_within(left, shape.decode_ctx) - shape.decode_rows
+        # every draft row priced at its own request's context (the oldest requests, first served,
+        # have the longest: priced at the decodes' mean, 8 agents' drafts at 1k context made
+        # steps the model itself put at 85-99 ms of an 80 ms budget, 2-core Zen 4, `bench load`)
+        rows, ctx_sum = shape.decode_rows, shape.decode_rows * shape.decode_ctx
         for seq in decodes:
             r = seq.request
             want = min(r.forced_budget, r.spec_budget) if forced_only else r.spec_budget
-            spec = max(0, min(want, budget, rows, self.max_seq_len - r.num_tokens - 1))
+            most = max(0, min(want, budget, self.max_seq_len - r.num_tokens - 1))
+            own = r.num_computed_tokens + 1  # its decode row's context, already in ctx_sum
+
+            def grown(spec: int) -> float:  # ctx_sum with `spec` draft rows (step_shape's terms)
+                return ctx_sum - own + (1 + spec) * (own + spec)
+
+            lo, hi = 0, most  # the most draft rows that fit: the cost grows with them
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.cost.rows_seconds(rows + mid, grown(mid)) <= left:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            spec = lo
             n = self._blocks_needed(r, 1 + spec) if spec else 0
             if spec and self.blocks.can_allocate(n):  # free blocks only: never a reclaim for a draft
                 r.block_ids.extend(self.blocks.allocate(n))
                 seq.num_spec_slots = spec
                 budget -= spec
-                rows -= spec
+                rows, ctx_sum = rows + spec, grown(spec)
 
     def _priority(self, now: float):
         """Sort key of prefill work: prompts that can still make their TTFT deadline first,
@@ -428,12 +444,14 @@ class _PrefillPlan:
         bound = itl_bound([seq.request for seq in decodes], cfg.itl_target_s)
         for seq in decodes:
             self.note_itl(seq.request)
+        # the step's small-forward rows so far and their contexts' sum (step_shape's terms):
+        # short chunks join them, priced by what they add there
+        shape = step_shape(decodes, scheduler.num_layers)
+        self.rows, self.ctx_sum = shape.decode_rows, shape.decode_rows * shape.decode_ctx
         if self.cost is None or bound is None or not decodes:
             self.slack = float("inf")
         else:
-            rows = sum(1 + seq.num_spec_slots for seq in decodes)
-            ctx = sum(seq.request.num_tokens for seq in decodes) / len(decodes)
-            self.slack = cfg.itl_margin * bound - self.cost.decode_seconds(rows, ctx)
+            self.slack = cfg.itl_margin * bound - self.cost.rows_seconds(self.rows, self.ctx_sum)
         self.bound = bound
 
     def note_itl(self, request: Request) -> None:
@@ -462,8 +480,18 @@ class _PrefillPlan:
         return not self.stopped and (self.num_prefills == 0 or self.slack > 0)
 
     def _seconds(self, request: Request, tokens: int, frac: float = 1.0) -> float:
+        if self.cost is None:
+            return 0.0
+        if frac == 1.0 and tokens <= BATCH_INVARIANT_M:
+            # a short chunk runs among the decode rows (runtime/forward_plan.py) and the step's
+            # prediction prices it so (step_shape), not at a large forward's per-token cost
+            rows, ctx_sum = self._with_short(request, tokens)
+            return self.cost.rows_seconds(rows, ctx_sum) - self.cost.rows_seconds(self.rows, self.ctx_sum)
         ctx = request.num_computed_tokens + tokens / 2
-        return self.cost.prefill_seconds(tokens, ctx, frac) if self.cost is not None else 0.0
+        return self.cost.prefill_seconds(tokens, ctx, frac)
+
+    def _with_short(self, request: Request, tokens: int) -> tuple[int, float]:
+        return self.rows + tokens, self.ctx_sum + tokens * (request.num_computed_tokens + tokens)
 
     def chunk(self, request: Request, token_budget: int) -> tuple[int, tuple[int, int] | None, bool] | None:
         """(tokens, layers, completes) of `request`'s prefill work this step; None: none."""
@@ -519,6 +547,8 @@ class _PrefillPlan:
         L = self.s.num_layers
         if layers is None:
             self.slack -= self._seconds(request, tokens)
+            if tokens <= BATCH_INVARIANT_M:
+                self.rows, self.ctx_sum = self._with_short(request, tokens)
             request.chunk_tokens = request.chunk_layer = 0
             return
         start, stop = layers

@@ -2,12 +2,14 @@
 
 A step's wall time (schedule to commit, what every running stream waits between deliveries) is
 modelled as two parts, each linear in a few features and refitted online by recursive least
-squares (with forgetting, so a machine that gets busier is followed within tens of steps):
+squares (with forgetting, so a machine that gets busier is followed within tens of steps; the
+priors stay as a ridge, so a direction the recent steps never moved along keeps its prior):
 
-    decode(rows, ctx)          = d0 + d1 * rows + d2 * rows * ctx / 1000      every step
+    decode(rows, ctx)          = d0 * forwards + d1 * rows + d2 * rows * ctx / 1000      every step
     prefill(tokens, ctx, frac) = frac * (p0 * tokens + p1 * tokens * ctx / 1000)
 
-`rows` are the decode/verify rows (a draft tree's nodes), `ctx` their mean context; a prefill
+`rows` are the decode/verify rows (a draft tree's nodes) and short chunks, `ctx` their mean
+context, `forwards` = ceil(rows / BATCH_INVARIANT_M) the small forwards they take; a prefill
 chunk of `tokens` at context `ctx` runs a fraction `frac` of the layers this step (a chunk may be
 split by layers over several steps: runtime/scheduler.py). Steps without prefill refit the decode
 part; steps with prefill refit the prefill part on what the decode part leaves. Predictions are
@@ -24,25 +26,38 @@ from prescient.runtime.linear import BATCH_INVARIANT_M
 
 
 class RecursiveLeastSquares:
-    """theta minimising sum_t lambda^(T-t) (y_t - x_t . theta)^2, updated one sample at a time.
+    """theta minimising sum_t lambda^(T-t) (y_t - x_t . theta)^2 + (theta - prior)' P0^-1 (theta -
+    prior), updated one sample at a time: least squares with forgetting, and the prior a ridge
+    that is never forgotten.
+
+    Why the ridge stays: with plain forgetting, a direction the features do not move along (a
+    phase of one-row decode steps: the intercept and the per-row cost always appear summed) loses
+    its information by 1/lambda a step, its covariance winds up, and the first step that moves
+    along it throws theta anywhere (measured under load: docs/SCHEDULING.md). Here the
+    information matrix R = P0^-1 + sum_t lambda^(T-t) x_t x_t' never falls below the prior's, so
+    the covariance stays bounded by P0; where the data speak (tens of steps) they outweigh it.
 
     Plain Python floats, not numpy: the engine updates it once a step, right after a forward
     streamed the weights through the caches, where numpy's ~15 small-array calls made a step's
-    `observe` cost ~0.15 ms (a fortieth of a decode step) and these float operations ~0.035 ms."""
+    `observe` cost ~0.15 ms (a fortieth of a decode step); these float operations (an n <= 3
+    solve) cost a few tens of microseconds."""
 
     def __init__(self, prior: list[float], prior_scale: float | list[float] = 1.0, forgetting: float = 0.95):
-        self.theta = [float(v) for v in prior]
+        self.prior = [float(v) for v in prior]
+        self.theta = list(self.prior)
         n = len(self.theta)
         scales = [float(prior_scale)] * n if isinstance(prior_scale, (int, float)) else [float(v) for v in prior_scale]
         if len(scales) != n:
             raise ValueError(f"prior_scale has {len(scales)} entries for {n} coefficients")
-        # The prior's covariance in units of the observation noise's variance: (how far theta
+        # The prior's covariance P0 in units of the observation noise's variance: (how far theta
         # may be from the prior / how noisy one step's time is)^2. Step times vary by ~5-10 ms
         # and the coefficients are ms-sized, so O(1): one step already moves theta most of the
         # way along its features, as it should when the priors are another machine's.
         # Per coefficient: a context term gets a tight prior, since within one prompt context and
         # token count grow together and the fit would otherwise trade one against the other.
-        self.P = [[scales[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.prior_info = [1.0 / v for v in scales]  # P0^-1, diagonal
+        self.R = [[self.prior_info[i] if i == j else 0.0 for j in range(n)] for i in range(n)]
+        self.b = [w * t for w, t in zip(self.prior_info, self.prior)]  # R theta = b
         self.forgetting = forgetting
         self.num_samples = 0
 
@@ -51,23 +66,43 @@ class RecursiveLeastSquares:
 
     def update(self, x, y: float) -> None:
         x = [float(v) for v in x]
-        if len(x) != len(self.theta):
-            raise ValueError(f"x has {len(x)} features, the fit {len(self.theta)}")
-        lam, P, theta = self.forgetting, self.P, self.theta
-        Px = [sum(p * v for p, v in zip(row, x)) for row in P]  # P x
-        denom = lam + sum(p * v for p, v in zip(Px, x))
-        if not (math.isfinite(denom) and denom > 0):
-            return  # degenerate (x^T P x is >= 0 for a sound P): skipped, as a non-finite update
-        err = y - sum(t * v for t, v in zip(theta, x))
-        gain = [p / denom for p in Px]
-        new_theta = [t + g * err for t, g in zip(theta, gain)]
-        new_P = [[(P[i][j] - gain[i] * Px[j]) / lam for j in range(len(x))] for i in range(len(x))]
-        if not all(math.isfinite(v) for v in new_theta) or not all(math.isfinite(v) for row in new_P for v in row):
-            return  # a degenerate update (it would poison every later prediction): skip it
-        # keep P bounded (a long run of identical features would blow it up through 1/lambda)
-        self.theta = new_theta
-        self.P = [[min(1e3, max(-1e3, v)) for v in row] for row in new_P]
+        n = len(self.theta)
+        if len(x) != n:
+            raise ValueError(f"x has {len(x)} features, the fit {n}")
+        y = float(y)
+        if not (math.isfinite(y) and all(math.isfinite(v) for v in x)):
+            return  # a degenerate sample would poison every later prediction: skipped
+        # R_T = lam R_(T-1) + (1 - lam) P0^-1 + x x', b_T likewise: the data's weights decay by
+        # lam a step while the prior's stay whole
+        lam, keep = self.forgetting, 1.0 - self.forgetting
+        R = [[lam * self.R[i][j] + x[i] * x[j] + (keep * self.prior_info[i] if i == j else 0.0) for j in range(n)]
+             for i in range(n)]
+        b = [lam * self.b[i] + x[i] * y + keep * self.prior_info[i] * self.prior[i] for i in range(n)]
+        theta = _solve(R, b)
+        if theta is None or not all(math.isfinite(v) for v in theta):
+            return
+        self.R, self.b, self.theta = R, b, theta
         self.num_samples += 1
+
+
+def _solve(A: list[list[float]], b: list[float]) -> list[float] | None:
+    """x with A x = b for a small symmetric positive definite A (Gaussian elimination with partial
+    pivoting on copies); None if A is singular to working precision."""
+    n = len(b)
+    M = [list(row) + [v] for row, v in zip(A, b)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(M[r][c]))
+        if not abs(M[p][c]) > 1e-300:
+            return None
+        M[c], M[p] = M[p], M[c]
+        for r in range(c + 1, n):
+            f = M[r][c] / M[c][c]
+            if f:
+                M[r] = [a - f * v for a, v in zip(M[r], M[c])]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (M[r][n] - sum(M[r][k] * x[k] for k in range(r + 1, n))) / M[r][r]
+    return x
 
 
 @dataclass
@@ -97,7 +132,10 @@ class StepCostModel:
 
     @staticmethod
     def _decode_x(shape: StepShape) -> list[float]:
-        return [1.0, shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
+        # the intercept once per small forward: rows past BATCH_INVARIANT_M are another forward,
+        # another pass over the weights
+        forwards = max(1, -(-shape.decode_rows // BATCH_INVARIANT_M))
+        return [float(forwards), shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
 
     @staticmethod
     def _prefill_x(tokens: float, ctx: float) -> list[float]:
@@ -107,14 +145,11 @@ class StepCostModel:
         floor = self.DECODE_PRIOR[0] * 0.1
         return max(floor, self.decode.predict(self._decode_x(StepShape(rows, ctx))))
 
-    def decode_rows_within(self, seconds: float, ctx: float) -> int:
-        """The most decode/verify rows at mean context `ctx` predicted to fit `seconds` (>= 0);
-        read off decode_seconds, linear in the rows."""
-        base = self.decode_seconds(0, ctx)
-        per_row = self.decode_seconds(1, ctx) - base
-        if per_row <= 0:  # a fit that has not learnt a row's cost yet: the prior's
-            per_row = self.DECODE_PRIOR[1] + self.DECODE_PRIOR[2] * ctx / 1000
-        return max(0, int((seconds - base) / per_row))
+    def rows_seconds(self, rows: int, ctx_sum: float) -> float:
+        """decode_seconds of `rows` rows whose contexts sum to `ctx_sum` (step_shape's
+        decode_rows and decode_rows * decode_ctx): what the scheduler prices a step's small
+        forwards by as it adds short chunks and draft rows to them, each at its own context."""
+        return self.decode_seconds(rows, ctx_sum / rows if rows else 0.0)
 
     def prefill_seconds(self, tokens: int, ctx: float, frac: float = 1.0) -> float:
         """A chunk of `tokens` at mean context `ctx` through `frac` of the layers."""

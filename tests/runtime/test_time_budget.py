@@ -187,6 +187,56 @@ def test_draft_slots_are_what_the_itl_budget_leaves_after_every_decode(tiny):
     assert sum(s.num_spec_slots for s in loose.scheduler.schedule().seqs) == 8 * 40  # no bound: no cap
 
 
+class CtxCost(FakeCost):
+    """FakeCost with attention: a small forward's row costs 1 ms + 4 ms per 1000 positions of
+    its context; a prompt token in a large forward 0.5 ms."""
+
+    def decode_seconds(self, rows, ctx):
+        return 0.010 + 0.001 * rows + 0.004 * rows * ctx / 1000
+
+    def prefill_seconds(self, tokens, ctx, frac=1.0):
+        return 0.0005 * tokens * frac
+
+
+def test_each_draft_is_priced_at_its_own_requests_context(tiny):
+    """Drafts go to the oldest requests first, which here hold the longest contexts. Priced at
+    the decodes' mean context, their rows would take the step past its budget; priced each at
+    its own request's context, the step's prediction stays within 0.8 x 100 ms and the drafts
+    still get what is left."""
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_batched_tokens=2048)
+    engine.step_cost = engine.scheduler.cost = CtxCost()
+    for i in range(2):
+        engine.add_request(prompt(1500, seed=30 + i), greedy(40), request_id=f"long{i}")
+    for i in range(6):
+        engine.add_request(prompt(20, seed=40 + i), greedy(40), request_id=f"short{i}")
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
+    for request in engine.scheduler.running:
+        request.spec_budget = 40
+    out = engine.scheduler.schedule()
+    assert len(out.seqs) == 8 and all(s.num_new_tokens == 1 for s in out.seqs)
+    drafts = {s.request.request_id: s.num_spec_slots for s in out.seqs}
+    assert drafts["long0"] > 0  # oldest first
+    assert engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers)) <= 0.08 + 1e-9
+
+
+def test_a_short_prompt_is_priced_as_the_rows_it_adds_to_the_small_forwards(tiny):
+    """A prompt of at most 64 tokens runs among the decode rows, and the step's prediction
+    prices it so; the plan prices it the same way. Here such a row costs twice a large
+    forward's prompt token: two 40-token prompts would fit the slack at the large forward's
+    price, only one at the rows' price. One starts (a step's first prefill work always
+    progresses), the other waits for the next step, and the step stays within its budget."""
+    engine = make_engine(tiny, itl_target_s=0.1)
+    engine.step_cost = engine.scheduler.cost = CtxCost()
+    start_decodes(engine, n=2, tokens=20)
+    engine.add_request(prompt(40, seed=50), greedy(2), request_id="a")
+    engine.add_request(prompt(40, seed=51), greedy(2), request_id="b")
+    out = engine.scheduler.schedule()
+    started = [s.request.request_id for s in out.seqs if s.num_new_tokens > 1]
+    assert started == ["a"] and [r.request_id for r in engine.scheduler.waiting] == ["b"]
+    assert engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers)) <= 0.08 + 1e-9
+
+
 def _first_step(tiny, spec_budget, prompt_tokens):
     """The first step after a prompt of `prompt_tokens` arrives beside two decodes that each
     want `spec_budget` draft slots: the prompt's (tokens, layers), the draft slots granted, and
@@ -351,10 +401,31 @@ def test_the_cost_model_learns_this_machine_from_its_own_steps():
     assert model.predict(StepShape(4, 800)) < 4 * before
 
 
+def test_the_cost_model_prices_each_small_forward_as_another_pass_over_the_weights():
+    """Rows past BATCH_INVARIANT_M take a second small forward, which reads the weights again:
+    the fitted model shows that step up rather than spreading it over every row."""
+    from prescient.runtime.linear import BATCH_INVARIANT_M as M
+    from prescient.runtime.step_cost import StepShape
+
+    def truth(s: StepShape) -> float:  # 8 ms a forward, 0.6 ms a row
+        return 0.008 * max(1, -(-s.decode_rows // M)) + 0.0006 * s.decode_rows + 0.0001 * s.decode_rows * s.decode_ctx / 1000
+
+    model = StepCostModel()
+    g = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        shape = StepShape(int(torch.randint(1, 2 * M + 1, (1,), generator=g)), float(torch.randint(50, 1500, (1,), generator=g)))
+        model.observe(shape, truth(shape))
+    for rows in (1, M // 2, M, M + 1, 2 * M):  # (the priors' ridge keeps a little pull)
+        shape = StepShape(rows, 500.0)
+        assert abs(model.predict(shape) / truth(shape) - 1) < 0.15, rows
+    step_up = model.predict(StepShape(M + 1, 500.0)) - model.predict(StepShape(M, 500.0))
+    assert step_up > 0.006
+
+
 def test_recursive_least_squares_is_the_weighted_least_squares_solution():
-    """After T samples, theta and P are the closed form's: the minimiser of sum_t lambda^(T-t)
-    (y_t - x_t . theta)^2 + lambda^T (theta - prior)' P0^-1 (theta - prior), and the inverse of
-    that form's Hessian / 2."""
+    """After T samples, theta is the closed form's: the minimiser of sum_t lambda^(T-t)
+    (y_t - x_t . theta)^2 + (theta - prior)' P0^-1 (theta - prior) (the prior a ridge that is
+    never forgotten), and R that form's Hessian / 2."""
     import numpy as np
 
     from prescient.runtime.step_cost import RecursiveLeastSquares
@@ -368,16 +439,46 @@ def test_recursive_least_squares_is_the_weighted_least_squares_solution():
         rls.update(x.tolist(), float(y))
     T = len(ys)
     w = lam ** np.arange(T - 1, -1, -1)
-    info = lam ** T * np.diag(1 / np.array(scales)) + (xs * w[:, None]).T @ xs
-    theta = np.linalg.solve(info, lam ** T * np.array(prior) / np.array(scales) + (xs * w[:, None]).T @ ys)
+    info = np.diag(1 / np.array(scales)) + (xs * w[:, None]).T @ xs
+    theta = np.linalg.solve(info, np.array(prior) / np.array(scales) + (xs * w[:, None]).T @ ys)
     assert np.allclose(rls.theta, theta, rtol=1e-8, atol=1e-12)
-    assert np.allclose(rls.P, np.linalg.inv(info), rtol=1e-8, atol=1e-12)
+    assert np.allclose(rls.R, info, rtol=1e-8, atol=1e-12)
     assert rls.num_samples == T
     assert abs(rls.predict([1.0, 4.0, 0.8]) - float(np.array([1.0, 4.0, 0.8]) @ theta)) < 1e-12
     rls.update([1.0, float("inf"), 0.0], 1.0)  # degenerate: skipped, nothing poisoned
+    rls.update([1.0, 2.0, 0.0], float("nan"))
     assert rls.num_samples == T and np.allclose(rls.theta, theta, rtol=1e-8, atol=1e-12)
     with pytest.raises(ValueError, match="features"):
         rls.update([1.0, 2.0], 1.0)
+
+
+def test_a_long_run_of_one_shape_leaves_the_other_shapes_priced_sanely():
+    """A server's first minutes may see only one-row decode steps (one agent at a time), then
+    eight agents at once. The one-row phase teaches the sum of the intercept and the per-row
+    cost, nothing about either alone; afterwards the first multi-row steps must be priced near
+    their cost, and a few of them must put the fit right. (With plain forgetting the unexcited
+    direction's covariance wound up and the fit swung by orders of magnitude, as measured
+    under `bench load`.)"""
+    from prescient.runtime.step_cost import StepShape
+
+    def truth(s: StepShape) -> float:  # a memory-bound step: 5 ms, then 0.8 ms a row, ctx term
+        return 0.005 + 0.0008 * s.decode_rows + 0.00005 * s.decode_rows * s.decode_ctx / 1000
+
+    model = StepCostModel()
+    g = torch.Generator().manual_seed(1)
+    for i in range(3000):  # ~15 s of one-row steps, context growing and resetting per request
+        shape = StepShape(1, 100.0 + (i % 300))
+        noise = 1 + 0.05 * float(torch.randn(1, generator=g))
+        model.observe(shape, truth(shape) * noise)
+    for rows in (1, 4, 8, 32, 100):
+        shape = StepShape(rows, 300.0)
+        assert 0.5 < model.predict(shape) / truth(shape) < 2.0, (rows, model.predict(shape), truth(shape))
+    for i in range(30):  # eight agents: mixed row counts
+        shape = StepShape(int(torch.randint(4, 80, (1,), generator=g)), 300.0)
+        model.observe(shape, truth(shape))
+    for rows in (1, 4, 8, 32, 100):
+        shape = StepShape(rows, 300.0)
+        assert abs(model.predict(shape) / truth(shape) - 1) < 0.15, rows
 
 
 def test_bounds_the_server_cannot_meet_even_alone_are_reported(tiny):
