@@ -99,7 +99,7 @@ class Engine:
         self.max_seq_len = min(self.max_model_len, self.kv_capacity)
         self.sessions = SessionPins(self.block_manager, config.session_ttl_s)
         # the step cost model: the scheduler reads it to size steps by time, step() refits it
-        self.step_cost = StepCostModel()
+        self.step_cost = StepCostModel(packed=self.path.packs_forwards)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_seq_len,
                                    reclaim=self.sessions.evict_oldest, cost=self.step_cost,
                                    num_layers=model.num_layers,

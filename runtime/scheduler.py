@@ -27,7 +27,7 @@ from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.kv_cache import BlockManager
 from prescient.runtime.linear import BATCH_INVARIANT_M
 from prescient.runtime.request import OverloadedError, Request, RequestStatus
-from prescient.runtime.step_cost import StepCostModel, step_shape
+from prescient.runtime.step_cost import StepCostModel, packed_forwards, step_shape
 
 
 # A prompt that cannot make its TTFT bound even alone is due at this multiple of its prefill alone.
@@ -266,29 +266,41 @@ class Scheduler:
         # have the longest: priced at the decodes' mean, 8 agents' drafts at 1k context made
         # steps the model itself put at 85-99 ms of an 80 ms budget, 2-core Zen 4, `bench load`)
         rows, ctx_sum = shape.decode_rows, shape.decode_rows * shape.decode_ctx
+        # the small sequences' rows in the step's order: draft rows can change how the forward
+        # plan packs them (a sequence never spans two forwards)
+        small = [s.num_new_tokens + s.num_spec_slots for s in seqs if s.num_new_tokens <= BATCH_INVARIANT_M
+                 and s.layers is None]
+        where = {id(s): k for k, s in enumerate(s for s in seqs if s.num_new_tokens <= BATCH_INVARIANT_M
+                                                 and s.layers is None)}
         for seq in decodes:
             r = seq.request
             want = min(r.forced_budget, r.spec_budget) if forced_only else r.spec_budget
             most = max(0, min(want, budget, self.max_seq_len - r.num_tokens - 1))
             own = r.num_computed_tokens + 1  # its decode row's context, already in ctx_sum
+            k = where[id(seq)]
 
             def grown(spec: int) -> float:  # ctx_sum with `spec` draft rows (step_shape's terms)
                 return ctx_sum - own + (1 + spec) * (own + spec)
 
-            lo, hi = 0, most  # the most draft rows that fit: the cost grows with them
+            def cost(spec: int) -> float:
+                small[k] = 1 + spec
+                return self.cost.rows_seconds(rows + spec, grown(spec), packed_forwards(small))
+
+            lo, hi = 0, most  # the most draft rows that fit (the cost grows with them)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if self.cost.rows_seconds(rows + mid, grown(mid)) <= left:
+                if cost(mid) <= left:
                     lo = mid
                 else:
                     hi = mid - 1
             spec = lo
+            small[k] = 1
             n = self._blocks_needed(r, 1 + spec) if spec else 0
             if spec and self.blocks.can_allocate(n):  # free blocks only: never a reclaim for a draft
                 r.block_ids.extend(self.blocks.allocate(n))
                 seq.num_spec_slots = spec
                 budget -= spec
-                rows, ctx_sum = rows + spec, grown(spec)
+                rows, ctx_sum, small[k] = rows + spec, grown(spec), 1 + spec
 
     def _priority(self, now: float):
         """Sort key of prefill work: prompts that can still make their TTFT deadline first,
@@ -448,10 +460,12 @@ class _PrefillPlan:
         # short chunks join them, priced by what they add there
         shape = step_shape(decodes, scheduler.num_layers)
         self.rows, self.ctx_sum = shape.decode_rows, shape.decode_rows * shape.decode_ctx
+        self.small = [seq.num_new_tokens + seq.num_spec_slots for seq in decodes]  # in step order
         if self.cost is None or bound is None or not decodes:
             self.slack = float("inf")
         else:
-            self.slack = cfg.itl_margin * bound - self.cost.rows_seconds(self.rows, self.ctx_sum)
+            self.slack = cfg.itl_margin * bound - self.cost.rows_seconds(self.rows, self.ctx_sum,
+                                                                          packed_forwards(self.small))
         self.bound = bound
 
     def note_itl(self, request: Request) -> None:
@@ -486,7 +500,8 @@ class _PrefillPlan:
             # a short chunk runs among the decode rows (runtime/forward_plan.py) and the step's
             # prediction prices it so (step_shape), not at a large forward's per-token cost
             rows, ctx_sum = self._with_short(request, tokens)
-            return self.cost.rows_seconds(rows, ctx_sum) - self.cost.rows_seconds(self.rows, self.ctx_sum)
+            return (self.cost.rows_seconds(rows, ctx_sum, packed_forwards(self.small + [tokens]))
+                    - self.cost.rows_seconds(self.rows, self.ctx_sum, packed_forwards(self.small)))
         ctx = request.num_computed_tokens + tokens / 2
         return self.cost.prefill_seconds(tokens, ctx, frac)
 
@@ -549,6 +564,7 @@ class _PrefillPlan:
             self.slack -= self._seconds(request, tokens)
             if tokens <= BATCH_INVARIANT_M:
                 self.rows, self.ctx_sum = self._with_short(request, tokens)
+                self.small.append(tokens)
             request.chunk_tokens = request.chunk_layer = 0
             return
         start, stop = layers

@@ -116,6 +116,8 @@ class StepShape:
     # whole forward
     prefill_tokens: float = 0
     prefill_ctx: float = 0.0  # the chunks' mean context at their middle
+    # the small forwards the decode rows take (runtime/forward_plan.plan's packing); 0: ceil(rows / M)
+    decode_forwards: int = 0
 
 
 class StepCostModel:
@@ -126,30 +128,43 @@ class StepCostModel:
     DECODE_PRIOR = [0.004, 0.001, 0.0002]
     PREFILL_PRIOR = [0.002, 0.0004]
 
-    def __init__(self):
+    def __init__(self, packed: bool = True):
+        """packed: the small rows run in forwards of at most BATCH_INVARIANT_M rows, each another
+        pass over the weights (the CPU's plan); False: in one forward (the device plan)."""
+        self.packed = packed
         self.decode = RecursiveLeastSquares(self.DECODE_PRIOR, prior_scale=[1.0, 0.25, 0.01])
         self.prefill = RecursiveLeastSquares(self.PREFILL_PRIOR, prior_scale=[0.25, 0.005])
 
-    @staticmethod
-    def _decode_x(shape: StepShape) -> list[float]:
-        # the intercept once per small forward: rows past BATCH_INVARIANT_M are another forward,
-        # another pass over the weights
-        forwards = max(1, -(-shape.decode_rows // BATCH_INVARIANT_M))
-        return [float(forwards), shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
+    def _forwards(self, shape: StepShape) -> int:
+        if not self.packed:
+            return 1
+        return max(1, shape.decode_forwards or -(-shape.decode_rows // BATCH_INVARIANT_M))
+
+    def _decode_x(self, shape: StepShape) -> list[float]:
+        # the intercept once per small forward
+        return [float(self._forwards(shape)), shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
 
     @staticmethod
     def _prefill_x(tokens: float, ctx: float) -> list[float]:
         return [tokens, tokens * ctx / 1000]
 
-    def decode_seconds(self, rows: int, ctx: float) -> float:
-        floor = self.DECODE_PRIOR[0] * 0.1
-        return max(floor, self.decode.predict(self._decode_x(StepShape(rows, ctx))))
+    def decode_seconds(self, rows: int, ctx: float, forwards: int = 0) -> float:
+        """The decode part for `rows` rows at mean context `ctx` in `forwards` small forwards
+        (0: ceil(rows / BATCH_INVARIANT_M)). Never cheaper with more rows: the intercept is
+        taken at >= 0 and a row at >= a tenth of the prior's (a line fitted to a flat stretch
+        can slope down, and the scheduler's searches need the cost to grow with the rows)."""
+        d0, d1, d2 = self.decode.theta
+        p0, p1, p2 = self.DECODE_PRIOR
+        per_row = max(d1 + d2 * ctx / 1000, 0.1 * (p1 + p2 * ctx / 1000))
+        n = self._forwards(StepShape(rows, ctx, decode_forwards=forwards))
+        return max(p0 * 0.1, max(d0, 0.0) * n + per_row * rows)
 
-    def rows_seconds(self, rows: int, ctx_sum: float) -> float:
+    def rows_seconds(self, rows: int, ctx_sum: float, forwards: int = 0) -> float:
         """decode_seconds of `rows` rows whose contexts sum to `ctx_sum` (step_shape's
-        decode_rows and decode_rows * decode_ctx): what the scheduler prices a step's small
-        forwards by as it adds short chunks and draft rows to them, each at its own context."""
-        return self.decode_seconds(rows, ctx_sum / rows if rows else 0.0)
+        decode_rows and decode_rows * decode_ctx) in `forwards` small forwards: what the
+        scheduler prices a step's small forwards by as it adds short chunks and draft rows to
+        them, each at its own context."""
+        return self.decode_seconds(rows, ctx_sum / rows if rows else 0.0, forwards)
 
     def prefill_seconds(self, tokens: int, ctx: float, frac: float = 1.0) -> float:
         """A chunk of `tokens` at mean context `ctx` through `frac` of the layers."""
@@ -161,7 +176,7 @@ class StepCostModel:
         return per_token * tokens * frac
 
     def predict(self, shape: StepShape) -> float:
-        return (self.decode_seconds(shape.decode_rows, shape.decode_ctx)
+        return (self.decode_seconds(shape.decode_rows, shape.decode_ctx, shape.decode_forwards)
                 + self.prefill_seconds(shape.prefill_tokens, shape.prefill_ctx))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
@@ -171,7 +186,7 @@ class StepCostModel:
         # machine that really got slower is followed within a few steps all the same
         seconds = min(seconds, 3 * self.predict(shape) + 0.02)
         if shape.prefill_tokens > 0:
-            rest = seconds - self.decode_seconds(shape.decode_rows, shape.decode_ctx)
+            rest = seconds - self.decode_seconds(shape.decode_rows, shape.decode_ctx, shape.decode_forwards)
             self.prefill.update(self._prefill_x(shape.prefill_tokens, shape.prefill_ctx),
                                 max(rest, 0.0))
         elif shape.decode_rows:
@@ -184,19 +199,38 @@ def step_shape(seqs, num_layers: int, small_m: int = BATCH_INVARIANT_M) -> StepS
     longer chunks by the fraction of layers they run."""
     shape = StepShape()
     dctx = pctx = 0.0
+    small: list[int] = []
     for seq in seqs:
         r = seq.request
         rows = seq.num_new_tokens + seq.num_spec_slots
         if seq.num_new_tokens <= small_m and seq.layers is None:
             shape.decode_rows += rows
             dctx += rows * (r.num_computed_tokens + rows)
+            small.append(rows)
         else:
             frac = 1.0 if seq.layers is None else (seq.layers[1] - seq.layers[0]) / num_layers
             weight = seq.num_new_tokens * frac
             shape.prefill_tokens += weight
             pctx += weight * (r.num_computed_tokens + seq.num_new_tokens / 2)
+    shape.decode_forwards = packed_forwards(small, small_m)
     if shape.decode_rows:
         shape.decode_ctx = dctx / shape.decode_rows
     if shape.prefill_tokens:
         shape.prefill_ctx = pctx / shape.prefill_tokens
     return shape
+
+
+def packed_forwards(rows: list[int], m: int = BATCH_INVARIANT_M) -> int:
+    """How many forwards runtime/forward_plan.plan runs these small sequences' rows in (in
+    order): one of its own for more than `m` rows, the rest packed in order, a new forward
+    whenever the next would not fit."""
+    forwards = fill = 0
+    for n in rows:
+        if n > m:
+            forwards += 1
+            continue
+        if fill and fill + n > m:
+            forwards += 1
+            fill = 0
+        fill += n
+    return forwards + (1 if fill else 0)

@@ -38,6 +38,9 @@ class CpuStepPath:
     name = "cpu"
     device_side = False  # sampling and verification draw on the host, per request
     layer_split = True  # a long chunk may run its layers over several steps
+    # small rows in forwards of at most BATCH_INVARIANT_M rows (forward_plan.plan): the step
+    # cost model prices each as another pass over the weights
+    packs_forwards = True
     # one KV tensor for all layers: a verify step that accepted a branch moves its KV rows in one
     # gather and one scatter (~40 us on a 2-core Zen 4) instead of an op pair a layer (~0.5 ms)
     stacked_kv = True
@@ -61,6 +64,7 @@ class DeviceStepPath:
     # forward); a chunk over the step's time budget runs whole as its first prefill work, or
     # waits for the next step (runtime/scheduler.py)
     layer_split = False
+    packs_forwards = False  # forward_plan.plan_one: every row in one forward
     stacked_kv = True  # one KV tensor for all layers: a verify step's moves are one copy
 
     def __init__(self, device: torch.device | str):

@@ -10,6 +10,9 @@ included. Tests check the policy, never the machine's speed."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import pytest
 import torch
 
@@ -24,7 +27,7 @@ from prescient.runtime.step_cost import StepCostModel, step_shape
 class FakeCost(StepCostModel):
     """A decode step costs 10 ms + 1 ms a row; a prompt token 1 ms through every layer; never refitted."""
 
-    def decode_seconds(self, rows, ctx):
+    def decode_seconds(self, rows, ctx, forwards=0):
         return 0.010 + 0.001 * rows
 
     def prefill_seconds(self, tokens, ctx, frac=1.0):
@@ -191,7 +194,7 @@ class CtxCost(FakeCost):
     """FakeCost with attention: a small forward's row costs 1 ms + 4 ms per 1000 positions of
     its context; a prompt token in a large forward 0.5 ms."""
 
-    def decode_seconds(self, rows, ctx):
+    def decode_seconds(self, rows, ctx, forwards=0):
         return 0.010 + 0.001 * rows + 0.004 * rows * ctx / 1000
 
     def prefill_seconds(self, tokens, ctx, frac=1.0):
@@ -218,6 +221,67 @@ def test_each_draft_is_priced_at_its_own_requests_context(tiny):
     drafts = {s.request.request_id: s.num_spec_slots for s in out.seqs}
     assert drafts["long0"] > 0  # oldest first
     assert engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers)) <= 0.08 + 1e-9
+    # and no more than fit: one more draft row for the first request left short would not
+    short = next(s for s in out.seqs if s.num_spec_slots < 40)
+    more = [dataclasses.replace(s, num_spec_slots=s.num_spec_slots + (s is short)) for s in out.seqs]
+    assert engine.step_cost.predict(step_shape(more, tiny.num_layers)) > 0.08
+
+
+class PackCost(FakeCost):
+    """A small forward costs 25 ms (a pass over the weights), a row 0.2 ms; `forwards` as the
+    forward plan packs the rows (default: ceil(rows / 64))."""
+
+    def decode_seconds(self, rows, ctx, forwards=0):
+        return 0.025 * (forwards or max(1, -(-rows // 64))) + 0.0002 * rows
+
+
+def test_draft_rows_are_priced_with_the_forwards_the_plan_packs_them_into(tiny):
+    """A sequence never spans two small forwards, so three 33-row trees take three forwards
+    where their 99 rows would fit two. The third decode's drafts stop where its tree still
+    packs into the second forward (3 x 25 ms would pass the 80 ms budget; ceil(99 / 64) = 2
+    forwards would not have)."""
+    from prescient.runtime.step_cost import packed_forwards
+
+    engine = make_engine(tiny, itl_target_s=0.1, max_num_batched_tokens=1024)
+    engine.step_cost = engine.scheduler.cost = PackCost()
+    start_decodes(engine, n=3, tokens=20)
+    for request in engine.scheduler.running:
+        request.spec_budget = 32
+    out = engine.scheduler.schedule()
+    assert [s.num_spec_slots for s in out.seqs] == [32, 32, 30]
+    rows = [1 + s.num_spec_slots for s in out.seqs]
+    assert packed_forwards(rows) == 2
+    assert engine.step_cost.predict(step_shape(out.seqs, tiny.num_layers)) <= 0.08 + 1e-9
+
+
+def test_packed_forwards_counts_the_forward_plans_small_forwards():
+    """step_shape's count of small forwards is the forward plan's (runtime/forward_plan.plan):
+    sequences packed in order, a new forward when the next does not fit, more than 64 rows
+    alone."""
+    from types import SimpleNamespace
+
+    from prescient.runtime.forward_plan import plan
+    from prescient.runtime.step_cost import packed_forwards
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        rows = [int(torch.randint(1, 90, (1,), generator=g)) for _ in range(n)]
+        seqs = [SimpleNamespace(num_new_tokens=r, layers=None, logits=None) for r in rows]
+        assert packed_forwards(rows) == len(plan(seqs, [None] * n)), rows
+
+
+def test_the_decode_price_never_falls_as_rows_are_added():
+    """The scheduler's searches assume more rows cost more. A fit of a flat stretch can slope
+    down, or put the intercept below zero; the prices still grow with the rows."""
+    model = StepCostModel()
+    for theta in ([0.01, -0.001, 0.0], [-0.005, 0.001, 0.0], [0.004, 0.0005, -0.002]):
+        model.decode.theta = list(theta)
+        prices = [model.decode_seconds(rows, 800.0) for rows in range(0, 200)]
+        assert all(b >= a for a, b in zip(prices, prices[1:])), theta
+        assert model.decode_seconds(65, 800.0) > model.decode_seconds(64, 800.0)
+
+
 
 
 def test_a_short_prompt_is_priced_as_the_rows_it_adds_to_the_small_forwards(tiny):
@@ -367,6 +431,9 @@ def test_a_short_prompt_goes_before_a_long_one_that_cannot_make_its_bound(tiny):
     for _ in range(3):
         engine.step()
     assert engine.requests["long"].num_computed_tokens < 1500  # still prefilling
+    # the short one arrives 50 ms after the long one, however long these steps took on this
+    # machine (deadlines are wall-clock: on a loaded host the long one's could come first)
+    engine.requests["long"].arrival_time = time.perf_counter() - 0.05
     engine.add_request(prompt(30, seed=13), greedy(2), request_id="short")
     steps, _ = trace(engine)
     order = [(r, layers) for seqs, _, _ in steps for r, n, layers in seqs if r in ("long", "short") and n > 1]
