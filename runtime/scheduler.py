@@ -268,10 +268,9 @@ class Scheduler:
         rows, ctx_sum = shape.decode_rows, shape.decode_rows * shape.decode_ctx
         # the small sequences' rows in the step's order: draft rows can change how the forward
         # plan packs them (a sequence never spans two forwards)
-        small = [s.num_new_tokens + s.num_spec_slots for s in seqs if s.num_new_tokens <= BATCH_INVARIANT_M
-                 and s.layers is None]
-        where = {id(s): k for k, s in enumerate(s for s in seqs if s.num_new_tokens <= BATCH_INVARIANT_M
-                                                 and s.layers is None)}
+        small_seqs = [s for s in seqs if s.num_new_tokens <= BATCH_INVARIANT_M and s.layers is None]
+        small = [s.num_new_tokens + s.num_spec_slots for s in small_seqs]
+        where = {id(s): k for k, s in enumerate(small_seqs)}
         for seq in decodes:
             r = seq.request
             want = min(r.forced_budget, r.spec_budget) if forced_only else r.spec_budget
