@@ -9,7 +9,7 @@ priors stay as a ridge, so a direction the recent steps never moved along keeps 
     prefill(tokens, ctx, frac) = frac * (p0 * tokens + p1 * tokens * ctx / 1000)
 
 `rows` are the decode/verify rows (a draft tree's nodes) and short chunks, `ctx` their mean
-context, `forwards` = ceil(rows / BATCH_INVARIANT_M) the small forwards they take; a prefill
+context, `forwards` the small forwards runtime/forward_plan.plan packs them into; a prefill
 chunk of `tokens` at context `ctx` runs a fraction `frac` of the layers this step (a chunk may be
 split by layers over several steps: runtime/scheduler.py). Steps without prefill refit the decode
 part; steps with prefill refit the prefill part on what the decode part leaves. Predictions are
@@ -135,14 +135,17 @@ class StepCostModel:
         self.decode = RecursiveLeastSquares(self.DECODE_PRIOR, prior_scale=[1.0, 0.25, 0.01])
         self.prefill = RecursiveLeastSquares(self.PREFILL_PRIOR, prior_scale=[0.25, 0.005])
 
-    def _forwards(self, shape: StepShape) -> int:
+    def _forwards(self, rows: int, forwards: int) -> int:
+        """The small forwards `rows` rows take: `forwards` as packed (0: ceil(rows / M)), at least
+        one; one where every row runs in one forward."""
         if not self.packed:
             return 1
-        return max(1, shape.decode_forwards or -(-shape.decode_rows // BATCH_INVARIANT_M))
+        return max(1, forwards or -(-rows // BATCH_INVARIANT_M))
 
     def _decode_x(self, shape: StepShape) -> list[float]:
         # the intercept once per small forward
-        return [float(self._forwards(shape)), shape.decode_rows, shape.decode_rows * shape.decode_ctx / 1000]
+        return [float(self._forwards(shape.decode_rows, shape.decode_forwards)), shape.decode_rows,
+                shape.decode_rows * shape.decode_ctx / 1000]
 
     @staticmethod
     def _prefill_x(tokens: float, ctx: float) -> list[float]:
@@ -156,8 +159,7 @@ class StepCostModel:
         d0, d1, d2 = self.decode.theta
         p0, p1, p2 = self.DECODE_PRIOR
         per_row = max(d1 + d2 * ctx / 1000, 0.1 * (p1 + p2 * ctx / 1000))
-        n = self._forwards(StepShape(rows, ctx, decode_forwards=forwards))
-        return max(p0 * 0.1, max(d0, 0.0) * n + per_row * rows)
+        return max(p0 * 0.1, max(d0, 0.0) * self._forwards(rows, forwards) + per_row * rows)
 
     def rows_seconds(self, rows: int, ctx_sum: float, forwards: int = 0) -> float:
         """decode_seconds of `rows` rows whose contexts sum to `ctx_sum` (step_shape's
