@@ -43,7 +43,7 @@ from prescient.runtime.sampling_params import SamplingParams
 from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.sessions import SessionPins
 from prescient.runtime.speculation import Drafts, Speculation
-from prescient.runtime.step_cost import StepCostModel, step_shape
+from prescient.runtime.step_cost import StepCostModel, shape_after_cut, step_shape
 from prescient.runtime.step_path import STEP_PATHS, step_path_for
 from prescient.runtime.step_result import SeqResult, commit_tokens
 from prescient.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -253,8 +253,16 @@ class Engine:
         shape = step_shape(sched.seqs, self.model.num_layers)
         clock.lap("schedule")
         predicted = self.step_cost.predict(shape)
-        outputs = self._step(handoffs + list(sched.seqs), clock)
+        cutoff = None
+        if sched.layer_cutoff_s is not None:  # the step's end, less what sampling and commit took last step
+            last = self.step_phases
+            cutoff = clock.start + sched.layer_cutoff_s - last.get("sample", 0.0) - last.get("commit", 0.0)
+        planned = [(seq, seq.layers) for seq in sched.seqs if seq.layers is not None]
+        outputs = self._step(handoffs + list(sched.seqs), clock, cutoff)
         if sched.seqs:
+            for seq, layers in planned:  # the shape as it ran: a split chunk may have run fewer layers
+                if seq.layers != layers:
+                    shape = shape_after_cut(shape, seq, layers, self.model.num_layers)
             self.step_cost.observe(shape, clock.total())  # what this step's streams waited
             self.step_log.append((shape, predicted, clock.total()))
         self.step_phases = clock.phases
@@ -262,7 +270,7 @@ class Engine:
             self._note_handoff_ttft(handoffs, outputs)
         return failed + outputs
 
-    def _step(self, seqs, clock: "PhaseClock") -> list[RequestOutput]:
+    def _step(self, seqs, clock: "PhaseClock", cutoff: float | None = None) -> list[RequestOutput]:
         failed: list[RequestOutput] = []
         self.in_step = [seq.request.request_id for seq in seqs]  # whom a failed forward takes down
         failed += self._resolve_grammars(seqs)
@@ -282,24 +290,28 @@ class Engine:
         # until verification says which of them were accepted (a failure there is the
         # proposer's, per request: the speculator drops that request's draft state)
         hidden = [] if self._wants_hidden else None
-        logits = self._forward(seqs, trees, hidden)  # [num_logits, vocab]
+        logits = self._forward(seqs, trees, hidden, cutoff, rows_fixed=masks is not None)  # [num_logits, vocab]
+        if cutoff is not None:
+            self.scheduler.layers_run(seqs)  # a split chunk cut short goes on from where it stopped
         if hidden is not None:
             self.speculator.observe_hidden(seqs, trees, hidden)
         clock.lap("forward")
         self.num_steps += 1
         return failed + self._decide(seqs, trees, logits, masks, drafts.forced, clock=clock)
 
-    def _forward(self, seqs, trees, hidden: list | None = None) -> torch.Tensor:
+    def _forward(self, seqs, trees, hidden: list | None = None, cutoff: float | None = None,
+                 rows_fixed: bool = False) -> torch.Tensor:
         """The step's target logits [num_logits, vocab]: the planned forwards of the step path,
         through the CUDA graphs when they are on and the step fits one (not when `hidden`
-        asks for the rows' hidden states: a graph keeps only its logits)."""
+        asks for the rows' hidden states: a graph keeps only its logits). cutoff, rows_fixed:
+        run_forward's (a chunk split by layers may run fewer of them)."""
         graphs = self._graphs
         if graphs is not None and hidden is None:
             logits = graphs.try_forward(seqs, trees, self.block_manager.block_size)
             if logits is not None:
                 return logits
         return run_forward(self.model, self.kv_caches, seqs, trees, self.block_manager.block_size, self.path,
-                           hidden=hidden)
+                           hidden=hidden, cutoff=cutoff, rows_fixed=rows_fixed)
 
     # Per-request fault boundaries. Everything between the scheduler and the commit is one
     # request's work except the forward: an exception there ends that request alone (an error

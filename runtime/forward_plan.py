@@ -22,7 +22,19 @@ P/D handoff, takes no forward: its row goes in its place). The scheduler cuts a 
 same chunks alone and under load, so on the fallback path a chunk's GEMM has the same rows either
 way. A prefill chunk the scheduler split by layers (its `layers` set) runs alone through
 `model.forward_layers`, its hidden states kept on the request until its last layer has run (the
-same ops as one forward: the same bits). A step of only decodes (the common case) is one
+same ops as one forward: the same bits). Split chunks run after the step's other forwards, a
+few layers a call, and past the step's `cutoff` (a perf_counter time: where the step, its
+sampling and commit priced at the last step's, would pass the scheduler's `itl_cutoff` x its ITL
+bound) no more of their layers start:
+
+    run every other forward
+    for a split chunk: run layers in groups; before each group, if the layers done so far say
+        the next would end past the cutoff, stop (at least one layer always runs) and mark
+        the chunk as run to there (seq.layers, seq.completes), for later steps to go on from
+
+so a step slower than its prediction is cut short, not every stream's bound broken. A chunk whose
+logits row the step had already counted on (it samples, and a grammar bitmask was built for the
+step's rows: `rows_fixed`) runs its planned layers. A step of only decodes (the common case) is one
 forward; a prefill chunk beside decodes costs one extra forward's dispatch, and more than
 BATCH_INVARIANT_M decode/verify rows cost one weight pass per forward (no more than one forward
 would: the kernels take MAX_M = BATCH_INVARIANT_M rows a call).
@@ -36,6 +48,9 @@ may differ where two logits are within a rounding of each other.
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 import torch
 
@@ -96,28 +111,34 @@ def plan_one(seqs: list, trees: list) -> list[list[int]]:
 
 
 def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path=None,
-                hidden: list | None = None) -> torch.Tensor:
+                hidden: list | None = None, cutoff: float | None = None, rows_fixed: bool = False) -> torch.Tensor:
     """One step's target logits [num_logits, vocab], sequences in order (as one
     build_forward_batch forward would return them), computed in the planned forwards.
     path: the engine's runtime/step_path object (its plan and its packing); None = the CPU's.
     hidden: a list to receive, per sequence, its rows' hidden states [rows, hidden] before the
     final norm (a tree's in node order, a chunk's in token order), None where no forward ran
     its last layer (a handoff, a chunk's middle layers); the forwards run with
-    `model.keep_hidden` set (and only they: another engine may share the model)."""
+    `model.keep_hidden` set (and only they: another engine may share the model).
+    cutoff: when split chunks stop starting layers (module docstring; None: never), which may
+    change their `layers` and `completes` in place; rows_fixed: the step's logits rows are
+    fixed (a grammar bitmask covers them), so a chunk that samples is never cut."""
     groups = path.plan(seqs, trees) if path is not None else plan(seqs, trees)
+    # split chunks last: what they may run is what the step's other forwards leave of its time
+    groups = [g for g in groups if not split(seqs[g[0]])] + [g for g in groups if split(seqs[g[0]])]
     pack = path.pack if path is not None else None
+    cut = (cutoff, rows_fixed)
     if hidden is not None:
         hidden[:] = [None] * len(seqs)
         model.keep_hidden, model.last_hidden = True, None
         try:
-            return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, hidden)
+            return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, hidden, cut)
         finally:
             model.keep_hidden, model.last_hidden = False, None
-    return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, None)
+    return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, None, cut)
 
 
 def _run_groups(model, kv_caches, seqs: list, trees: list, block_size: int, groups, pack,
-                hidden: list | None) -> torch.Tensor:
+                hidden: list | None, cut: tuple[float | None, bool] = (None, False)) -> torch.Tensor:
     if len(groups) == 1 and len(groups[0]) == len(seqs) and not split(seqs[groups[0][0]]):
         batch = build_forward_batch(seqs, trees, block_size, model.device, pack=pack)
         logits = model.forward(batch, kv_caches)
@@ -128,7 +149,7 @@ def _run_groups(model, kv_caches, seqs: list, trees: list, block_size: int, grou
     parts: list[torch.Tensor | None] = [s.logits if precomputed(s) else None for s in seqs]
     for group in groups:
         if split(seqs[group[0]]):
-            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack)
+            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack, *cut)
             if logits is not None:
                 parts[group[0]] = logits
             if hidden is not None and seqs[group[0]].completes:
@@ -163,10 +184,12 @@ def _take_hidden(model, seqs: list, trees: list, group, hidden: list) -> None:
         row += n
 
 
-def _forward_split(model, kv_caches, seq, block_size: int, pack=None) -> torch.Tensor | None:
-    """Layers [start, stop) of a chunk split by layers; its logits [1, vocab] when this step
-    runs its last layer and it samples, else None. The chunk's batch (built once, with the
-    logits row it will need) and hidden states wait on the request between steps."""
+def _forward_split(model, kv_caches, seq, block_size: int, pack=None, cutoff: float | None = None,
+                   rows_fixed: bool = False) -> torch.Tensor | None:
+    """Layers [start, stop) of a chunk split by layers, or fewer past `cutoff` (run_forward);
+    its logits [1, vocab] when this step runs its last layer and it samples, else None. The
+    chunk's batch (built once, with the logits row it will need) and hidden states wait on the
+    request between steps."""
     request = seq.request
     start, stop = seq.layers
     if start == 0:
@@ -174,7 +197,12 @@ def _forward_split(model, kv_caches, seq, block_size: int, pack=None) -> torch.T
         batch, h = build_forward_batch([whole], [None], block_size, model.device, pack=pack), None
     else:
         batch, h = request.chunk_state
-    h = model.forward_layers(batch, kv_caches, h, start, stop)  # [chunk_tokens, hidden]
+    if cutoff is None or (rows_fixed and seq.samples):
+        h = model.forward_layers(batch, kv_caches, h, start, stop)  # [chunk_tokens, hidden]
+    else:
+        h, reached = _layers_until(model, batch, kv_caches, h, start, stop, cutoff)
+        if reached < stop:  # the rest in later steps (the engine tells the scheduler: layers_run)
+            seq.layers, seq.completes = (start, reached), False
     if not seq.completes:
         request.chunk_state = (batch, h)
         return None
@@ -182,3 +210,36 @@ def _forward_split(model, kv_caches, seq, block_size: int, pack=None) -> torch.T
     if model.keep_hidden:
         model.last_hidden = h  # forward_head keeps it too, when the chunk samples
     return model.forward_head(batch, h) if seq.samples else None
+
+
+# A split chunk's layers run in at most this many calls a step: the cutoff is looked at between
+# them, and a call's fixed cost (~tens of microseconds) stays small beside its layers.
+_CUT_GROUPS = 4
+
+_now = time.perf_counter  # (tests put a clock of their own here)
+
+
+def _layers_until(model, batch, kv_caches, h, start: int, stop: int, cutoff: float) -> tuple[torch.Tensor, int]:
+    """Layers from `start` towards `stop` while they end by `cutoff`, judged by what a layer
+    took so far (the slower of the last call's and the average: a host that just got busier
+    is believed): (h after them, the first layer not run). The first group always runs, one
+    layer when the cutoff has already passed."""
+    group = max(1, math.ceil((stop - start) / _CUT_GROUPS))
+    i, t0 = start, _now()
+    per_layer = 0.0
+    while i < stop:
+        n = min(group, stop - i)
+        now = _now()
+        if i > start:
+            per_layer = max(per_layer, (now - t0) / (i - start))
+            if per_layer > 0:
+                n = min(n, int((cutoff - now) / per_layer))
+            if n <= 0:
+                break
+        elif now >= cutoff:
+            n = 1  # the step's prefill always progresses
+        t = _now()
+        h = model.forward_layers(batch, kv_caches, h, i, i + n)  # in place: the same bits as one call
+        per_layer = (_now() - t) / n  # the last call's, for the max above
+        i += n
+    return h, i

@@ -64,6 +64,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
     preempted: list[Request]
+    # when, in seconds after the step began, chunks split by layers start no more layers
+    # (config.itl_cutoff x the step's ITL bound; None: no split chunk, or no bound): the rest of
+    # their planned layers go to later steps (runtime/forward_plan.py, then `layers_run`)
+    layer_cutoff_s: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -231,7 +235,17 @@ class Scheduler:
         if timed and decodes:
             backlog = self._prefill_backlog(seqs, out_of_time or plan.stopped)
             self._add_drafts(decodes, seqs, budget, forced_only=backlog)
-        return SchedulerOutput(seqs, preempted)
+        cutoff = None
+        if plan.bound is not None and decodes and any(s.layers is not None for s in seqs):
+            cutoff = self.config.itl_cutoff * plan.bound
+        return SchedulerOutput(seqs, preempted, cutoff)
+
+    def layers_run(self, seqs: list[ScheduledSeq]) -> None:
+        """After the forward: a chunk split by layers goes on at the first layer the step did not
+        run (`seq.layers` as the forward left it: fewer than planned past the step's cutoff)."""
+        for seq in seqs:
+            if seq.layers is not None:
+                _note_chunk(seq.request, seq.num_new_tokens, seq.layers[1], self.num_layers)
 
     def _prefill_backlog(self, seqs: list[ScheduledSeq], out_of_time: bool) -> bool:
         """Whether prompt work waits beyond this step for time: a running prompt this step
@@ -568,7 +582,12 @@ class _PrefillPlan:
             return
         start, stop = layers
         self.slack -= self._seconds(request, tokens, (stop - start) / L)
-        request.chunk_tokens, request.chunk_layer = (0, 0) if stop == L else (tokens, stop)
+        _note_chunk(request, tokens, stop, L)
+
+
+def _note_chunk(request: Request, tokens: int, stop: int, num_layers: int) -> None:
+    """A chunk of `tokens` split by layers has run to layer `stop`: in flight until the last."""
+    request.chunk_tokens, request.chunk_layer = (0, 0) if stop == num_layers else (tokens, stop)
 
 
 def itl_bound(requests: list[Request], default: float | None) -> float | None:

@@ -19,6 +19,7 @@ first steps, before any fit, err towards smaller chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -220,6 +221,17 @@ def step_shape(seqs, num_layers: int, small_m: int = BATCH_INVARIANT_M) -> StepS
     if shape.prefill_tokens:
         shape.prefill_ctx = pctx / shape.prefill_tokens
     return shape
+
+
+def shape_after_cut(shape: StepShape, seq, planned: tuple[int, int], num_layers: int) -> StepShape:
+    """`shape` (step_shape's, at schedule time) with a split chunk's layers run as `seq.layers`
+    says, not as `planned`: the layers the step's cutoff left for later taken out (the chunk did
+    not complete, so its context is the one step_shape read)."""
+    r = seq.request
+    removed = seq.num_new_tokens * ((planned[1] - planned[0]) - (seq.layers[1] - seq.layers[0])) / num_layers
+    tokens = shape.prefill_tokens - removed
+    ctx_sum = shape.prefill_ctx * shape.prefill_tokens - removed * (r.num_computed_tokens + seq.num_new_tokens / 2)
+    return dataclasses.replace(shape, prefill_tokens=tokens, prefill_ctx=ctx_sum / tokens if tokens > 0 else 0.0)
 
 
 def packed_forwards(rows: list[int], m: int = BATCH_INVARIANT_M) -> int:
