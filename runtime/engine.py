@@ -254,7 +254,9 @@ class Engine:
         clock.lap("schedule")
         predicted = self.step_cost.predict(shape)
         cutoff = None
-        if sched.layer_cutoff_s is not None:  # the step's end, less what sampling and commit took last step
+        # the step's end, less what sampling and commit took last step (a host clock: the CPU's
+        # forwards; a device's kernels would end after it reads)
+        if sched.layer_cutoff_s is not None and self.model.device.type == "cpu":
             last = self.step_phases
             cutoff = clock.start + sched.layer_cutoff_s - last.get("sample", 0.0) - last.get("commit", 0.0)
         planned = [(seq, seq.layers) for seq in sched.seqs if seq.layers is not None]
@@ -263,6 +265,7 @@ class Engine:
             for seq, layers in planned:  # the shape as it ran: a split chunk may have run fewer layers
                 if seq.layers != layers:
                     shape = shape_after_cut(shape, seq, layers, self.model.num_layers)
+                    predicted = self.step_cost.predict(shape)  # (the log pairs a shape with its own prediction)
             self.step_cost.observe(shape, clock.total())  # what this step's streams waited
             self.step_log.append((shape, predicted, clock.total()))
         self.step_phases = clock.phases

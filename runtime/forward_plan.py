@@ -28,9 +28,10 @@ sampling and commit priced at the last step's, would pass the scheduler's `itl_c
 bound) no more of their layers start:
 
     run every other forward
-    for a split chunk: run layers in groups; before each group, if the layers done so far say
-        the next would end past the cutoff, stop (at least one layer always runs) and mark
-        the chunk as run to there (seq.layers, seq.completes), for later steps to go on from
+    for a split chunk: its first layer alone, then groups of layers, each as many as the time
+        a layer took so far says end by the cutoff; stop where none does (the step's first
+        split chunk always runs its first layer, a later one past the cutoff runs none) and
+        mark the chunk as run to there (seq.layers, seq.completes), for later steps to go on from
 
 so a step slower than its prediction is cut short, not every stream's bound broken. A chunk whose
 logits row the step had already counted on (it samples, and a grammar bitmask was built for the
@@ -147,9 +148,12 @@ def _run_groups(model, kv_caches, seqs: list, trees: list, block_size: int, grou
         return logits
     # per sequence: its logits rows (a handed-off prompt's came with it)
     parts: list[torch.Tensor | None] = [s.logits if precomputed(s) else None for s in seqs]
+    first_split = True
     for group in groups:
         if split(seqs[group[0]]):
-            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack, *cut)
+            # past the cutoff only the step's first split chunk still runs a layer
+            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack, *cut, must_progress=first_split)
+            first_split = False
             if logits is not None:
                 parts[group[0]] = logits
             if hidden is not None and seqs[group[0]].completes:
@@ -185,11 +189,11 @@ def _take_hidden(model, seqs: list, trees: list, group, hidden: list) -> None:
 
 
 def _forward_split(model, kv_caches, seq, block_size: int, pack=None, cutoff: float | None = None,
-                   rows_fixed: bool = False) -> torch.Tensor | None:
-    """Layers [start, stop) of a chunk split by layers, or fewer past `cutoff` (run_forward);
-    its logits [1, vocab] when this step runs its last layer and it samples, else None. The
-    chunk's batch (built once, with the logits row it will need) and hidden states wait on the
-    request between steps."""
+                   rows_fixed: bool = False, must_progress: bool = True) -> torch.Tensor | None:
+    """Layers [start, stop) of a chunk split by layers, or fewer past `cutoff` (run_forward;
+    none at all unless `must_progress`); its logits [1, vocab] when this step runs its last
+    layer and it samples, else None. The chunk's batch (built once, with the logits row it will
+    need) and hidden states wait on the request between steps."""
     request = seq.request
     start, stop = seq.layers
     if start == 0:
@@ -200,11 +204,11 @@ def _forward_split(model, kv_caches, seq, block_size: int, pack=None, cutoff: fl
     if cutoff is None or (rows_fixed and seq.samples):
         h = model.forward_layers(batch, kv_caches, h, start, stop)  # [chunk_tokens, hidden]
     else:
-        h, reached = _layers_until(model, batch, kv_caches, h, start, stop, cutoff)
+        h, reached = _layers_until(model, batch, kv_caches, h, start, stop, cutoff, must_progress)
         if reached < stop:  # the rest in later steps (the engine tells the scheduler: layers_run)
             seq.layers, seq.completes = (start, reached), False
     if not seq.completes:
-        request.chunk_state = (batch, h)
+        request.chunk_state = (batch, h) if seq.layers[1] > 0 else None  # (none run: not started)
         return None
     request.chunk_state = None
     if model.keep_hidden:
@@ -212,34 +216,40 @@ def _forward_split(model, kv_caches, seq, block_size: int, pack=None, cutoff: fl
     return model.forward_head(batch, h) if seq.samples else None
 
 
-# A split chunk's layers run in at most this many calls a step: the cutoff is looked at between
-# them, and a call's fixed cost (~tens of microseconds) stays small beside its layers.
+# A split chunk's layers run in a few calls a step (its first layer alone, then at most this
+# many groups): the cutoff is looked at before each, and a call's fixed cost (~tens of
+# microseconds) stays small beside its layers.
 _CUT_GROUPS = 4
 
 _now = time.perf_counter  # (tests put a clock of their own here)
 
 
-def _layers_until(model, batch, kv_caches, h, start: int, stop: int, cutoff: float) -> tuple[torch.Tensor, int]:
-    """Layers from `start` towards `stop` while they end by `cutoff`, judged by what a layer
-    took so far (the slower of the last call's and the average: a host that just got busier
-    is believed): (h after them, the first layer not run). The first group always runs, one
-    layer when the cutoff has already passed."""
-    group = max(1, math.ceil((stop - start) / _CUT_GROUPS))
+def _layers_until(model, batch, kv_caches, h, start: int, stop: int, cutoff: float,
+                  must_progress: bool = True) -> tuple[torch.Tensor, int]:
+    """Layers from `start` towards `stop` while they end by `cutoff`: (h after them, the first
+    layer not run). The first layer runs alone (its time is the estimate: nothing unmeasured
+    runs past the cutoff), always when `must_progress` (the step's prefill always progresses),
+    else only before the cutoff; then groups, each as many layers as the estimate says end by
+    the cutoff (the slower of the last call's time a layer and the average: a host that just
+    got busier is believed)."""
+    group = max(1, math.ceil((stop - start - 1) / _CUT_GROUPS))
     i, t0 = start, _now()
     per_layer = 0.0
     while i < stop:
-        n = min(group, stop - i)
         now = _now()
-        if i > start:
+        if i == start:
+            if now >= cutoff and not must_progress:
+                break
+            n = 1
+        else:
+            if now >= cutoff:
+                break
             per_layer = max(per_layer, (now - t0) / (i - start))
-            if per_layer > 0:
-                n = min(n, int((cutoff - now) / per_layer))
+            n = min(group, stop - i, int((cutoff - now) / per_layer) if per_layer > 0 else group)
             if n <= 0:
                 break
-        elif now >= cutoff:
-            n = 1  # the step's prefill always progresses
         t = _now()
-        h = model.forward_layers(batch, kv_caches, h, i, i + n)  # in place: the same bits as one call
+        h = model.forward_layers(batch, kv_caches, h, i, i + n)  # h after layer i + n - 1: the same bits as one call
         per_layer = (_now() - t) / n  # the last call's, for the max above
         i += n
     return h, i

@@ -65,7 +65,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]
     preempted: list[Request]
     # when, in seconds after the step began, chunks split by layers start no more layers
-    # (config.itl_cutoff x the step's ITL bound; None: no split chunk, or no bound): the rest of
+    # (config.itl_cutoff, at least itl_margin, x the step's ITL bound; None: no split chunk, or no bound): the rest of
     # their planned layers go to later steps (runtime/forward_plan.py, then `layers_run`)
     layer_cutoff_s: float | None = None
 
@@ -237,7 +237,7 @@ class Scheduler:
             self._add_drafts(decodes, seqs, budget, forced_only=backlog)
         cutoff = None
         if plan.bound is not None and decodes and any(s.layers is not None for s in seqs):
-            cutoff = self.config.itl_cutoff * plan.bound
+            cutoff = max(self.config.itl_cutoff, self.config.itl_margin) * plan.bound
         return SchedulerOutput(seqs, preempted, cutoff)
 
     def layers_run(self, seqs: list[ScheduledSeq]) -> None:
@@ -586,8 +586,9 @@ class _PrefillPlan:
 
 
 def _note_chunk(request: Request, tokens: int, stop: int, num_layers: int) -> None:
-    """A chunk of `tokens` split by layers has run to layer `stop`: in flight until the last."""
-    request.chunk_tokens, request.chunk_layer = (0, 0) if stop == num_layers else (tokens, stop)
+    """A chunk of `tokens` split by layers has run to layer `stop`: in flight until the last
+    (not yet started at 0: a cutoff may leave a chunk that)."""
+    request.chunk_tokens, request.chunk_layer = (0, 0) if stop in (0, num_layers) else (tokens, stop)
 
 
 def itl_bound(requests: list[Request], default: float | None) -> float | None:

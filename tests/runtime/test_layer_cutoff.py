@@ -16,8 +16,8 @@ import torch
 
 from prescient.runtime import forward_plan
 from prescient.runtime.config import SchedulerConfig
-from prescient.runtime.forward_plan import _forward_split, _layers_until
-from prescient.runtime.scheduler import ScheduledSeq
+from prescient.runtime.forward_plan import _forward_split, _layers_until, run_forward
+from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.step_cost import shape_after_cut, step_shape
 from tests.runtime.test_time_budget import FakeCost, greedy, make_engine, prompt, start_decodes, tiny  # noqa: F401
 
@@ -26,6 +26,8 @@ class FakeLayers:
     """forward_layers that advance a fake clock by `per_layer[i]` for layer i and log the calls."""
 
     keep_hidden = False
+    config = SimpleNamespace(vocab_size=4)
+    device = torch.device("cpu")
 
     def __init__(self, clock: list[float], per_layer: list[float]):
         self.clock, self.per_layer, self.calls = clock, per_layer, []
@@ -49,8 +51,8 @@ def clock(monkeypatch):
 def test_layers_stop_where_the_next_would_end_past_the_cutoff(clock):
     model = FakeLayers(clock, [0.010] * 8)
     h, reached = _layers_until(model, None, None, None, 0, 8, cutoff=100.045)
-    assert reached == 4 and h == 4  # 2 + 2 layers end at 100.040; a fifth would end at 100.050
-    assert model.calls == [(0, 2), (2, 4)]
+    assert reached == 4 and h == 4  # layers end at 100.010, .030, .040; a fifth would end at .050
+    assert model.calls == [(0, 1), (1, 3), (3, 4)]  # the first alone (the estimate), then groups of 2
     assert clock[0] <= 100.045
 
 
@@ -58,7 +60,7 @@ def test_without_a_late_step_every_planned_layer_runs_in_a_few_calls(clock):
     model = FakeLayers(clock, [0.010] * 8)
     _, reached = _layers_until(model, None, None, None, 2, 8, cutoff=200.0)
     assert reached == 8
-    assert model.calls[0][0] == 2 and model.calls[-1][1] == 8 and len(model.calls) <= 4
+    assert model.calls[0] == (2, 3) and model.calls[-1][1] == 8 and len(model.calls) <= 5
 
 
 def test_a_step_already_past_its_cutoff_still_runs_one_layer(clock):
@@ -67,13 +69,46 @@ def test_a_step_already_past_its_cutoff_still_runs_one_layer(clock):
     assert reached == 4 and model.calls == [(3, 4)]
 
 
+def test_no_layer_runs_unmeasured_past_the_cutoff(clock):
+    # 1 ms left, 32 planned layers of 10 ms: the first layer alone (what it takes is the only
+    # estimate there is), then nothing
+    model = FakeLayers(clock, [0.010] * 32)
+    _, reached = _layers_until(model, None, None, None, 0, 32, cutoff=100.001)
+    assert model.calls == [(0, 1)] and reached == 1
+
+
+def test_layers_that_take_no_measurable_time_still_stop_at_the_cutoff(clock):
+    model = FakeLayers(clock, [0.0] * 8)
+    _, reached = _layers_until(model, None, None, None, 0, 8, cutoff=99.0)
+    assert model.calls == [(0, 1)] and reached == 1
+
+
 def test_layers_slower_than_the_first_ones_are_judged_by_what_they_took(clock):
-    # the first group at 10 ms a layer, then 40 ms: after it a layer is taken to cost 40 ms (the
-    # last call's), not the 25 ms average, so the one more that fits is the only one started
+    # 10 ms a layer, then 40: after the (1, 3) call a layer is taken to cost 25 ms (that call's),
+    # after (3, 5) 40 ms (not the 28 ms average), and no more fits
     model = FakeLayers(clock, [0.010, 0.010, 0.040, 0.040, 0.040, 0.040, 0.040, 0.040])
     _, reached = _layers_until(model, None, None, None, 0, 8, cutoff=100.150)
-    assert model.calls == [(0, 2), (2, 4), (4, 5)]  # ends at 100.100, then 100.140
+    assert model.calls == [(0, 1), (1, 3), (3, 5)]  # ends at 100.010, .060, .140
     assert reached == 5 and clock[0] <= 100.150
+
+
+def test_past_the_cutoff_only_the_steps_first_split_chunk_runs_a_layer(clock):
+    model = FakeLayers(clock, [0.010] * 8)
+    first, second = _split_seq(False, False, layers=(2, 6)), _split_seq(False, False, layers=(4, 8))
+    logits = run_forward(model, None, [first, second], [None, None], 8, cutoff=99.0)
+    assert logits.shape[0] == 0
+    assert model.calls == [(2, 3)]
+    assert first.layers == (2, 3) and second.layers == (4, 4)  # the second goes on at layer 4 next step
+    assert second.request.chunk_state == ("batch", 2)  # its hidden states untouched
+
+
+def test_a_chunk_left_unstarted_by_the_cutoff_is_not_in_flight():
+    scheduler = SimpleNamespace(num_layers=8)
+    request = SimpleNamespace(chunk_tokens=0, chunk_layer=0)
+    Scheduler.layers_run(scheduler, [ScheduledSeq(request, 300, 0, (0, 0), False)])
+    assert (request.chunk_tokens, request.chunk_layer) == (0, 0)  # next step plans it afresh
+    Scheduler.layers_run(scheduler, [ScheduledSeq(request, 300, 0, (0, 3), False)])
+    assert (request.chunk_tokens, request.chunk_layer) == (300, 3)
 
 
 def _split_seq(completes: bool, samples: bool, layers=(2, 8)) -> ScheduledSeq:
@@ -107,11 +142,10 @@ def test_the_shape_after_a_cut_is_the_shape_of_the_layers_that_ran():
     assert dataclasses.astuple(got) == pytest.approx(dataclasses.astuple(want))
 
 
-def test_the_cutoff_must_lie_between_the_margin_and_the_bound():
-    with pytest.raises(ValueError, match="itl_cutoff"):
-        SchedulerConfig(itl_margin=0.8, itl_cutoff=0.7)
+def test_a_cutoff_past_the_bound_is_refused():
     with pytest.raises(ValueError, match="itl_cutoff"):
         SchedulerConfig(itl_cutoff=1.2)
+    SchedulerConfig(itl_margin=0.95)  # above the default cutoff: the cutoff counts as the margin
 
 
 class CheapPrefill(FakeCost):
