@@ -19,7 +19,8 @@ from prescient.runtime.config import SchedulerConfig
 from prescient.runtime.forward_plan import _forward_split, _layers_until, run_forward
 from prescient.runtime.scheduler import ScheduledSeq, Scheduler
 from prescient.runtime.step_cost import shape_after_cut, step_shape
-from tests.runtime.test_time_budget import FakeCost, greedy, make_engine, prompt, start_decodes, tiny  # noqa: F401
+from tests.runtime.test_time_budget import (FakeCost, greedy, make_engine, prompt, spied_step,  # noqa: F401
+                                             start_decodes, tiny)
 
 
 class FakeLayers:
@@ -167,23 +168,13 @@ def run_traced(engine):
     """Step to idle; per step (planned layers, layers as they ran, the step's shape as planned,
     the shape the cost model was told, the scheduler's layer cutoff)."""
     steps, outs = [], {}
-    schedule = engine.scheduler.schedule
     while engine.has_unfinished_requests():
-        got = []
-
-        def spy():
-            out = schedule()
-            got.append(([(s.request.request_id, (s.layers, s.num_new_tokens)) for s in out.seqs], out,
-                        step_shape(out.seqs, engine.model.num_layers)))
-            return out
-        engine.scheduler.schedule = spy
-        try:
-            for out in engine.step():
-                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        finally:
-            engine.scheduler.schedule = schedule
-        planned, out, planned_shape = got[0]
-        steps.append((planned, [(s.request.request_id, s.layers) for s in out.seqs], planned_shape,
+        planned = []
+        out = spied_step(engine, outs, lambda o: planned.append((
+            [(s.request.request_id, (s.layers, s.num_new_tokens)) for s in o.seqs],
+            step_shape(o.seqs, engine.model.num_layers))))
+        (layers, planned_shape), = planned
+        steps.append((layers, [(s.request.request_id, s.layers) for s in out.seqs], planned_shape,
                       engine.step_cost.observed[-1], out.layer_cutoff_s))
         assert len(steps) < 500, "did not finish"
     return steps, outs

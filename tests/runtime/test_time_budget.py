@@ -63,25 +63,33 @@ def prompt(n, seed=0):
     return torch.randint(3, 97, (n,), generator=g).tolist()
 
 
+def spied_step(engine, outs: dict, at_schedule=None):
+    """One engine step; returns its SchedulerOutput (`at_schedule(out)` runs as the scheduler
+    returns it, before the forward) and adds the step's tokens to `outs` by request id."""
+    schedule, got = engine.scheduler.schedule, []
+
+    def spy():
+        out = schedule()
+        got.append(out)
+        if at_schedule is not None:
+            at_schedule(out)
+        return out
+    engine.scheduler.schedule = spy
+    try:
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    finally:
+        engine.scheduler.schedule = schedule
+    return got[0]
+
+
 def trace(engine, max_steps=2000):
     """Step to idle; per step the scheduled seqs' (id, tokens, layers) and its predicted cost."""
     steps, outs = [], {}
     for _ in range(max_steps):
         if not engine.has_unfinished_requests():
             return steps, outs
-        sched_seqs = []
-        schedule = engine.scheduler.schedule
-
-        def spy():
-            out = schedule()
-            sched_seqs.extend(out.seqs)
-            return out
-        engine.scheduler.schedule = spy
-        try:
-            for out in engine.step():
-                outs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        finally:
-            engine.scheduler.schedule = schedule
+        sched_seqs = spied_step(engine, outs).seqs
         decoding = [s for s in sched_seqs if s.num_new_tokens == 1]
         steps.append(([(s.request.request_id, s.num_new_tokens, s.layers) for s in sched_seqs],
                       engine.step_cost.predict(step_shape(sched_seqs, engine.model.num_layers)), len(decoding)))
