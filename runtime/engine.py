@@ -259,7 +259,7 @@ class Engine:
         if sched.layer_cutoff_s is not None and self.model.device.type == "cpu":
             last = self.step_phases
             cutoff = clock.start + sched.layer_cutoff_s - last.get("sample", 0.0) - last.get("commit", 0.0)
-        planned = [(seq, seq.layers) for seq in sched.seqs if seq.layers is not None]
+        planned = [(seq, seq.layers) for seq in sched.seqs if seq.layers is not None] if cutoff is not None else []
         outputs = self._step(handoffs + list(sched.seqs), clock, cutoff)
         if sched.seqs:
             for seq, layers in planned:  # the shape as it ran: a split chunk may have run fewer layers

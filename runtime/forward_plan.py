@@ -127,19 +127,18 @@ def run_forward(model, kv_caches, seqs: list, trees: list, block_size: int, path
     # split chunks last: what they may run is what the step's other forwards leave of its time
     groups = [g for g in groups if not split(seqs[g[0]])] + [g for g in groups if split(seqs[g[0]])]
     pack = path.pack if path is not None else None
-    cut = (cutoff, rows_fixed)
     if hidden is not None:
         hidden[:] = [None] * len(seqs)
         model.keep_hidden, model.last_hidden = True, None
         try:
-            return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, hidden, cut)
+            return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, hidden, cutoff, rows_fixed)
         finally:
             model.keep_hidden, model.last_hidden = False, None
-    return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, None, cut)
+    return _run_groups(model, kv_caches, seqs, trees, block_size, groups, pack, None, cutoff, rows_fixed)
 
 
 def _run_groups(model, kv_caches, seqs: list, trees: list, block_size: int, groups, pack,
-                hidden: list | None, cut: tuple[float | None, bool] = (None, False)) -> torch.Tensor:
+                hidden: list | None, cutoff: float | None = None, rows_fixed: bool = False) -> torch.Tensor:
     if len(groups) == 1 and len(groups[0]) == len(seqs) and not split(seqs[groups[0][0]]):
         batch = build_forward_batch(seqs, trees, block_size, model.device, pack=pack)
         logits = model.forward(batch, kv_caches)
@@ -152,7 +151,8 @@ def _run_groups(model, kv_caches, seqs: list, trees: list, block_size: int, grou
     for group in groups:
         if split(seqs[group[0]]):
             # past the cutoff only the step's first split chunk still runs a layer
-            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack, *cut, must_progress=first_split)
+            logits = _forward_split(model, kv_caches, seqs[group[0]], block_size, pack, cutoff, rows_fixed,
+                                    must_progress=first_split)
             first_split = False
             if logits is not None:
                 parts[group[0]] = logits

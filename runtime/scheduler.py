@@ -65,8 +65,9 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq]
     preempted: list[Request]
     # when, in seconds after the step began, chunks split by layers start no more layers
-    # (config.itl_cutoff, at least itl_margin, x the step's ITL bound; None: no split chunk, or no bound): the rest of
-    # their planned layers go to later steps (runtime/forward_plan.py, then `layers_run`)
+    # (config.itl_cutoff, at least itl_margin, x the step's ITL bound; None: no split chunk, or
+    # no bound): the rest of their planned layers go to later steps (runtime/forward_plan.py,
+    # then `layers_run`)
     layer_cutoff_s: float | None = None
 
     @property
