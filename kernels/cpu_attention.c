@@ -38,8 +38,8 @@
  *
  * Memory: an item walks all the kv heads of its positions together (heads are adjacent in
  * a cache row), so each 16-position block of the cache streams in as one contiguous piece,
- * and the next chunk's rows are prefetched while the current one computes: K/V of all the
- * layers do not fit in cache, and waiting for them was the largest cost without this.
+ * and the next chunk's rows are prefetched into L2 (PA_PF) while the current one computes: K/V
+ * of all the layers do not fit in cache, and waiting for them was the largest cost without this.
  *
  * Pieces and threads: a row's context is cut into pieces at fixed positions (PA_PIECE:
  * [0, 256), [256, 512), ...); each piece runs its own online softmax from scratch, and the
@@ -136,6 +136,20 @@
 #endif
 /* The shortest token block a few-row-block call is cut into (each block reads the context). */
 #define PA_MIN_TOKENS 2
+/* Software prefetches of cache lines (PA_PF) ask for L2 (locality 2: prefetcht1 on x86), not
+ * L1: on the 2-core Zen 4 EPYC, prefetcht0 of the next chunk's K/V lines left a one-token decode
+ * at 4k positions reading the cache at ~10 GB/s, prefetcht1 of the same lines at the same
+ * distance at ~18-20, and 8 sequences at 900 positions twice as fast (docs/CPU_PERFORMANCE.md,
+ * twenty-seventh session).  The lines reach L1 on their demand load, an L2 hit away.  Other
+ * architectures keep the compiler's default (3: pldl1keep on aarch64), not measured there. */
+#ifndef PA_PF_LOCALITY
+#if defined(__x86_64__) || defined(__i386__)
+#define PA_PF_LOCALITY 2
+#else
+#define PA_PF_LOCALITY 3
+#endif
+#endif
+#define PA_PF(p) __builtin_prefetch((const void *)(p), 0, PA_PF_LOCALITY)
 /* How far (context positions) the software prefetch runs ahead of the compute. */
 #ifndef PA_PF_POS
 #define PA_PF_POS 16
@@ -607,7 +621,7 @@ static void transpose_chunk(const char *const rows[PA_CHUNK], size_t hoff, int n
         const __mmask16 lm = (__mmask16)((1u << nj) - 1u);
         __m512i r[16];
         for (int t = 0; t < pf->n; t++)
-            _mm_prefetch(pf->k[t] + hoff + (size_t)c * 4, _MM_HINT_T0);
+            PA_PF(pf->k[t] + hoff + (size_t)c * 4);
         if (nj == 16 && n == 16) {
             /* The usual case in straight-line code: plain loads (masked ones), one test per
              * row, and the stores of a variable count (which gcc turned into a spill and a `rep
@@ -885,11 +899,10 @@ void pv_tile(const float *P, int n, const void *const *vr, int cb, float *acc, i
          * row block of <= 64 values starting at cb (a multiple of 64) is one line. */
         if (t < pn) {
             if (VM == PA_V_I8)
-                _mm_prefetch(pfv[t] + pfoff + (size_t)cb, _MM_HINT_T0);
+                PA_PF(pfv[t] + pfoff + (size_t)cb);
             else
                 for (int v = 0; v < NV; v += (VM == PA_V_BF16 ? 2 : 1))
-                    _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * (VM == PA_V_BF16 ? 2 : 4),
-                                 _MM_HINT_T0);
+                    PA_PF(pfv[t] + pfoff + (size_t)(cb + v * 16) * (VM == PA_V_BF16 ? 2 : 4));
         }
         /* PB: the positions of a pair in vdpbf16ps' order, the second's product first (n even) */
         const int u = PB ? t ^ 1 : t;
@@ -1012,7 +1025,7 @@ static PA_ONE_BODY void bf16_rest(const pa_job_t *J, pa_ws_t *w, int r0, int RH,
             float *dst = w->vf + (size_t)t * D;
             if (t < pf->n)
                 for (int d = 0; d < D; d += 32)
-                    _mm_prefetch(pf->v[t] + hoff + (size_t)d * 2, _MM_HINT_T0);
+                    PA_PF(pf->v[t] + hoff + (size_t)d * 2);
             for (int d = 0; d < D; d += 32) {
                 const __m512i x = _mm512_loadu_si512((const void *)(src + d));
                 _mm512_store_ps(dst + d, bf16_even(x));
@@ -1066,7 +1079,7 @@ static PA_ONE_BODY void head_avx512(const pa_job_t *J, pa_ws_t *w, int r0, int R
                 float *dst = w->vf + (size_t)t * D;
                 if (t < pf->n)
                     for (int d = 0; d < D; d += 64)
-                        _mm_prefetch(pf->v[t] + hoff + (size_t)d, _MM_HINT_T0);
+                        PA_PF(pf->v[t] + hoff + (size_t)d);
                 for (int d = 0; d < D; d += 16)
                     _mm512_store_ps(dst + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                         _mm_loadu_si128((const __m128i *)(src + d)))));
@@ -1182,7 +1195,7 @@ void pvdp_tile(const uint32_t *P, int np, const void *const *vr, const __m512i *
             for (int t = 2 * p; t < 2 * p + 2; t++)
                 if (t < pn)
                     for (int v = 0; v < NV; v += 2)
-                        _mm_prefetch(pfv[t] + pfoff + (size_t)(cb + v * 16) * 2, _MM_HINT_T0);
+                        PA_PF(pfv[t] + pfoff + (size_t)(cb + v * 16) * 2);
             for (int v = 0; v < NV; v += 2) {
                 const __m512i x0 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p] + cb + v * 16));
                 const __m512i x1 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p + 1] + cb + v * 16));
@@ -1229,7 +1242,7 @@ static void pv_chunk_dp(pa_ws_t *w, int r0, int RH, int n, const char *const vro
         for (int p = 0; p < np; p++) {
             for (int t = 2 * p; t < 2 * p + 2 && t < pfn; t++)
                 for (int d = 0; d < D; d += 32)
-                    _mm_prefetch(pfv[t] + hoff + (size_t)d * 2, _MM_HINT_T0);
+                    PA_PF(pfv[t] + hoff + (size_t)d * 2);
             for (int d = 0; d < D; d += 32) {
                 const __m512i x0 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p] + d));
                 const __m512i x1 = _mm512_loadu_si512((const void *)((const uint16_t *)vr[2 * p + 1] + d));
@@ -1458,9 +1471,9 @@ PA_AI void pv_tile_avx2(const float *P, int n, const void *const *vr, int cb, fl
     for (int t = 0; t < n; t++) {
         if (t < pn) {
             if (VM == PA_V_F32)
-                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * 4, _MM_HINT_T0);
+                PA_PF(pfv[t] + pfoff + (size_t)cb * 4);
             else if (VM == PA_V_BF16 ? (cb & 31) == 0 : (cb & 63) == 0)
-                _mm_prefetch(pfv[t] + pfoff + (size_t)cb * (VM == PA_V_BF16 ? 2 : 1), _MM_HINT_T0);
+                PA_PF(pfv[t] + pfoff + (size_t)cb * (VM == PA_V_BF16 ? 2 : 1));
         }
         __m256 vv[2];
         for (int v = 0; v < 2; v++) {
@@ -1601,7 +1614,7 @@ static void qk_chunk_avx2(const char *const krow[PA_CHUNK], size_t hoff, int n, 
             if (r == 0)
                 for (int t = t0; t < t0 + NT && t < pf->n; t++)
                     for (size_t o = 0; o < hb; o += 64)
-                        _mm_prefetch(pf->k[t] + hoff + o, _MM_HINT_T0);
+                        PA_PF(pf->k[t] + hoff + o);
             const void *const *q = qv + r;
             float *sr = s + (size_t)r * 16;
             if (kvdt == DT_BF16) { PA_QK2_TILE(DT_BF16, kr + t0, D, q, sr, t0) }
@@ -1657,7 +1670,7 @@ static PA_ONE_BODY void head_avx2(const pa_job_t *J, pa_ws_t *w, int r0, int RH,
             float *dst = w->vf + (size_t)t * D;
             if (t < pf->n)
                 for (int d = 0; d < D * J->kesz; d += 64)
-                    _mm_prefetch(pf->v[t] + hoff + (size_t)d, _MM_HINT_T0);
+                    PA_PF(pf->v[t] + hoff + (size_t)d);
             for (int d = 0; d < D; d += 8)
                 _mm256_store_ps(dst + d, vm == PA_V_BF16
                     ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
@@ -1745,8 +1758,8 @@ static inline int prefetch_rows(const int32_t *bt, int bs, const char *kbase, co
     for (int t = 0; t < n; t++) {
         const size_t at = ((size_t)bt[b] * bs + o) * row_stride;
         for (size_t x = 0; x < span; x += 64) {
-            __builtin_prefetch(kbase + at + x);
-            __builtin_prefetch(vbase + at + x);
+            PA_PF(kbase + at + x);
+            PA_PF(vbase + at + x);
         }
         if (++o == bs) {
             o = 0;
@@ -2023,8 +2036,8 @@ static void run_item(const pa_job_t *J, const pa_item_t *it)
                     const float *ka = J->ks + pf_slots[t] * J->KVH + it->h0;
                     if (((uintptr_t)ka >> 6) != last) {
                         last = (uintptr_t)ka >> 6;
-                        __builtin_prefetch(ka);
-                        __builtin_prefetch(J->vs + pf_slots[t] * J->KVH + it->h0);
+                        PA_PF(ka);
+                        PA_PF(J->vs + pf_slots[t] * J->KVH + it->h0);
                     }
                 }
             }

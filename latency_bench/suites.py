@@ -83,6 +83,8 @@ SUITES: dict[str, Suite] = {
                   "gemv_bench", "cli", "kernel"),
     "qgemv": Suite("weight-streaming GB/s of the GGUF block-format kernels per ISA tier and path, beside bf16 "
                    "and torch's quantized matmuls", "qgemv_bench", "cli", "kernel"),
+    "attention": Suite("K/V read rate of the C tree attention over a step's layers at agent contexts, beside "
+                       "the read floor and the compute alone", "attention_bench", "cli", "kernel"),
     "write-gguf": Suite("write BF16, F32 and Q8_0 GGUFs of the default model from its Q4_1 file",
                         "write_gguf", "cli", "tool"),
 }
