@@ -135,8 +135,12 @@ def cli(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not cpu_attention.available():
         raise SystemExit(f"C attention unavailable: {cpu_attention.why_not()}")
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",") if c.isdigit()]
+    if len(contexts) != len(args.contexts.split(",")) or min(contexts) < 1:
+        raise SystemExit(f"--contexts: {args.contexts!r} is not a comma list of positive integers")
     shapes = _shapes(args.shapes)
+    if max(t for _, t in shapes) > min(contexts):  # a context counts the step's own tokens
+        raise SystemExit(f"--shapes: {max(t for _, t in shapes)} tokens do not fit a context of {min(contexts)}")
     tiers = args.tiers.split(",") if args.tiers else [cpu_linear.kernel_info()["isa"]]
     unknown = [t for t in tiers if t not in cpu_linear.machine_tiers()]
     if unknown:

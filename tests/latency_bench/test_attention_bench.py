@@ -45,3 +45,11 @@ def test_the_figures_count_the_bytes_the_queries_see(kv, esz):
 def test_a_malformed_shape_is_refused_by_name():
     with pytest.raises(SystemExit, match="8y1"):
         attention_bench.cli(["--shapes", "1x1,8y1", "--layers", "1"])
+
+
+@pytest.mark.parametrize("argv, named", [(["--contexts", "64,lots"], "lots"), (["--contexts", "0"], "'0'"),
+                                         (["--contexts", "4", "--shapes", "1x5"], "5 tokens")])
+def test_a_bad_context_is_refused_by_name(argv, named):
+    with pytest.raises(SystemExit, match=named):
+        attention_bench.cli([*argv, "--layers", "1"])
+
