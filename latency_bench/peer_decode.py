@@ -3,7 +3,7 @@ batch-1 decode speed and cold TTFT on the same weights, interleaved in one run, 
 floor measured alongside.
 
     python -m prescient.latency_bench.peer_decode [--bf16-gguf F] [--q8-gguf F] [--isa avx2] [--reps 2]
-        [--peer-pythonpath DIR[:DIR]]
+        [--context TOKENS] [--peer-pythonpath DIR[:DIR]]
 
 Each pair is one weights file both sides read: the default model's own Q4_1 GGUF (prescient
 `--weights native`, its blocks as stored) and, when given, BF16 / Q8_0 GGUFs written from it by
@@ -16,6 +16,11 @@ figure of its engine alone. `--peer-pythonpath` names where llama-cpp-python (e.
 one ISA tier) and its server extra are installed, if not in this environment.
 Every request starts its system message with a fresh nonce, so no prefix cache helps either side:
 every TTFT is a cold prefill. Requests alternate between the systems, workload by workload.
+
+`--context TOKENS` puts a filler document (a log excerpt repeated) before each request's first
+message, after its nonce, so every prompt is about that long: decode at an agent's context, where
+each step also reads the KV cache of every layer. The floor then counts those bytes too (the
+default bf16 cache: layers x kv heads x head dim x 2 bytes x K and V, at TOKENS positions).
 
 Decode tok/s of a request = (tokens - 1) / (last token - first token); "overall" = all decode
 tokens / all decode time of that system. The floor = the weight bytes one decode step reads (every
@@ -61,6 +66,28 @@ def step_weight_bytes(gguf_path: str) -> int:
 
     reader = gguf.GGUFReader(gguf_path)
     return sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2)
+
+
+FILLER = ("Log excerpt: the agent read each line of the build log, noted the error code, the module "
+          "that raised it and the time it happened, then grouped the lines by module. ")
+
+
+def context_fillers(work: list[dict], tokens: int, encode) -> list[str]:
+    """Per workload, the filler that brings its prompt to about `tokens` tokens (its messages'
+    text counted, the chat template's few tokens not); "" where it is already as long."""
+    if tokens <= 0:
+        return ["" for _ in work]
+    per = len(encode(FILLER))
+    out = []
+    for w in work:
+        own = len(encode(" ".join(m["content"] for m in w["messages"])))
+        out.append(FILLER * max(0, -(-(tokens - own) // per)) + "\n\n" if tokens > own else "")
+    return out
+
+
+def kv_bytes_per_position(config, esz: int = 2) -> int:
+    """Bytes a decode step reads per cached position: every layer's K and V (bf16 by default)."""
+    return config.num_layers * config.num_kv_heads * config.head_dim * 2 * esz
 
 
 class Server:
@@ -165,6 +192,8 @@ def cli(argv: list[str] | None = None) -> int:
                workloads={"help": "a workloads .jsonl (default: the bundled 11)"}, peer_pythonpath=True)
     ap.add_argument("--limit", type=int, default=None, help="only the first N workloads (a smoke run)")
     ap.add_argument("--only", default=None, help="only workloads of this kind (chat, tool_call, long_edit)")
+    ap.add_argument("--context", type=int, default=0,
+                    help="pad every prompt to about this many tokens with a filler document (0: as they are)")
     add_shared(ap, out={"help": "write the results as JSON here (unset: stdout only)"})
     args = ap.parse_args(argv)
 
@@ -186,9 +215,12 @@ def cli(argv: list[str] | None = None) -> int:
     work = work[:args.limit] if args.limit else work
     loaded = load_model(EngineSpec(model=q4))  # for its tokenizer: llama.cpp gets the same prompt ids
     tokenizer, eos = loaded.tokenizer, set(loaded.eos_token_ids)
+    kv_pp = kv_bytes_per_position(loaded.config)
+    fillers = context_fillers(work, args.context, tokenizer.encode)
     del loaded
     bw0 = read_bandwidth()
-    results: dict = {"tier": tier, "machine": os.uname().machine, "cpus": os.cpu_count(), "pairs": {}}
+    results: dict = {"tier": tier, "machine": os.uname().machine, "cpus": os.cpu_count(), "context": args.context,
+                     "pairs": {}}
     print(f"prescient kernels tier {tier}; read bandwidth {bw0 / 1e9:.1f} GB/s", file=sys.stderr)
     for name, path in pairs:
         systems = {}
@@ -210,7 +242,7 @@ def cli(argv: list[str] | None = None) -> int:
                 for i, w in enumerate(work):
                     for s in (order if (rep + i) % 2 == 0 else order[::-1]):
                         msgs = [dict(m) for m in w["messages"]]
-                        msgs[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + msgs[0]["content"]
+                        msgs[0]["content"] = f"[{uuid.uuid4().hex[:8]}] " + fillers[i] + msgs[0]["content"]
                         try:
                             r = systems[s].run(msgs, w["max_tokens"])
                         except Exception as e:  # a server that died: say how, not "connection error"
@@ -228,7 +260,7 @@ def cli(argv: list[str] | None = None) -> int:
                 if isinstance(s, (Server, LlamaCppHttp)):
                     s.close()
         wbytes = step_weight_bytes(path)
-        out = {"weight_bytes_per_step": wbytes, "systems": {}}
+        out = {"weight_bytes_per_step": wbytes, "kv_bytes_per_step": kv_pp * args.context, "systems": {}}
         for s, rs in rows.items():
             summ = _summary(rs)
             summ["by_workload"] = {k: _summary([r for r in rs if r["workload"] == k]) for k in dict.fromkeys(r["workload"] for r in rs)}
@@ -237,12 +269,13 @@ def cli(argv: list[str] | None = None) -> int:
     bw1 = read_bandwidth()
     results["read_bandwidth_GBps"] = [bw0 / 1e9, bw1 / 1e9]
     bw = max(bw0, bw1)
-    lines = [f"tier {tier} (prescient kernels), {os.cpu_count()} CPUs; read bandwidth {bw / 1e9:.1f} GB/s", "",
+    ctx_text = f"; prompts padded to ~{args.context} tokens (the floor counts their KV)" if args.context else ""
+    lines = [f"tier {tier} (prescient kernels), {os.cpu_count()} CPUs; read bandwidth {bw / 1e9:.1f} GB/s{ctx_text}", "",
              "| weights | system | decode tok/s overall (x llama.cpp server, x in process) "
              "| chat / tool_call / long_edit | % of floor | cold TTFT long_edit |",
              "|---|---|---|---|---|---|"]
     for name, out in results["pairs"].items():
-        floor = bw / out["weight_bytes_per_step"]
+        floor = bw / (out["weight_bytes_per_step"] + out["kv_bytes_per_step"])
         out["floor_tok_s"] = floor
         bases = [out["systems"].get(k, {}).get("decode_tok_s") for k in ("llama.cpp", "llama.cpp-inproc")]
         for s, summ in out["systems"].items():
