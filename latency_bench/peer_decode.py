@@ -81,7 +81,7 @@ def context_fillers(work: list[dict], tokens: int, encode) -> list[str]:
     out = []
     for w in work:
         own = len(encode(" ".join(m["content"] for m in w["messages"])))
-        out.append(FILLER * max(0, -(-(tokens - own) // per)) + "\n\n" if tokens > own else "")
+        out.append(FILLER * -(-(tokens - own) // per) + "\n\n" if tokens > own else "")
     return out
 
 

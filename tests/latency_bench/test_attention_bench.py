@@ -1,7 +1,7 @@
 """`prescient bench attention` (latency_bench/attention_bench.py): each case prints one row, in
 order, for a bf16 and an int8 cache; GB/s counts the K/V bytes the queries see; a malformed shape
-is refused by name. Tiny caches and one
-rep: this checks the benchmark, it measures nothing."""
+or context is refused by name. Tiny caches and one rep: this checks the benchmark, it measures
+nothing."""
 
 from __future__ import annotations
 
@@ -52,4 +52,3 @@ def test_a_malformed_shape_is_refused_by_name():
 def test_a_bad_context_is_refused_by_name(argv, named):
     with pytest.raises(SystemExit, match=named):
         attention_bench.cli([*argv, "--layers", "1"])
-
