@@ -1734,6 +1734,25 @@ static inline int chunk_rows(const int32_t *bt, int bs, const char *kbase, const
 {
     const int n = left < PA_CHUNK ? (left > 0 ? left : 0) : PA_CHUNK;
     int b = *blk, o = *off;
+    if (n == PA_CHUNK && o + PA_CHUNK <= bs) {
+        /* The whole chunk in one block (every full chunk when bs is a multiple of 16): one
+         * table lookup, and a fill the compiler vectorises -- the general loop below cost a
+         * decode at 4k positions ~5% of its attention (one thread, K/V in cache). */
+        const size_t slot0 = (size_t)bt[b] * bs + o;
+        const char *k0 = kbase + slot0 * row_stride, *v0 = vbase + slot0 * row_stride;
+        for (int t = 0; t < PA_CHUNK; t++) {
+            slots[t] = slot0 + t;
+            krow[t] = k0 + t * row_stride;
+            vrow[t] = v0 + t * row_stride;
+        }
+        if ((o += PA_CHUNK) == bs) {
+            o = 0;
+            b++;
+        }
+        *blk = b;
+        *off = o;
+        return n;
+    }
     for (int t = 0; t < n; t++) {
         const size_t slot = (size_t)bt[b] * bs + o;
         slots[t] = slot;

@@ -23,9 +23,10 @@
 #define PQ_SOLO_BYTES (48 * 1024)
 
 
-/* Per-thread scratch: x widened to fp32, and the prepared activations. */
-static __thread void *tl_buf[2];
-static __thread size_t tl_cap[2];
+/* Per-thread scratch: x widened to fp32, and the prepared activations (slots 0, 1); a second
+ * product of the same call (pq_linear_w2) takes slots 2, 3. */
+static __thread void *tl_buf[4];
+static __thread size_t tl_cap[4];
 
 static void *scratch(int which, size_t bytes)
 {
@@ -120,12 +121,11 @@ static int chunk_rows(int N, size_t row_bytes)
     return (rows + 15) & ~15;
 }
 
-/*
- * y[M, N] = x[M, K] @ W^T (+ bias) for a block-format W (d->wdt >= DT_Q_FIRST); x, y fp32 or
- * bf16 (xdt; y has x's dtype).  0 on success, -1 bad arguments or a format without kernels,
- * -2 allocation failure.
- */
-int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
+/* A block-format product's job and activation prep, as pq_linear_w runs them; slot: its first
+ * scratch slot (0, or 2 for pq_linear_w2's second product).  *rows: pool rows a chunk (0: the
+ * caller alone).  0, -1 or -2. */
+static int pq_setup(const pg_weight_t *d, const void *x, void *y, int M, int xdt, int slot,
+                    pq_prep_task_t *p, int *rows)
 {
     if (M < 1 || M > PG_MAX_M || d->N < 1 || d->K < 1 || (xdt != DT_F32 && xdt != DT_BF16))
         return -1;
@@ -135,11 +135,11 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
     const int K = d->K, N = d->N;
     const int isa = pg_isa();
     const size_t row_bytes = (size_t)(K / f->block_elems) * f->block_bytes;
-    const int rows = chunk_rows(N, row_bytes);
-    /* the activations prepared by the pool's threads, as the call's first phase (below), or here */
-    const int par = rows && M >= PQ_PAR_PREP_M && f->prep_rows && g_par_prep;
+    *rows = chunk_rows(N, row_bytes);
+    /* the activations prepared by the pool's threads, as the call's first phase, or here */
+    const int par = *rows && M >= PQ_PAR_PREP_M && f->prep_rows && g_par_prep;
     const float *x32 = (const float *)x;  /* a bf16 x is widened into scratch by pq_prep_task */
-    if (xdt == DT_BF16 && !(x32 = (const float *)scratch(0, (size_t)M * K * 4)))
+    if (xdt == DT_BF16 && !(x32 = (const float *)scratch(slot, (size_t)M * K * 4)))
         return -2;
     void *xa = NULL;
     const size_t xab = f->xa_bytes ? f->xa_bytes(M, K) : 0;
@@ -147,35 +147,115 @@ int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
      * block-group copy from AVX-512 up */
     const uint8_t *cl = cl_copy(d, isa);
     const uint8_t *rp = isa >= ISA_AVX512 && d->rpl == PQ_RP_GROUPS ? (const uint8_t *)d->rp : NULL;
-    if (xab && !(xa = scratch(1, xab)))
+    if (xab && !(xa = scratch(slot + 1, xab)))
         return -2;
-    pq_task_t t;
-    t.rows = pq_rows_at(f, isa);
-    t.job.w = (const uint8_t *)d->w;
-    t.job.rp = rp;
-    t.job.cl = cl;
-    t.job.row_bytes = row_bytes;
-    t.job.bias = d->bias;
-    t.job.x = x32;
-    t.job.xa = xa;
-    t.job.y = y;
-    t.job.ydt = xdt;
-    t.job.M = M;
-    t.job.N = N;
-    t.job.K = K;
-    t.job.isa = isa;
+    pq_task_t *t = &p->t;
+    t->rows = pq_rows_at(f, isa);
+    t->job.w = (const uint8_t *)d->w;
+    t->job.rp = rp;
+    t->job.cl = cl;
+    t->job.row_bytes = row_bytes;
+    t->job.bias = d->bias;
+    t->job.x = x32;
+    t->job.xa = xa;
+    t->job.y = y;
+    t->job.ydt = xdt;
+    t->job.M = M;
+    t->job.N = N;
+    t->job.K = K;
+    t->job.isa = isa;
     /* pooled: one row an item, so a thread that wakes late or is descheduled holds up at most a
      * row (with a half of the rows an item, the caller waited for the other thread's half) */
-    pq_prep_task_t p = {t, f, xdt == DT_BF16 ? (const uint16_t *)x : NULL, par ? M : 1, cl != NULL};
-    if (par) {
-        pg_parallel_for_pre(pq_prep_task, p.npre, pq_task, &p, N, rows);
+    p->f = f;
+    p->xb = xdt == DT_BF16 ? (const uint16_t *)x : NULL;
+    p->npre = par ? M : 1;
+    p->cl = cl != NULL;
+    return 0;
+}
+
+/*
+ * y[M, N] = x[M, K] @ W^T (+ bias) for a block-format W (d->wdt >= DT_Q_FIRST); x, y fp32 or
+ * bf16 (xdt; y has x's dtype).  0 on success, -1 bad arguments or a format without kernels,
+ * -2 allocation failure.
+ */
+int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt)
+{
+    pq_prep_task_t p;
+    int rows, rc;
+    if ((rc = pq_setup(d, x, y, M, xdt, 0, &p, &rows)))
+        return rc;
+    if (p.npre > 1) {
+        pg_parallel_for_pre(pq_prep_task, p.npre, pq_task, &p, d->N, rows);
         return 0;
     }
     pq_prep_task(&p, 0, 1);
     if (!rows)
-        t.rows(&t.job, 0, N);
+        p.t.rows(&p.t.job, 0, d->N);
     else
-        pg_parallel_for(pq_task, &t, N, rows);
+        pg_parallel_for(pq_task, &p.t, d->N, rows);
+    return 0;
+}
+
+/* pq_linear_w2's pool call: its two products' preps (pre items 0 and 1), then the rows of
+ * both, the first product's N0 then the second's, as one range. */
+typedef struct {
+    pq_prep_task_t p[2];
+    int N0;
+} pq_pair_t;
+
+static void pair_prep_task(const void *ctx, int c0, int c1)
+{
+    const pq_pair_t *pp = (const pq_pair_t *)ctx;
+    for (int c = c0; c < c1; c++)
+        pq_prep_task(&pp->p[c], 0, 1);
+}
+
+static void pair_task(const void *ctx, int i0, int i1)
+{
+    const pq_pair_t *pp = (const pq_pair_t *)ctx;
+    const int N0 = pp->N0;
+    if (i0 < N0)
+        pp->p[0].t.rows(&pp->p[0].t.job, i0, i1 < N0 ? i1 : N0);
+    if (i1 > N0)
+        pp->p[1].t.rows(&pp->p[1].t.job, i0 > N0 ? i0 - N0 : 0, i1 - N0);
+}
+
+/*
+ * Two block-format products in one pool call: y0 = x0 @ W0^T and y1 = x1 @ W1^T (M rows each;
+ * a row-parallel linear's two column groups, cpu_layer.c's split_linear).  Each output row is
+ * what pq_linear_w gives it (the same row kernels on the same prepared activations; how rows
+ * are cut into chunks changes no bits), with one hand-off to the pool instead of two: at a
+ * decode step's sizes a pool call costs a few microseconds besides its weights' stream
+ * (docs/CPU_PERFORMANCE.md, twenty-eighth session).  0, -1 or -2.
+ */
+int pq_linear_w2(const pg_weight_t *d0, const void *x0, void *y0, const pg_weight_t *d1,
+                 const void *x1, void *y1, int M, int xdt)
+{
+    pq_pair_t pp;
+    int r0, r1, rc;
+    if ((rc = pq_setup(d0, x0, y0, M, xdt, 0, &pp.p[0], &r0)) ||
+        (rc = pq_setup(d1, x1, y1, M, xdt, 2, &pp.p[1], &r1)))
+        return rc;
+    const int N0 = d0->N, N = d0->N + d1->N;
+    if (!r0 || !r1 || N0 % 16) {
+        /* one of them small enough for the caller alone (or a cut off the 16-row grid) */
+        if ((rc = pq_linear_w(d0, x0, y0, M, xdt)))
+            return rc;
+        return pq_linear_w(d1, x1, y1, M, xdt);
+    }
+    pp.N0 = N0;
+    /* the two products' chunks as pq_linear_w cuts one matrix: PG_CHUNKS_PER_THREAD a thread */
+    const int nth = pg_num_threads();
+    const int rows = ((N + PG_CHUNKS_PER_THREAD * nth - 1) / (PG_CHUNKS_PER_THREAD * nth) + 15) & ~15;
+    const int par = pp.p[0].npre > 1 || pp.p[1].npre > 1;
+    pp.p[0].npre = pp.p[1].npre = 1;  /* each prep item prepares all of its product's rows */
+    if (par) {
+        /* the preps on the pool too (a verify's rows), one pre item each */
+        pg_parallel_for_pre(pair_prep_task, 2, pair_task, &pp, N, rows);
+        return 0;
+    }
+    pair_prep_task(&pp, 0, 2);
+    pg_parallel_for(pair_task, &pp, N, rows);
     return 0;
 }
 

@@ -36,6 +36,10 @@ int pg_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
 #define PG_RP_PAIRS 3
 /* The same for a block-format weight (d->wdt >= DT_Q_FIRST). */
 int pq_linear_w(const pg_weight_t *d, const void *x, void *y, int M, int xdt);
+/* Two of them in one pool call: y0 = x0 @ W0^T, y1 = x1 @ W1^T (M rows each), each row as
+ * pq_linear_w gives it. */
+int pq_linear_w2(const pg_weight_t *d0, const void *x0, void *y0, const pg_weight_t *d1,
+                 const void *x1, void *y1, int M, int xdt);
 /* The same for any T >= 1 rows (prefill chunks): the rows in kernel calls of at most PG_MAX_M
  * (the same bits), a block format's over the pool in two hand-offs for the whole call. */
 int pg_linear_rows(const pg_weight_t *d, const void *x, void *y, int T, int xdt);

@@ -726,8 +726,13 @@ static int split_linear(const pl_step_t *s, const pl_bufs_t *b, const pg_weight_
     pl_split_t c = {0, dt, K, cut, N, x, y, xa, xa + (size_t)T * cut, ya, ya + (size_t)T * N};
     split_rows(&c, s, T);
     int rc;
-    if ((rc = run_linear(w0, (const char *)c.xa, (char *)c.ya, T, DT_F32)) ||
-        (rc = run_linear(w1, (const char *)c.xb, (char *)c.yb, T, DT_F32)))
+    if (T <= PG_MAX_M && w0->wdt >= DT_Q_FIRST && w1->wdt >= DT_Q_FIRST) {
+        /* a decode step's or a verify's rows: both groups in one pool call */
+        rc = pq_linear_w2(w0, c.xa, c.ya, w1, c.xb, c.yb, T, DT_F32);
+        if (rc)
+            return rc == -2 ? PL_ENOMEM : PL_ELINEAR;
+    } else if ((rc = run_linear(w0, (const char *)c.xa, (char *)c.ya, T, DT_F32)) ||
+               (rc = run_linear(w1, (const char *)c.xb, (char *)c.yb, T, DT_F32)))
         return rc;
     c.phase = 1;
     split_rows(&c, s, T);

@@ -285,6 +285,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.pg_linear_w.restype = ci
     lib.pg_linear_rows.argtypes = [vp, vp, vp, ci, ci]
     lib.pg_linear_rows.restype = ci
+    lib.pq_linear_w2.argtypes = [vp, vp, vp, vp, vp, vp, ci, ci]  # two block-format products, one pool call
+    lib.pq_linear_w2.restype = ci
     for name in ("pg_version", "pg_max_m", "pg_isa", "pg_num_threads", "pg_avx_vnni", "pg_bf16_fma", "pg_bf16_amx",
                  "pg_one_stream", "pg_neon_dot"):
         getattr(lib, name).restype = ci

@@ -762,3 +762,31 @@ def test_out_noncontiguous_and_attributes():
         QuantLinear(b.to(torch.int16), "q8_0", N, K)
     with pytest.raises(ValueError):
         QuantLinear(b, "q3_k", N, K)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
+def test_two_products_in_one_pool_call_give_each_calls_bits(tier_cap, qtype):
+    """pq_linear_w2 (a row-parallel linear's two column groups, cpu_layer.c's split_linear) runs
+    two products in one pool call: every output row equals its own pq_linear_w call's, at every
+    tier this CPU runs, for the decode and verify row counts (from 4 rows the preps run on the
+    pool too), with a 16-row-grid cut and with a first product too small to pool (the fallback)."""
+    _require_native(qtype)
+    g = torch.Generator().manual_seed(47)
+    lib = cpu_linear.library()
+    pairs = [((576, 384), (576, 192)), ((576, 768), (576, 768)), ((32, 64), (32, 64))]
+    try:
+        for tier in _tiers():
+            tier_cap(tier)
+            for mode in ("int8", "float"):
+                ql.set_mode(mode)
+                for (N0, K0), (N1, K1) in pairs:
+                    a, b = (QuantLinear(_random_blocks(qtype, N, K, g), qtype, N, K) for N, K in ((N0, K0), (N1, K1)))
+                    for M in (1, 2, 5, 16):
+                        x0, x1 = torch.randn(M, K0, generator=g), torch.randn(M, K1, generator=g)
+                        y0, y1 = torch.full((M, N0), float("nan")), torch.full((M, N1), float("nan"))
+                        rc = lib.pq_linear_w2(a._dptr, x0.data_ptr(), y0.data_ptr(), b._dptr, x1.data_ptr(),
+                                              y1.data_ptr(), M, 0)
+                        assert rc == 0, (tier, mode, N0, M)
+                        assert torch.equal(y0, a(x0)) and torch.equal(y1, b(x1)), (tier, mode, qtype, N0, K0, M)
+    finally:
+        ql.set_mode("auto")
