@@ -1737,7 +1737,7 @@ static inline int chunk_rows(const int32_t *bt, int bs, const char *kbase, const
     if (n == PA_CHUNK && o + PA_CHUNK <= bs) {
         /* The whole chunk in one block (every full chunk when bs is a multiple of 16): one
          * table lookup, and a fill the compiler vectorises -- the general loop below cost a
-         * decode at 4k positions ~5% of its attention (one thread, K/V in cache). */
+         * decode at 4k positions ~4% of its attention (one thread, K/V in cache). */
         const size_t slot0 = (size_t)bt[b] * bs + o;
         const char *k0 = kbase + slot0 * row_stride, *v0 = vbase + slot0 * row_stride;
         for (int t = 0; t < PA_CHUNK; t++) {
