@@ -644,13 +644,18 @@ static void pl_rows(const pl_rows_t *c, int T)
 /* Linears                                                                    */
 /* ------------------------------------------------------------------------- */
 
+/* A cpu_dispatch.c code (0, -1, -2) as this file's: 0, PL_ELINEAR or PL_ENOMEM. */
+static inline int linear_rc(int rc)
+{
+    return rc == 0 ? 0 : rc == -2 ? PL_ENOMEM : PL_ELINEAR;
+}
+
 /* y[T, N] = x[T, K] @ W^T, x and y of dtype dt (pg_linear_rows: kernel calls of at most
  * PG_MAX_M rows, whose rows are independent, so how they are cut changes no bits).  0, or
  * PL_ENOMEM / PL_ELINEAR. */
 static int run_linear(const pg_weight_t *w, const char *x, char *y, int T, int dt)
 {
-    const int rc = pg_linear_rows(w, x, y, T, dt);
-    return rc == 0 ? 0 : rc == -2 ? PL_ENOMEM : PL_ELINEAR;
+    return linear_rc(pg_linear_rows(w, x, y, T, dt));
 }
 
 /* split_linear's elementwise parts over rows [t0, t1): widen x's rows into the two groups'
@@ -726,13 +731,12 @@ static int split_linear(const pl_step_t *s, const pl_bufs_t *b, const pg_weight_
     pl_split_t c = {0, dt, K, cut, N, x, y, xa, xa + (size_t)T * cut, ya, ya + (size_t)T * N};
     split_rows(&c, s, T);
     int rc;
-    if (T <= PG_MAX_M && w0->wdt >= DT_Q_FIRST && w1->wdt >= DT_Q_FIRST) {
+    if (T <= PG_MAX_M && w0->wdt >= DT_Q_FIRST && w1->wdt >= DT_Q_FIRST)
         /* a decode step's or a verify's rows: both groups in one pool call */
-        rc = pq_linear_w2(w0, c.xa, c.ya, w1, c.xb, c.yb, T, DT_F32);
-        if (rc)
-            return rc == -2 ? PL_ENOMEM : PL_ELINEAR;
-    } else if ((rc = run_linear(w0, (const char *)c.xa, (char *)c.ya, T, DT_F32)) ||
-               (rc = run_linear(w1, (const char *)c.xb, (char *)c.yb, T, DT_F32)))
+        rc = linear_rc(pq_linear_w2(w0, c.xa, c.ya, w1, c.xb, c.yb, T, DT_F32));
+    else if (!(rc = run_linear(w0, (const char *)c.xa, (char *)c.ya, T, DT_F32)))
+        rc = run_linear(w1, (const char *)c.xb, (char *)c.yb, T, DT_F32);
+    if (rc)
         return rc;
     c.phase = 1;
     split_rows(&c, s, T);
